@@ -1,0 +1,69 @@
+"""kvclient: call self-hosted LLM servers without out-of-memory crashes or retry storms.
+
+Counts prompt tokens locally, always sends an explicit ``max_tokens`` clamped to the context
+window, refuses locally a prompt that cannot fit, and honours 429 Retry-After with jittered
+backoff. See the README for the whole admission contract.
+"""
+
+from ._accounting import (
+    DEFAULT_BLOCK_SIZE,
+    ModelProfile,
+    effective_output_cap,
+    kv_bytes_per_token,
+    reservation_bytes,
+    reservation_tokens,
+    round_up_to_blocks,
+)
+from ._exceptions import (
+    APIConnectionError,
+    APIResponseError,
+    APIStatusError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    InsufficientQuotaError,
+    InternalServerError,
+    KVClientError,
+    NotFoundError,
+    PermissionDeniedError,
+    PromptTooLongError,
+    RateLimitError,
+    ServerBusyError,
+    ServiceUnavailableError,
+    TokenizerError,
+    UnprocessableEntityError,
+)
+from ._tokens import HuggingFaceCounter, TiktokenCounter, TokenCounter, Tokenizer
+from ._version import __version__
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "APIConnectionError",
+    "APIResponseError",
+    "APIStatusError",
+    "APITimeoutError",
+    "AuthenticationError",
+    "BadRequestError",
+    "HuggingFaceCounter",
+    "InsufficientQuotaError",
+    "InternalServerError",
+    "KVClientError",
+    "ModelProfile",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "PromptTooLongError",
+    "RateLimitError",
+    "ServerBusyError",
+    "ServiceUnavailableError",
+    "TiktokenCounter",
+    "TokenCounter",
+    "Tokenizer",
+    "TokenizerError",
+    "UnprocessableEntityError",
+    "__version__",
+    "effective_output_cap",
+    "kv_bytes_per_token",
+    "reservation_bytes",
+    "reservation_tokens",
+    "round_up_to_blocks",
+]
