@@ -1,0 +1,32 @@
+"""A load generator that behaves well: it paces itself by the server's Retry-After and hides
+nothing (every 429, 503 and failure is counted, and latencies include the time spent backing off).
+
+Used by ``kvclient bench`` and ``kvclient demo``; the pieces are public for scripts and benchmarks.
+"""
+
+from ._metrics import SLO, Distribution, RecordTimer, RequestRecord, Summary, percentile, summarize
+from ._naive import NaiveSender
+from ._runner import Sender, run_load
+from ._schedule import ArrivalKind, arrival_offsets
+from ._workload import MIXED, Shape, SyntheticWorkload, WorkItem, load_jsonl, make_prompt
+
+__all__ = [
+    "MIXED",
+    "SLO",
+    "ArrivalKind",
+    "Distribution",
+    "NaiveSender",
+    "RecordTimer",
+    "RequestRecord",
+    "Sender",
+    "Shape",
+    "Summary",
+    "SyntheticWorkload",
+    "WorkItem",
+    "arrival_offsets",
+    "load_jsonl",
+    "make_prompt",
+    "percentile",
+    "run_load",
+    "summarize",
+]

@@ -1,0 +1,105 @@
+"""The baseline the demo and the benchmarks compare against: a client as many are written today.
+
+It sends the caller's ``max_tokens`` as given (none when unset), and when the server says 429 or
+503 it retries at once, ignoring Retry-After, up to ``max_attempts``. Nothing else: no local count,
+no clamp, no backoff, no coordination. It exists to be measured, not used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import httpx
+
+from ._metrics import RecordTimer
+from ._workload import WorkItem
+
+__all__ = ["NaiveSender"]
+
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+
+
+class NaiveSender:
+    """Send one work item the naive way, recording what happened."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        model: str | None = None,
+        max_attempts: int = 20,
+        deadline: float = 60.0,
+    ) -> None:
+        self._http = http
+        self._model = model
+        self._max_attempts = max_attempts
+        self._deadline = deadline
+
+    def _body(self, item: WorkItem) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = {"model": self._model} if self._model else {}
+        if item.max_tokens is not None:
+            body["max_tokens"] = item.max_tokens
+        if item.is_chat:
+            body["messages"] = item.messages
+            return "/v1/chat/completions", body
+        body["prompt"] = item.prompt
+        return "/v1/completions", body
+
+    async def send(self, item: WorkItem, timer: RecordTimer) -> None:
+        path, body = self._body(item)
+        r = timer.record
+        timer.mark_sent()
+        with anyio.move_on_after(self._deadline) as scope:
+            while r.attempts < self._max_attempts:
+                r.attempts += 1
+                try:
+                    response = await self._http.post(path, json=body)
+                except httpx.TransportError as exc:
+                    r.error = f"connection:{type(exc).__name__}"
+                    continue  # straight back in: no backoff is the point
+                if response.status_code == 429:
+                    r.http_429 += 1
+                if response.status_code == 503:
+                    r.http_503 += 1
+                if response.status_code in RETRY_STATUSES:
+                    r.error = f"http_{response.status_code}"
+                    await anyio.lowlevel.checkpoint()  # yield to the loop, and nothing more
+                    continue
+                if response.status_code >= 400:
+                    r.error = _cause(response)
+                    timer.mark_end()
+                    return
+                try:
+                    data = response.json()
+                    choice = data["choices"][0]
+                    r.output_tokens = int(data["usage"]["completion_tokens"])
+                    r.finish_reason = choice.get("finish_reason")
+                except (ValueError, KeyError, IndexError, TypeError) as exc:
+                    r.error = f"bad_response:{type(exc).__name__}"
+                    timer.mark_end()
+                    return
+                r.ok = True
+                r.error = None
+                timer.mark_first_token()
+                timer.mark_end()
+                return
+        if scope.cancelled_caught:
+            r.error = "deadline"
+        elif not r.ok and r.error is None:
+            r.error = "gave_up"
+        else:
+            r.error = f"gave_up:{r.error}"
+        timer.mark_end()
+
+
+def _cause(response: httpx.Response) -> str:
+    try:
+        error = response.json().get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+    except (ValueError, AttributeError):
+        code = None
+    if code == "kv_cache_oom":
+        return "oom"
+    return f"http_{response.status_code}" + (f":{code}" if code else "")
