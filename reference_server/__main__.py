@@ -1,0 +1,141 @@
+"""``python -m reference_server`` / ``kvclient serve``: run the reference server with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvclient import ModelProfile
+
+from .config import (
+    DEFAULT_CONTEXT_WINDOW,
+    DEFAULT_DECODE_RATE,
+    DEFAULT_KV_TOKENS,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MEAN_OUTPUT_TOKENS,
+    DEFAULT_MODEL_ID,
+    DEFAULT_PROFILE,
+    ServerConfig,
+)
+from .ledger import DEFAULT_SAFETY_FRACTION, STRATEGIES
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+DEFAULT_PORT = 8000
+
+_DESCRIPTION = f"""\
+Run the kvclient reference server: an OpenAI-compatible API (/v1/completions,
+/v1/chat/completions, /v1/models, /tokenize, /generate, /health, /metrics) in front of a KV
+reservation ledger and a simulated engine that generates real tokens and can really run out of
+KV cache.
+
+Single process by design: one ledger guards one engine's KV pool, so the server runs one uvicorn
+worker and binds 127.0.0.1 only. Several workers would each believe they own the whole pool.
+
+Default KV budget: {DEFAULT_KV_TOKENS} tokens; usable = total x --safety-fraction.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m reference_server",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--port", type=int, default=DEFAULT_PORT, help="port on 127.0.0.1 (0: any free port)")
+    add("--model", default=DEFAULT_MODEL_ID, help="model id served (default: %(default)s)")
+    add("--context-window", type=int, default=DEFAULT_CONTEXT_WINDOW, help="max_model_len")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--kv-tokens", type=int, help="physical KV pool size in tokens")
+    budget.add_argument(
+        "--kv-bytes", type=int, help="physical KV pool size in bytes (with --model-preset)"
+    )
+    add(
+        "--model-preset",
+        choices=sorted(ModelProfile.PRESETS),
+        default=DEFAULT_PROFILE.name,
+        help="per-token KV bytes of this model (for --kv-bytes and the byte metrics)",
+    )
+    add("--safety-fraction", type=float, default=DEFAULT_SAFETY_FRACTION, help="usable share")
+    add("--block-size", type=int, default=16, help="KV block size in tokens")
+    add(
+        "--decode-rate",
+        type=float,
+        default=DEFAULT_DECODE_RATE,
+        help="simulated tokens per second per sequence (default: %(default)s)",
+    )
+    add(
+        "--mean-output-tokens",
+        type=float,
+        default=DEFAULT_MEAN_OUTPUT_TOKENS,
+        help="mean natural output length before a sequence stops by itself",
+    )
+    add("--admission", choices=STRATEGIES, default="reserve", help="admission strategy")
+    add("--max-concurrency", type=int, help="request cap (the whole rule in concurrency mode)")
+    add(
+        "--max-queue-wait",
+        type=float,
+        default=0.0,
+        help="seconds a request may wait in FIFO order for budget before the 429 (0: at once)",
+    )
+    add("--api-key", help="require 'Authorization: Bearer KEY' (except /health and /metrics)")
+    add("--seed", type=int, default=0, help="seed of output lengths and words")
+    add("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit")
+    add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        model=args.model,
+        context_window=args.context_window,
+        kv_tokens=args.kv_tokens,
+        kv_bytes=args.kv_bytes,
+        model_profile=ModelProfile.preset(args.model_preset),
+        safety_fraction=args.safety_fraction,
+        block_size=args.block_size,
+        decode_rate=args.decode_rate,
+        mean_output_tokens=args.mean_output_tokens,
+        admission=args.admission,
+        max_concurrency=args.max_concurrency,
+        max_queue_wait=args.max_queue_wait,
+        api_key=args.api_key,
+        seed=args.seed,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(config)
+    usable = app.state.server.ledger.usable_tokens
+    print(
+        f"reference server: model {config.model}, context {config.context_window}, "
+        f"KV pool {config.total_kv_tokens} tokens ({usable} usable), "
+        f"admission {config.admission}",
+        file=sys.stderr,
+    )
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        workers=1,
+        lifespan="off",
+        log_level=args.log_level,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Waiting for admission: a FIFO queue in front of the (pure) ledger.
+
+Requests wait in arrival order: while anyone is queued, a newcomer queues behind them even if it
+would fit now, so a large request at the head is not starved by a stream of small ones. Only the
+head tries the ledger; a release wakes the head. anyio primitives are created per waiter, inside
+the running loop, so the queue works under asyncio and trio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+
+from .ledger import Handle, KVAdmissionController
+
+__all__ = ["AdmissionQueue", "Rejected"]
+
+
+class Rejected(Exception):
+    """No budget within the allowed wait. ``retry_after`` is the ledger's estimate, in seconds."""
+
+    def __init__(self, *, need: int, retry_after: float, queued_ahead: int) -> None:
+        super().__init__(f"no KV budget for {need} tokens; retry after {retry_after:.3f}s")
+        self.need = need
+        self.retry_after = retry_after
+        self.queued_ahead = queued_ahead
+
+
+class _Waiter:
+    __slots__ = ("event", "need")
+
+    def __init__(self, need: int) -> None:
+        self.need = need
+        self.event = anyio.Event()
+
+
+class AdmissionQueue:
+    def __init__(
+        self,
+        ledger: KVAdmissionController,
+        *,
+        max_wait: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ledger = ledger
+        self.max_wait = max_wait
+        self._clock = clock
+        self._waiters: deque[_Waiter] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def _reject(self, need: int, ahead: int, extra_need: int) -> Rejected:
+        self.ledger.record_rejection()
+        return Rejected(
+            need=need,
+            retry_after=self.ledger.retry_after(need + extra_need, self._clock()),
+            queued_ahead=ahead,
+        )
+
+    def notify(self) -> None:
+        """Something was released: let the head of the queue try again."""
+        if self._waiters:
+            self._waiters[0].event.set()
+
+    async def acquire(self, prompt_tokens: int, output_cap: int) -> Handle:
+        """A handle for the request, or :class:`Rejected` after at most ``max_wait`` seconds."""
+        need = self.ledger.need_tokens(prompt_tokens, output_cap)
+        if not self._waiters:
+            handle = self.ledger.try_admit(
+                prompt_tokens, output_cap, now=self._clock(), count_rejection=False
+            )
+            if handle is not None:
+                return handle
+        if self.max_wait <= 0:
+            raise self._reject(need, len(self._waiters), sum(w.need for w in self._waiters))
+
+        waiter = _Waiter(need)
+        self._waiters.append(waiter)
+        try:
+            with anyio.move_on_after(self.max_wait):
+                while True:
+                    if self._waiters[0] is waiter:
+                        handle = self.ledger.try_admit(
+                            prompt_tokens, output_cap, now=self._clock(), count_rejection=False
+                        )
+                        if handle is not None:
+                            return handle
+                    await waiter.event.wait()
+                    waiter.event = anyio.Event()
+            ahead = self._waiters.index(waiter)
+            extra = sum(self._waiters[i].need for i in range(ahead))
+            raise self._reject(need, ahead, extra)
+        finally:
+            was_head = bool(self._waiters) and self._waiters[0] is waiter
+            with contextlib.suppress(ValueError):  # always queued here; belt and braces
+                self._waiters.remove(waiter)
+            if was_head:
+                self.notify()  # the next in line may fit now
+
+
+def retry_after_header(seconds: float) -> tuple[str, str]:
+    """``(Retry-After, retry-after-ms)``: whole seconds, at least 1; milliseconds, at least 1."""
+    whole = max(1, math.ceil(seconds))
+    millis = max(1, math.ceil(seconds * 1000))
+    return str(whole), str(millis)

@@ -1,0 +1,130 @@
+"""Run the real server (uvicorn) in a background thread on a free loopback port.
+
+For tests, the demo and the contract suite: everything goes over a real socket and real HTTP,
+yet the caller keeps direct access to the ledger and the engine.
+
+>>> with running_server(kv_tokens=4096) as server:          # doctest: +SKIP
+...     httpx.get(server.base_url + "/health").json()["status"]
+'ok'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+
+from .app import ServerState, create_app
+from .config import ServerConfig
+from .engine import SimulatedEngine
+from .ledger import KVAdmissionController
+
+__all__ = ["RunningServer", "running_server"]
+
+_START_TIMEOUT = 10.0
+_STOP_TIMEOUT = 10.0
+
+
+class RunningServer:
+    """A live server: ``base_url`` to reach it, the app and its parts to look inside."""
+
+    def __init__(self, *, app: Starlette, host: str, port: int) -> None:
+        self.app = app
+        self.host = host
+        self.port = port
+        self.base_url = f"http://{host}:{port}"
+
+    @property
+    def state(self) -> ServerState:
+        state: ServerState = self.app.state.server
+        return state
+
+    @property
+    def config(self) -> ServerConfig:
+        return self.state.config
+
+    @property
+    def ledger(self) -> KVAdmissionController:
+        return self.state.ledger
+
+    @property
+    def engine(self) -> SimulatedEngine:
+        return self.state.engine
+
+    def metrics(self) -> dict[str, float]:
+        """Every metric by its Prometheus name, read directly (no scrape)."""
+        return self.state.snapshot()
+
+    def __repr__(self) -> str:
+        return f"RunningServer({self.base_url!r}, admission={self.config.admission!r})"
+
+
+def _bind_loopback(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+@contextmanager
+def serve_in_thread(
+    app: Starlette, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+) -> Iterator[RunningServer]:
+    """Serve ``app`` with uvicorn in a daemon thread until the block exits."""
+    sock = _bind_loopback(host, port)
+    bound_port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="off",
+        access_log=False,
+        timeout_graceful_shutdown=1,
+        workers=1,
+    )
+    server = uvicorn.Server(config)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run(sockets=[sock])
+        except BaseException as exc:  # SystemExit on start-up failure included
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"reference-server-{bound_port}", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + _START_TIMEOUT
+        while not server.started:
+            if failure or not thread.is_alive():
+                raise RuntimeError(f"the reference server failed to start: {failure!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the reference server did not start in time")
+            time.sleep(0.01)
+        yield RunningServer(app=app, host=host, port=bound_port)
+    finally:
+        server.should_exit = True
+        thread.join(_STOP_TIMEOUT)
+        sock.close()
+
+
+@contextmanager
+def running_server(config: ServerConfig | None = None, **overrides: Any) -> Iterator[RunningServer]:
+    """Start the reference server on a free loopback port; stop it on exit.
+
+    ``overrides`` replace fields of ``config`` (or of the defaults):
+    ``running_server(kv_tokens=4096, admission="prompt")``.
+    """
+    base = config if config is not None else ServerConfig()
+    if overrides:
+        base = dataclasses.replace(base, **overrides)
+    with serve_in_thread(create_app(base)) as server:
+        yield server

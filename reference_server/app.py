@@ -1,0 +1,634 @@
+"""The ASGI app: OpenAI-compatible endpoints in front of the ledger and the simulated engine.
+
+The generation endpoints are plain ASGI callables rather than request/response functions, so one
+coroutine owns a request's whole life, reading the body, admission, generation and streaming, and
+its ``finally`` releases the reservation whatever happens: success, error, OOM, a client that
+disconnects mid-stream, cancellation.
+
+Prompts are never logged; an unexpected exception becomes a generic 500 JSON error with no
+traceback text.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvclient import effective_output_cap
+
+from ._admission import AdmissionQueue, Rejected, retry_after_header
+from ._errors import APIError, error_response
+from ._metrics import build_registry
+from ._requests import (
+    GenerationRequest,
+    Kind,
+    check_content_type,
+    count_prompt,
+    parse_generation,
+    parse_json_object,
+)
+from .config import ServerConfig
+from .engine import Completion, EngineOOMError, SimulatedEngine
+from .ledger import KVAdmissionController
+
+__all__ = ["APIKeyMiddleware", "ServerState", "create_app"]
+
+logger = logging.getLogger("reference_server")
+
+#: Prompts longer than this many characters are tokenized in a worker thread.
+_THREAD_TOKENIZE_CHARS = 32 * 1024
+#: How much of an oversized body is read and discarded before answering 413, so the client sees
+#: the answer instead of a reset connection.
+_DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
+_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/tokenize",
+    "/generate",
+    "/health",
+    "/metrics",
+)
+
+
+class ServerState:
+    """Everything one server instance owns; ``app.state.server``."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine = SimulatedEngine(
+            tokenizer=config.tokenizer,
+            capacity_tokens=config.total_kv_tokens,
+            decode_rate=config.decode_rate,
+            mean_output_tokens=config.mean_output_tokens,
+            seed=config.seed,
+            block_size=config.block_size,
+            tick_seconds=config.tick_seconds,
+        )
+        self.ledger = KVAdmissionController(
+            total_kv_tokens=config.total_kv_tokens,
+            context_window=config.context_window,
+            decode_rate=config.decode_rate,
+            kv_bytes_per_token=config.kv_bytes_per_token,
+            safety_fraction=config.safety_fraction,
+            block_size=config.block_size,
+            strategy=config.admission,
+            max_concurrency=config.max_concurrency,
+            # A sequence finishes within a few ticks of cap / rate; the estimate says so.
+            release_margin=3 * config.tick_seconds + 0.02,
+        )
+        self.queue = AdmissionQueue(self.ledger, max_wait=config.max_queue_wait)
+        self.created = int(time.time())
+        self._lock = threading.Lock()
+        self._requests = 0
+        self._generation_requests = 0
+        self._responses: Counter[tuple[str, int]] = Counter()
+        self.registry = build_registry(self.snapshot, self.responses)
+
+    def count_request(self, path: str, *, generation: bool) -> None:
+        with self._lock:
+            self._requests += 1
+            if generation:
+                self._generation_requests += 1
+
+    def count_response(self, path: str, status: int) -> None:
+        route = path if path in _ROUTES else "other"
+        with self._lock:
+            self._responses[(route, status)] += 1
+
+    def responses(self) -> dict[tuple[str, int], int]:
+        with self._lock:
+            return dict(self._responses)
+
+    def snapshot(self) -> dict[str, float]:
+        """Every metric by its Prometheus name (counters with ``_total``)."""
+        ledger = self.ledger.stats()
+        engine = self.engine.stats()
+        with self._lock:
+            requests, generation = self._requests, self._generation_requests
+        return {
+            "kv_usable_tokens": ledger.usable_tokens,
+            "kv_usable_bytes": ledger.usable_bytes,
+            "kv_physical_capacity_tokens": engine.capacity_tokens,
+            "kv_reserved_tokens": ledger.reserved_tokens,
+            "kv_reserved_bytes": ledger.reserved_bytes,
+            "kv_peak_reserved_tokens": ledger.peak_reserved_tokens,
+            "kv_used_tokens": engine.used_tokens,
+            "kv_peak_used_tokens": engine.peak_used_tokens,
+            "kv_inflight_requests": ledger.inflight,
+            "kv_queue_waiting_requests": self.queue.waiting,
+            "kv_admitted_total": ledger.admitted_total,
+            "kv_rejected_total": ledger.rejected_total,
+            "kv_oom_events_total": engine.oom_events_total,
+            "kv_oom_failed_requests_total": engine.oom_failed_sequences_total,
+            "kv_generated_tokens_total": engine.generated_tokens_total,
+            "kv_http_requests_total": requests,
+            "kv_generation_requests_total": generation,
+        }
+
+
+def _state(scope: Scope) -> ServerState:
+    state: ServerState = scope["app"].state.server
+    return state
+
+
+# --- middleware --------------------------------------------------------------------------------
+
+
+class CountingMiddleware:
+    """Counts requests and responses by route and status, for ``/metrics`` and tests."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        self.state.count_request(
+            path, generation=path in ("/v1/completions", "/v1/chat/completions", "/generate")
+        )
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.state.count_response(path, int(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+class APIKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` (or ``api-key: <key>``), compared in constant time.
+
+    ``/health`` and ``/metrics`` stay open for probes and scrapers.
+    """
+
+    def __init__(
+        self, app: ASGIApp, api_key: str, exempt: tuple[str, ...] = ("/health", "/metrics")
+    ) -> None:
+        self.app = app
+        self._key = api_key.encode("utf-8")
+        self.exempt = exempt
+
+    def _authorized(self, headers: Headers) -> bool:
+        supplied = headers.get("authorization", "")
+        scheme, _, token = supplied.partition(" ")
+        if scheme.lower() != "bearer":
+            token = headers.get("api-key", "")
+        # Compare bytes: compare_digest refuses non-ASCII str; always compare, even when empty.
+        return hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), self._key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        if not self._authorized(Headers(scope=scope)):
+            response = error_response(
+                401,
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+# --- request reading ---------------------------------------------------------------------------
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole body, or a 413 after draining (bounded) what the client still sends."""
+    too_large = APIError(
+        413,
+        f"the request body exceeds the server's limit of {limit} bytes",
+        code="request_too_large",
+    )
+    declared = Headers(scope=scope).get("content-length")
+    declared_size: int | None = None
+    if declared is not None:
+        try:
+            declared_size = int(declared)
+        except ValueError:
+            raise APIError(400, "invalid Content-Length header", code="invalid_request") from None
+    chunks: list[bytes] = []
+    total = 0
+    over = declared_size is not None and declared_size > limit
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk: bytes = message.get("body", b"")
+        total += len(chunk)
+        if total > limit:
+            over = True
+        if not over:
+            chunks.append(chunk)
+        if not message.get("more_body", False) or total > _DRAIN_LIMIT_BYTES:
+            break
+    if over:
+        raise too_large
+    return b"".join(chunks)
+
+
+async def _watch_disconnect(receive: Receive, on_gone: Callable[[], None]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_gone()
+            return
+
+
+# --- responses ---------------------------------------------------------------------------------
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _sse(payload: object) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+_OOM_TYPE = "server_error"
+_OOM_CODE = "kv_cache_oom"
+
+
+class GenerationEndpoint:
+    """``/v1/completions``, ``/v1/chat/completions`` and the seed's ``/generate``."""
+
+    def __init__(self, kind: Kind) -> None:
+        self.kind = kind
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = _state(scope)
+        try:
+            check_content_type(Headers(scope=scope).get("content-type"))
+            body = await _read_body(scope, receive, state.config.max_body_bytes)
+            request = parse_generation(self.kind, parse_json_object(body))
+            prompt_tokens = await self._count(state, request)
+            config = state.config
+            cap = effective_output_cap(request.max_tokens, prompt_tokens, config.context_window)
+            if cap is None:
+                raise APIError(
+                    413,
+                    f"This model's maximum context length is {config.context_window} tokens; "
+                    f"the prompt has {prompt_tokens} tokens, which leaves no room for output.",
+                    code="context_length_exceeded",
+                    param="messages" if request.messages is not None else "prompt",
+                )
+            need = state.ledger.need_tokens(prompt_tokens, cap)
+            if state.ledger.never_fits(need):
+                fits = state.ledger.max_output_that_fits(prompt_tokens)
+                hint = f"set max_tokens <= {fits}" if fits >= 1 else "shorten the prompt"
+                raise APIError(
+                    400,
+                    f"This request can never be admitted: it needs {need} KV tokens "
+                    f"({prompt_tokens} prompt + {cap} output cap, in blocks of "
+                    f"{config.block_size}) but the server's whole usable budget is "
+                    f"{state.ledger.usable_tokens} tokens; {hint}.",
+                    code="kv_budget_exceeded",
+                    param="max_tokens",
+                )
+        except _ClientGone:
+            return
+        except APIError as error:
+            await error.response()(scope, receive, send)
+            return
+        await self._admit_and_run(state, request, prompt_tokens, cap, scope, receive, send)
+
+    async def _count(self, state: ServerState, request: GenerationRequest) -> int:
+        counter = state.config.tokenizer
+        if request.size_hint > _THREAD_TOKENIZE_CHARS:
+            return await anyio.to_thread.run_sync(count_prompt, request, counter)
+        return count_prompt(request, counter)
+
+    async def _admit_and_run(
+        self,
+        state: ServerState,
+        request: GenerationRequest,
+        prompt_tokens: int,
+        cap: int,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        async with anyio.create_task_group() as group:
+            # The client going away cancels waiting and generating alike; finally blocks release.
+            group.start_soon(_watch_disconnect, receive, group.cancel_scope.cancel)
+            try:
+                handle = await state.queue.acquire(prompt_tokens, cap)
+            except Rejected as rejected:
+                await self._too_busy(state, rejected, prompt_tokens, cap)(scope, receive, send)
+                group.cancel_scope.cancel()
+                return
+            try:
+                if request.stream:
+                    await self._stream(state, request, prompt_tokens, cap, send)
+                else:
+                    await self._complete(state, request, prompt_tokens, cap, scope, receive, send)
+            finally:
+                state.ledger.release(handle)
+                state.queue.notify()
+            group.cancel_scope.cancel()
+
+    def _too_busy(
+        self, state: ServerState, rejected: Rejected, prompt_tokens: int, cap: int
+    ) -> JSONResponse:
+        stats = state.ledger.stats()
+        seconds, millis = retry_after_header(rejected.retry_after)
+        queued = f", {rejected.queued_ahead} queued ahead" if rejected.queued_ahead else ""
+        return error_response(
+            429,
+            f"KV cache budget exhausted: this request needs {rejected.need} tokens "
+            f"({prompt_tokens} prompt + {cap} output cap) and {stats.reserved_tokens} of "
+            f"{stats.usable_tokens} usable tokens are reserved by {stats.inflight} in-flight "
+            f"requests{queued}. Retry after {int(millis) / 1000:.3f} seconds.",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": seconds, "retry-after-ms": millis},
+        )
+
+    async def _complete(
+        self,
+        state: ServerState,
+        request: GenerationRequest,
+        prompt_tokens: int,
+        cap: int,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        try:
+            completion = await state.engine.generate(prompt_tokens, cap)
+        except EngineOOMError as oom:
+            response: Response = error_response(500, str(oom), type=_OOM_TYPE, code=_OOM_CODE)
+        else:
+            response = JSONResponse(self._body(state, completion, prompt_tokens))
+        await response(scope, receive, send)
+
+    def _body(self, state: ServerState, completion: Completion, prompt_tokens: int) -> Any:
+        usage = _usage(prompt_tokens, completion.completion_tokens)
+        model = state.config.model
+        created = int(time.time())
+        if self.kind == "generate":
+            return {
+                "text": completion.text,
+                "finish_reason": completion.finish_reason,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion.completion_tokens,
+                "usage": usage,
+            }
+        if self.kind == "chat":
+            return {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": completion.text},
+                        "logprobs": None,
+                        "finish_reason": completion.finish_reason,
+                    }
+                ],
+                "usage": usage,
+            }
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": completion.text,
+                    "logprobs": None,
+                    "finish_reason": completion.finish_reason,
+                }
+            ],
+            "usage": usage,
+        }
+
+    async def _stream(
+        self,
+        state: ServerState,
+        request: GenerationRequest,
+        prompt_tokens: int,
+        cap: int,
+        send: Send,
+    ) -> None:
+        chat = self.kind == "chat"
+        ident = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
+        base = {
+            "id": ident,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": state.config.model,
+        }
+
+        def chunk(text: str | None, finish_reason: str | None, *, role: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, str] = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                choice: dict[str, Any] = {"index": 0, "delta": delta}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None}
+            choice["finish_reason"] = finish_reason
+            return _sse({**base, "choices": [choice]})
+
+        async def body(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
+        if chat:
+            await body(chunk("", None, role=True))
+
+        async def on_text(text: str) -> None:
+            await body(chunk(text, None))
+
+        try:
+            completion = await state.engine.generate(prompt_tokens, cap, on_text)
+        except EngineOOMError as oom:
+            # Headers are gone already: the error travels in the stream, as vLLM does.
+            error = {"error": {"message": str(oom), "type": _OOM_TYPE, "param": None}}
+            error["error"]["code"] = _OOM_CODE
+            await body(_sse(error))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        await body(chunk(None if chat else "", completion.finish_reason))
+        if request.include_usage:
+            usage = _usage(prompt_tokens, completion.completion_tokens)
+            await body(_sse({**base, "choices": [], "usage": usage}))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+# --- small endpoints ---------------------------------------------------------------------------
+
+
+async def _models(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.config.model,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "kvclient",
+                    "root": state.config.model,
+                    "max_model_len": state.config.context_window,
+                }
+            ],
+        }
+    )
+
+
+class TokenizeEndpoint:
+    """vLLM's ``POST /tokenize``: ``{"prompt"}`` or ``{"messages"}`` to count, max_model_len, ids.
+
+    For messages, ``count`` follows the chat formula (framing included, as the generation
+    endpoints count it) and ``tokens`` holds the ids of the message texts without the framing.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = _state(scope)
+        try:
+            check_content_type(Headers(scope=scope).get("content-type"))
+            body = await _read_body(scope, receive, state.config.max_body_bytes)
+            request = parse_generation("tokenize", parse_json_object(body))
+            tokenizer = state.config.tokenizer
+
+            def work() -> tuple[int, list[int]]:
+                count = count_prompt(request, tokenizer)
+                if request.token_ids is not None:
+                    return count, request.token_ids
+                if request.prompt is not None:
+                    return count, tokenizer.encode(request.prompt)
+                assert request.messages is not None
+                ids: list[int] = []
+                for message in request.messages:
+                    for value in message.values():
+                        if isinstance(value, str):
+                            ids.extend(tokenizer.encode(value))
+                return count, ids
+
+            if request.size_hint > _THREAD_TOKENIZE_CHARS:
+                count, ids = await anyio.to_thread.run_sync(work)
+            else:
+                count, ids = work()
+            response: Response = JSONResponse(
+                {"count": count, "max_model_len": state.config.context_window, "tokens": ids}
+            )
+        except _ClientGone:
+            return
+        except APIError as error:
+            response = error.response()
+        await response(scope, receive, send)
+
+
+async def _health(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    stats = state.ledger.stats()
+    return JSONResponse(
+        {
+            "status": "ok",
+            "admission": stats.strategy,
+            "inflight": stats.inflight,
+            "reserved_tokens": stats.reserved_tokens,
+            "usable_tokens": stats.usable_tokens,
+        }
+    )
+
+
+async def _metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+    message = {
+        404: f"no route {request.url.path!r}",
+        405: f"method {request.method} is not allowed on {request.url.path!r}",
+    }.get(exc.status_code, str(exc.detail))
+    return error_response(exc.status_code, message, code=code, headers=exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    # Log the type only: the traceback could quote a prompt. Never echo internals to the client.
+    logger.error("unexpected %s while serving %s", type(exc).__name__, request.url.path)
+    return error_response(
+        500, "The server had an internal error.", type="server_error", code="internal_error"
+    )
+
+
+def create_app(config: ServerConfig | None = None) -> Starlette:
+    """The reference server as an ASGI app; ``app.state.server`` is its :class:`ServerState`."""
+    config = config if config is not None else ServerConfig()
+    state = ServerState(config)
+    routes = [
+        Route("/v1/completions", GenerationEndpoint("completions"), methods=["POST"]),
+        Route("/v1/chat/completions", GenerationEndpoint("chat"), methods=["POST"]),
+        Route("/generate", GenerationEndpoint("generate"), methods=["POST"]),
+        Route("/tokenize", TokenizeEndpoint(), methods=["POST"]),
+        Route("/v1/models", _models, methods=["GET"]),
+        Route("/health", _health, methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+    ]
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        HTTPException: _http_exception,
+        Exception: _unexpected,
+    }
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(CountingMiddleware, state=state)
+    app.state.server = state
+    return app

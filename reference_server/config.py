@@ -1,0 +1,110 @@
+"""Server settings: one frozen, keyword-only dataclass, defaults tuned for a fast demo."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvclient import DEFAULT_BLOCK_SIZE, ModelProfile, TiktokenCounter, Tokenizer
+
+from .ledger import DEFAULT_SAFETY_FRACTION, STRATEGIES, Strategy
+
+__all__ = [
+    "DEFAULT_CONTEXT_WINDOW",
+    "DEFAULT_KV_TOKENS",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MODEL_ID",
+    "DEFAULT_PROFILE",
+    "ServerConfig",
+]
+
+DEFAULT_MODEL_ID = "kvclient-sim"
+DEFAULT_CONTEXT_WINDOW = 8192
+#: Four full contexts: small enough that a handful of large requests saturate it.
+DEFAULT_KV_TOKENS = 32768
+DEFAULT_DECODE_RATE = 1000.0
+DEFAULT_MEAN_OUTPUT_TOKENS = 200.0
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_TICK_SECONDS = 0.01
+#: Bytes per token of the simulated model's KV cache (for the byte gauges): Llama-3.1-8B's.
+DEFAULT_PROFILE = ModelProfile.preset("llama-3.1-8b")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    """Everything the reference server needs.
+
+    The KV budget is ``kv_tokens`` tokens, or ``kv_bytes`` bytes divided by the profile's
+    per-token bytes (``model_profile``, e.g. ``ModelProfile.preset("llama-3.1-8b")``); give one.
+    ``context_window`` is the server's own, independent of the profile's (the simulated model is
+    not the profile's model; only its per-token KV cost is borrowed).
+    """
+
+    model: str = DEFAULT_MODEL_ID
+    context_window: int = DEFAULT_CONTEXT_WINDOW
+    kv_tokens: int | None = None
+    kv_bytes: int | None = None
+    model_profile: ModelProfile = DEFAULT_PROFILE
+    safety_fraction: float = DEFAULT_SAFETY_FRACTION
+    block_size: int = DEFAULT_BLOCK_SIZE
+    decode_rate: float = DEFAULT_DECODE_RATE
+    mean_output_tokens: float = DEFAULT_MEAN_OUTPUT_TOKENS
+    admission: Strategy = "reserve"
+    max_concurrency: int | None = None
+    max_queue_wait: float = 0.0
+    api_key: str | None = None
+    seed: int = 0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tick_seconds: float = DEFAULT_TICK_SECONDS
+    tokenizer: Tokenizer = field(default_factory=TiktokenCounter)
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, value: object) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        def positive_number(name: str, value: float) -> None:
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+        positive_int("context_window", self.context_window)
+        positive_int("block_size", self.block_size)
+        positive_int("max_body_bytes", self.max_body_bytes)
+        if self.kv_tokens is not None and self.kv_bytes is not None:
+            raise ValueError("give the KV budget as kv_tokens or as kv_bytes, not both")
+        if self.kv_tokens is not None:
+            positive_int("kv_tokens", self.kv_tokens)
+        if self.kv_bytes is not None:
+            positive_int("kv_bytes", self.kv_bytes)
+            if self.model_profile.tokens_for_bytes(self.kv_bytes) < 1:
+                raise ValueError(
+                    f"kv_bytes={self.kv_bytes} holds no token at "
+                    f"{self.model_profile.kv_bytes_per_token} bytes per token"
+                )
+        if not 0.0 < self.safety_fraction <= 1.0:
+            raise ValueError(f"safety_fraction must be in (0, 1], got {self.safety_fraction!r}")
+        positive_number("decode_rate", self.decode_rate)
+        positive_number("tick_seconds", self.tick_seconds)
+        if not (math.isfinite(self.mean_output_tokens) and self.mean_output_tokens >= 1):
+            raise ValueError(f"mean_output_tokens must be >= 1, got {self.mean_output_tokens!r}")
+        if self.admission not in STRATEGIES:
+            raise ValueError(
+                f"admission must be one of {', '.join(STRATEGIES)}, got {self.admission!r}"
+            )
+        if self.max_concurrency is not None:
+            positive_int("max_concurrency", self.max_concurrency)
+        if not (math.isfinite(self.max_queue_wait) and self.max_queue_wait >= 0):
+            raise ValueError(f"max_queue_wait must be >= 0 seconds, got {self.max_queue_wait!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be a non-empty string or None")
+
+    @property
+    def total_kv_tokens(self) -> int:
+        """The physical KV pool, in tokens (before the safety fraction)."""
+        if self.kv_bytes is not None:
+            return self.model_profile.tokens_for_bytes(self.kv_bytes)
+        return self.kv_tokens if self.kv_tokens is not None else DEFAULT_KV_TOKENS
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model_profile.kv_bytes_per_token

@@ -1,0 +1,243 @@
+"""A simulated decoding engine with a physical KV pool that can really run out.
+
+No GPU, no model: each sequence "decodes" real tokens of the configured tokenizer at
+``decode_rate`` tokens per second, in ticks (one wake-up per tick, not per token). The physical
+pool holds, per live sequence, its prompt plus what it has generated so far, in whole blocks. If
+that ever exceeds the pool's capacity, every live sequence fails with :class:`EngineOOMError` and
+the pool is emptied: the mid-decode crash that reserving only for the prompt leads to.
+
+Output is reproducible: natural output lengths and words are drawn from one ``random.Random(seed)``
+in the order sequences start. Runs under asyncio and trio (anyio only).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import anyio
+
+from kvclient import DEFAULT_BLOCK_SIZE, Tokenizer, round_up_to_blocks
+
+__all__ = ["Completion", "EngineOOMError", "EngineStats", "SimulatedEngine"]
+
+FinishReason = Literal["stop", "length"]
+OnText = Callable[[str], Awaitable[None]]
+
+# Common English words; those that the tokenizer encodes as one token with a leading space form
+# the vocabulary, so a generated text of n words re-tokenizes to exactly n tokens.
+_WORDS = (
+    "the of and to in is was for that on as with by at from his her they this be are have had "
+    "not but were which one all their there been when who will more would time so some can "
+    "about them into only other new than then its over also after people first made may world "
+    "years state work under just many where most such through well city part day back good "
+    "long water place year while light house small great found still three between high every "
+    "own old name right before must again country might point end hand home river story few "
+    "open small song game stone green round quiet north south early level model cache token "
+    "memory server"
+).split()
+
+
+class EngineOOMError(Exception):
+    """The physical KV pool overflowed; every in-flight sequence was lost."""
+
+    def __init__(self, used_tokens: int, capacity_tokens: int) -> None:
+        super().__init__(
+            f"KV cache out of memory: {used_tokens} tokens in use exceed the physical capacity "
+            f"of {capacity_tokens}; all in-flight sequences were aborted"
+        )
+        self.used_tokens = used_tokens
+        self.capacity_tokens = capacity_tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Completion:
+    """What a finished sequence produced."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStats:
+    capacity_tokens: int
+    used_tokens: int
+    peak_used_tokens: int
+    running: int
+    started_total: int
+    finished_total: int
+    oom_events_total: int
+    oom_failed_sequences_total: int
+    generated_tokens_total: int
+
+
+class _Sequence:
+    __slots__ = ("failure", "generated", "id", "prompt_tokens", "used")
+
+    def __init__(self, id: int, prompt_tokens: int) -> None:
+        self.id = id
+        self.prompt_tokens = prompt_tokens
+        self.generated = 0
+        self.used = 0  # tokens charged to the pool, in whole blocks
+        self.failure: EngineOOMError | None = None
+
+
+def _vocabulary(tokenizer: Tokenizer) -> list[int]:
+    ids: list[int] = []
+    seen: set[int] = set()
+    for word in _WORDS:
+        encoded = tokenizer.encode(" " + word)
+        if len(encoded) == 1 and encoded[0] not in seen:
+            seen.add(encoded[0])
+            ids.append(encoded[0])
+    if len(ids) < 8:
+        raise ValueError("the tokenizer encodes too few common words as single tokens")
+    return ids
+
+
+class SimulatedEngine:
+    """Generates tokens for admitted requests and keeps the physical KV pool's books."""
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Tokenizer,
+        capacity_tokens: int,
+        decode_rate: float,
+        mean_output_tokens: float,
+        seed: int = 0,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        tick_seconds: float = 0.01,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if capacity_tokens < 1:
+            raise ValueError(f"capacity_tokens must be >= 1, got {capacity_tokens}")
+        if not decode_rate > 0 or math.isinf(decode_rate):
+            raise ValueError(f"decode_rate must be a positive number, got {decode_rate}")
+        if not mean_output_tokens >= 1:
+            raise ValueError(f"mean_output_tokens must be >= 1, got {mean_output_tokens}")
+        if not tick_seconds > 0:
+            raise ValueError(f"tick_seconds must be > 0, got {tick_seconds}")
+        self.tokenizer = tokenizer
+        self.capacity_tokens = capacity_tokens
+        self.decode_rate = float(decode_rate)
+        self.mean_output_tokens = float(mean_output_tokens)
+        self.block_size = block_size
+        self.tick_seconds = tick_seconds
+        self._clock = clock
+        self._rng = random.Random(seed)
+        self._vocab: list[int] | None = None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._running: dict[int, _Sequence] = {}
+        self._used = 0
+        self._peak_used = 0
+        self._started = 0
+        self._finished = 0
+        self._oom_events = 0
+        self._oom_failed = 0
+        self._generated_total = 0
+
+    @property
+    def vocabulary(self) -> Sequence[int]:
+        if self._vocab is None:
+            self._vocab = _vocabulary(self.tokenizer)
+        return self._vocab
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(
+                capacity_tokens=self.capacity_tokens,
+                used_tokens=self._used,
+                peak_used_tokens=self._peak_used,
+                running=len(self._running),
+                started_total=self._started,
+                finished_total=self._finished,
+                oom_events_total=self._oom_events,
+                oom_failed_sequences_total=self._oom_failed,
+                generated_tokens_total=self._generated_total,
+            )
+
+    # --- pool bookkeeping (under the lock) -----------------------------------------------------
+
+    def _charge(self, seq: _Sequence) -> None:
+        """Recharge ``seq`` for its prompt + generated tokens; fail everyone on overflow."""
+        if seq.failure is not None:
+            raise seq.failure
+        blocks = round_up_to_blocks(seq.prompt_tokens + seq.generated, self.block_size)
+        self._used += blocks - seq.used
+        seq.used = blocks
+        self._peak_used = max(self._peak_used, self._used)
+        if self._used > self.capacity_tokens:
+            error = EngineOOMError(self._used, self.capacity_tokens)
+            self._oom_events += 1
+            self._oom_failed += len(self._running)
+            for victim in self._running.values():
+                victim.failure = error
+                victim.used = 0
+            self._running.clear()
+            self._used = 0
+            raise error
+
+    def _remove(self, seq: _Sequence) -> None:
+        if self._running.pop(seq.id, None) is not None:
+            self._used -= seq.used
+            seq.used = 0
+
+    # --- generation ----------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt_tokens: int, max_tokens: int, on_text: OnText | None = None
+    ) -> Completion:
+        """Decode up to ``max_tokens`` tokens after a prompt of ``prompt_tokens`` tokens.
+
+        ``on_text`` receives each tick's new text as it is produced (for streaming). Raises
+        :class:`EngineOOMError` when the pool overflows while this sequence is live. Cancellation
+        (client gone) frees the sequence's blocks.
+        """
+        vocab = self.vocabulary
+        with self._lock:
+            natural = max(1, math.ceil(self._rng.expovariate(1.0 / self.mean_output_tokens)))
+            words = random.Random(self._rng.getrandbits(64))
+            seq = _Sequence(next(self._ids), prompt_tokens)
+            self._running[seq.id] = seq
+            self._started += 1
+        target = min(natural, max_tokens)
+        pieces: list[str] = []
+        try:
+            with self._lock:
+                self._charge(seq)  # prefill: the prompt's blocks
+            start = self._clock()
+            while seq.generated < target:
+                await anyio.sleep(self.tick_seconds)
+                if seq.failure is not None:
+                    raise seq.failure
+                due = min(target, math.floor((self._clock() - start) * self.decode_rate))
+                if due <= seq.generated:
+                    continue
+                new_ids = [vocab[words.randrange(len(vocab))] for _ in range(due - seq.generated)]
+                with self._lock:
+                    seq.generated = due
+                    self._generated_total += len(new_ids)
+                    self._charge(seq)
+                text = self.tokenizer.decode(new_ids)
+                pieces.append(text)
+                if on_text is not None:
+                    await on_text(text)
+            with self._lock:
+                self._finished += 1
+        finally:
+            with self._lock:
+                self._remove(seq)
+        return Completion(
+            text="".join(pieces),
+            completion_tokens=seq.generated,
+            finish_reason="stop" if natural <= max_tokens else "length",
+        )

@@ -1,0 +1,300 @@
+"""The reservation ledger: which requests hold how much KV cache, and when it will free up.
+
+Pure and thread-safe: no I/O, no clock of its own (every time-dependent call takes ``now``), so the
+same object is driven by the ASGI app, by tests and by property tests from many threads.
+
+Three admission strategies share one ledger so their failure modes can be measured side by side:
+
+``reserve``      (prompt + output cap) in whole blocks against the usable budget. The default, and
+                 the only one that can never overflow the physical pool.
+``prompt``       the prompt's blocks only: blind to the output the request may still generate.
+``concurrency``  a request count against ``max_concurrency``: blind to sizes.
+
+>>> ledger = KVAdmissionController(total_kv_tokens=1000, context_window=512, decode_rate=100.0)
+>>> ledger.usable_tokens
+900
+>>> handle = ledger.try_admit(100, 200, now=0.0)
+>>> handle.reserved_tokens, ledger.stats().reserved_tokens
+(304, 304)
+>>> ledger.release(handle); ledger.release(handle)   # idempotent
+>>> ledger.stats().reserved_tokens
+0
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
+
+__all__ = [
+    "DEFAULT_MAX_CONCURRENCY",
+    "DEFAULT_SAFETY_FRACTION",
+    "STRATEGIES",
+    "Handle",
+    "KVAdmissionController",
+    "LedgerStats",
+    "Strategy",
+]
+
+Strategy = Literal["reserve", "prompt", "concurrency"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+
+#: Real runtimes lose memory to fragmentation and activations; admit to 90% of the KV pool.
+DEFAULT_SAFETY_FRACTION = 0.9
+#: The request cap in ``concurrency`` mode when none is given: a typical hand-tuned value.
+DEFAULT_MAX_CONCURRENCY = 16
+
+
+class Handle:
+    """One admitted request's reservation. Give it back with :meth:`KVAdmissionController.release`.
+
+    ``due_at`` is the worst-case release time: the moment the request reaches its output cap when
+    decoding at the engine's rate from admission. Retry-After estimates are built from it.
+    """
+
+    __slots__ = (
+        "admitted_at",
+        "due_at",
+        "id",
+        "output_cap",
+        "prompt_tokens",
+        "released",
+        "reserved_tokens",
+    )
+
+    def __init__(
+        self,
+        *,
+        id: int,
+        prompt_tokens: int,
+        output_cap: int,
+        reserved_tokens: int,
+        admitted_at: float,
+        due_at: float,
+    ) -> None:
+        self.id = id
+        self.prompt_tokens = prompt_tokens
+        self.output_cap = output_cap
+        self.reserved_tokens = reserved_tokens
+        self.admitted_at = admitted_at
+        self.due_at = due_at
+        self.released = False
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "live"
+        return (
+            f"Handle(id={self.id}, prompt_tokens={self.prompt_tokens}, "
+            f"output_cap={self.output_cap}, reserved_tokens={self.reserved_tokens}, {state})"
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LedgerStats:
+    """A consistent snapshot of the ledger (taken under its lock)."""
+
+    strategy: str
+    usable_tokens: int
+    usable_bytes: int
+    reserved_tokens: int
+    reserved_bytes: int
+    inflight: int
+    admitted_total: int
+    rejected_total: int
+    released_total: int
+    peak_reserved_tokens: int
+    peak_inflight: int
+    max_concurrency: int | None
+
+
+class KVAdmissionController:
+    """Thread-safe reservation ledger over a KV pool of ``total_kv_tokens`` tokens.
+
+    The usable budget is ``floor(total_kv_tokens x safety_fraction)``; bytes are tokens x
+    ``kv_bytes_per_token``. ``context_window`` only bounds what a single request may ask for;
+    clamping ``max_tokens`` is the caller's job (``kvclient.effective_output_cap``).
+    """
+
+    def __init__(
+        self,
+        *,
+        total_kv_tokens: int,
+        context_window: int,
+        decode_rate: float,
+        kv_bytes_per_token: int = 1,
+        safety_fraction: float = DEFAULT_SAFETY_FRACTION,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        strategy: Strategy = "reserve",
+        max_concurrency: int | None = None,
+        release_margin: float = 0.0,
+    ) -> None:
+        if total_kv_tokens < 1:
+            raise ValueError(f"total_kv_tokens must be >= 1, got {total_kv_tokens}")
+        if not 0.0 < safety_fraction <= 1.0:
+            raise ValueError(f"safety_fraction must be in (0, 1], got {safety_fraction}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not decode_rate > 0 or math.isinf(decode_rate):
+            raise ValueError(f"decode_rate must be a positive number, got {decode_rate}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
+        self.total_kv_tokens = total_kv_tokens
+        self.context_window = context_window
+        self.decode_rate = float(decode_rate)
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.safety_fraction = safety_fraction
+        self.block_size = block_size
+        self.strategy: Strategy = strategy
+        if strategy == "concurrency" and max_concurrency is None:
+            max_concurrency = DEFAULT_MAX_CONCURRENCY
+        self.max_concurrency = max_concurrency
+        self.release_margin = release_margin
+        self.usable_tokens = max(1, math.floor(total_kv_tokens * safety_fraction))
+
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._live: dict[int, Handle] = {}
+        self._reserved = 0
+        self._admitted_total = 0
+        self._rejected_total = 0
+        self._released_total = 0
+        self._peak_reserved = 0
+        self._peak_inflight = 0
+
+    # --- pure pricing ------------------------------------------------------------------------
+
+    def need_tokens(self, prompt_tokens: int, output_cap: int) -> int:
+        """Tokens of budget a request takes under this ledger's strategy."""
+        if self.strategy == "reserve":
+            return reservation_tokens(prompt_tokens, output_cap, block_size=self.block_size)
+        if self.strategy == "prompt":
+            return round_up_to_blocks(prompt_tokens, self.block_size)
+        return 0  # concurrency: sizes are not counted at all
+
+    def never_fits(self, need: int) -> bool:
+        """Whether a request needing ``need`` tokens could not be admitted even by an empty ledger.
+
+        Such a request must get a non-retryable error: a 429 would send it round forever.
+        """
+        return need > self.usable_tokens
+
+    def max_output_that_fits(self, prompt_tokens: int) -> int:
+        """The largest output cap a prompt could ever be admitted with (0 when none)."""
+        if self.strategy != "reserve":
+            return max(0, self.context_window - prompt_tokens)
+        whole_blocks = self.usable_tokens // self.block_size * self.block_size
+        return max(0, min(whole_blocks - prompt_tokens, self.context_window - prompt_tokens))
+
+    # --- admission ---------------------------------------------------------------------------
+
+    def _fits(self, need: int) -> bool:
+        if self.max_concurrency is not None and len(self._live) >= self.max_concurrency:
+            return False
+        return self._reserved + need <= self.usable_tokens
+
+    def try_admit(
+        self, prompt_tokens: int, output_cap: int, *, now: float, count_rejection: bool = True
+    ) -> Handle | None:
+        """Reserve for a request, or return ``None`` when the budget is short now.
+
+        ``count_rejection=False`` is for a queued request trying again: only its final answer
+        counts in ``rejected_total`` (see :meth:`record_rejection`).
+        """
+        need = self.need_tokens(prompt_tokens, output_cap)
+        with self._lock:
+            if not self._fits(need):
+                if count_rejection:
+                    self._rejected_total += 1
+                return None
+            handle = Handle(
+                id=next(self._ids),
+                prompt_tokens=prompt_tokens,
+                output_cap=output_cap,
+                reserved_tokens=need,
+                admitted_at=now,
+                due_at=now + output_cap / self.decode_rate + self.release_margin,
+            )
+            self._live[handle.id] = handle
+            self._reserved += need
+            self._admitted_total += 1
+            self._peak_reserved = max(self._peak_reserved, self._reserved)
+            self._peak_inflight = max(self._peak_inflight, len(self._live))
+            return handle
+
+    def record_rejection(self) -> None:
+        """Count one rejection decided outside :meth:`try_admit` (a queued request timed out)."""
+        with self._lock:
+            self._rejected_total += 1
+
+    def release(self, handle: Handle) -> None:
+        """Give a reservation back. Idempotent: a second release of the same handle is a no-op."""
+        with self._lock:
+            if handle.released or self._live.pop(handle.id, None) is None:
+                handle.released = True
+                return
+            handle.released = True
+            self._reserved -= handle.reserved_tokens
+            self._released_total += 1
+
+    # --- back-pressure -----------------------------------------------------------------------
+
+    def retry_after(self, need: int, now: float) -> float:
+        """Seconds until enough in-flight reservations are due to be released for ``need`` to fit.
+
+        Walks the live handles in order of their worst-case end and accumulates what each would
+        free, until ``need`` fits (tokens and, if capped, a request slot). The answer is an upper
+        bound for the current load: requests that stop early free their share sooner. Returns 0.0
+        when it fits now, and the time of the last due release when it would never fit fully.
+        Callers clamp it for the header (whole seconds, at least 1).
+        """
+        with self._lock:
+            live = sorted(self._live.values(), key=lambda h: h.due_at)
+            free = self.usable_tokens - self._reserved
+            slots_free = None if self.max_concurrency is None else self.max_concurrency - len(live)
+
+            def fits() -> bool:
+                return need <= free and (slots_free is None or slots_free >= 1)
+
+            if fits():
+                return 0.0
+            due = now
+            for handle in live:
+                free += handle.reserved_tokens
+                if slots_free is not None:
+                    slots_free += 1
+                due = handle.due_at
+                if fits():
+                    break
+            return max(0.0, due - now)
+
+    # --- observation -------------------------------------------------------------------------
+
+    def live_handles(self) -> list[Handle]:
+        """The handles currently holding a reservation, oldest first."""
+        with self._lock:
+            return list(self._live.values())
+
+    def stats(self) -> LedgerStats:
+        with self._lock:
+            return LedgerStats(
+                strategy=self.strategy,
+                usable_tokens=self.usable_tokens,
+                usable_bytes=self.usable_tokens * self.kv_bytes_per_token,
+                reserved_tokens=self._reserved,
+                reserved_bytes=self._reserved * self.kv_bytes_per_token,
+                inflight=len(self._live),
+                admitted_total=self._admitted_total,
+                rejected_total=self._rejected_total,
+                released_total=self._released_total,
+                peak_reserved_tokens=self._peak_reserved,
+                peak_inflight=self._peak_inflight,
+                max_concurrency=self.max_concurrency,
+            )
