@@ -14,13 +14,16 @@ from ._accounting import (
     reservation_tokens,
     round_up_to_blocks,
 )
+from ._client import AsyncClient, AsyncStream, Client, Stream
 from ._exceptions import (
     APIConnectionError,
     APIResponseError,
     APIStatusError,
     APITimeoutError,
     AuthenticationError,
+    BadGatewayError,
     BadRequestError,
+    GatewayTimeoutError,
     InsufficientQuotaError,
     InternalServerError,
     KVClientError,
@@ -33,6 +36,8 @@ from ._exceptions import (
     TokenizerError,
     UnprocessableEntityError,
 )
+from ._models import Completion, CompletionChunk, RetryEvent, Usage
+from ._retry import RetryBudget, RetryPolicy, parse_retry_after
 from ._tokens import HuggingFaceCounter, TiktokenCounter, TokenCounter, Tokenizer
 from ._version import __version__
 
@@ -42,8 +47,15 @@ __all__ = [
     "APIResponseError",
     "APIStatusError",
     "APITimeoutError",
+    "AsyncClient",
+    "AsyncStream",
     "AuthenticationError",
+    "BadGatewayError",
     "BadRequestError",
+    "Client",
+    "Completion",
+    "CompletionChunk",
+    "GatewayTimeoutError",
     "HuggingFaceCounter",
     "InsufficientQuotaError",
     "InternalServerError",
@@ -53,16 +65,22 @@ __all__ = [
     "PermissionDeniedError",
     "PromptTooLongError",
     "RateLimitError",
+    "RetryBudget",
+    "RetryEvent",
+    "RetryPolicy",
     "ServerBusyError",
     "ServiceUnavailableError",
+    "Stream",
     "TiktokenCounter",
     "TokenCounter",
     "Tokenizer",
     "TokenizerError",
     "UnprocessableEntityError",
+    "Usage",
     "__version__",
     "effective_output_cap",
     "kv_bytes_per_token",
+    "parse_retry_after",
     "reservation_bytes",
     "reservation_tokens",
     "round_up_to_blocks",

@@ -14,12 +14,16 @@
     │   ├── UnprocessableEntityError   422
     │   ├── RateLimitError             429 (retryable: the server is full now)
     │   │   └── InsufficientQuotaError 429 insufficient_quota (not retryable)
-    │   ├── InternalServerError        5xx
-    │   └── ServiceUnavailableError    503 (retryable)
-    └── ServerBusyError                gave up: retries, deadline or wait cap exhausted
+    │   └── InternalServerError        5xx (500 is not retried)
+    │       ├── BadGatewayError         502 (retryable)
+    │       ├── ServiceUnavailableError 503 (retryable)
+    │       └── GatewayTimeoutError     504 (retryable)
+    └── ServerBusyError                gave up: attempts, deadline, wait cap or budget ran out
 
 Each error carries the numbers a caller needs to act on it: token counts, context window, the
-server's Retry-After, how many attempts were made.
+server's Retry-After, how many attempts were made (``attempts``) and the retries before it
+(``history``, a tuple of ``RetryEvent``). ``retryable`` on connection and status errors says
+whether kvclient would retry it.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ __all__ = [
     "APIStatusError",
     "APITimeoutError",
     "AuthenticationError",
+    "BadGatewayError",
     "BadRequestError",
+    "GatewayTimeoutError",
     "InsufficientQuotaError",
     "InternalServerError",
     "KVClientError",
@@ -50,7 +56,14 @@ __all__ = [
 
 
 class KVClientError(Exception):
-    """Base class of every error kvclient raises."""
+    """Base class of every error kvclient raises.
+
+    ``attempts`` is how many requests the failed call sent (0 when it failed before sending),
+    ``history`` the retries it made before giving up (``RetryEvent`` values).
+    """
+
+    attempts: int = 0
+    history: tuple[Any, ...] = ()
 
 
 class TokenizerError(KVClientError):
@@ -71,6 +84,8 @@ class PromptTooLongError(KVClientError):
         prompt_tokens: int | None = None,
         context_window: int | None = None,
         response: httpx.Response | None = None,
+        body: Any = None,
+        code: str | None = None,
     ) -> None:
         if message is None:
             message = (
@@ -83,15 +98,22 @@ class PromptTooLongError(KVClientError):
         self.context_window = context_window
         self.response = response
         self.status_code = response.status_code if response is not None else None
+        self.body = body
+        self.code = code
 
 
 class APIConnectionError(KVClientError):
     """The server could not be reached, or the connection broke before an answer arrived."""
 
-    def __init__(self, message: str, *, request: httpx.Request | None = None) -> None:
+    def __init__(
+        self, message: str, *, request: httpx.Request | None = None, retryable: bool = True
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.request = request
+        # Only failures before any answer arrived are retried: after that the server may have
+        # done the work already (or a stream delivered output).
+        self.retryable = retryable
 
 
 class APITimeoutError(APIConnectionError):
@@ -123,6 +145,7 @@ class APIStatusError(KVClientError):
         code: str | None = None,
         error_type: str | None = None,
         retry_after: float | None = None,
+        retryable: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -132,6 +155,7 @@ class APIStatusError(KVClientError):
         self.code = code
         self.error_type = error_type
         self.retry_after = retry_after
+        self.retryable = retryable
 
 
 class BadRequestError(APIStatusError):
@@ -166,8 +190,16 @@ class InternalServerError(APIStatusError):
     """5xx."""
 
 
+class BadGatewayError(InternalServerError):
+    """502: a proxy could not reach the server. Retryable."""
+
+
 class ServiceUnavailableError(InternalServerError):
     """503: overloaded or starting up. Retryable."""
+
+
+class GatewayTimeoutError(InternalServerError):
+    """504: a proxy gave up waiting for the server. Retryable."""
 
 
 class ServerBusyError(KVClientError):

@@ -1,0 +1,899 @@
+"""The clients: :class:`BaseClient` makes every decision, ``Client`` and ``AsyncClient`` do I/O.
+
+A call goes: count the prompt locally, clamp ``max_tokens`` to the context window (refusing
+locally a prompt that fills it), then send through one retry core (:class:`~kvclient._retry.
+RetryCall`): hold while the client cools down after a 429, send, classify the answer, and let the
+policy decide whether and how long to wait. The sync and async shells differ only in how they
+send, read and sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+
+from ._accounting import effective_output_cap
+from ._errors import classify_error
+from ._exceptions import (
+    APIConnectionError,
+    APIResponseError,
+    APIStatusError,
+    APITimeoutError,
+    KVClientError,
+    PromptTooLongError,
+    ServerBusyError,
+)
+from ._models import Completion, CompletionChunk, RetryEvent, Usage
+from ._retry import Cooldown, RetryCall, RetryPolicy, parse_retry_after
+from ._streaming import StreamAccumulator, aiter_events, iter_events
+from ._tokens import Message, TiktokenCounter, TokenCounter
+from ._version import __version__
+
+__all__ = ["AsyncClient", "AsyncStream", "BaseClient", "Client", "Stream"]
+
+T = TypeVar("T")
+
+#: LLM answers can take minutes; connecting should not.
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+#: Extra share of the counted prompt assumed when clamping (0.1 = the server may count 10% more).
+DEFAULT_SAFETY_MARGIN = 0.0
+USER_AGENT = f"kvclient/{__version__}"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+RETRY_COUNT_HEADER = "X-Retry-Count"
+
+_COMPLETIONS = "/v1/completions"
+_CHAT = "/v1/chat/completions"
+_MODELS = "/v1/models"
+# Keys kvclient owns in a request body; passing them through **params would bypass the clamp.
+_RESERVED = frozenset({"model", "prompt", "messages", "stream", "max_tokens"})
+
+
+class _Prepared:
+    """One call's request, built once and reused by every attempt."""
+
+    __slots__ = ("body", "chat", "idempotency_key", "max_tokens", "path", "prompt_tokens")
+
+    def __init__(
+        self, *, path: str, body: dict[str, Any], max_tokens: int, prompt_tokens: int, chat: bool
+    ) -> None:
+        self.path = path
+        self.body = body
+        self.max_tokens = max_tokens
+        self.prompt_tokens = prompt_tokens
+        self.chat = chat
+        # One key for every attempt of the call, so a server that dedupes can.
+        self.idempotency_key = str(uuid.uuid4())
+
+
+def _normalize_base_url(base_url: str | httpx.URL) -> str:
+    url = str(base_url).strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+class BaseClient:
+    """Everything a client decides without I/O: URLs, headers, bodies, clamping, errors."""
+
+    def __init__(
+        self,
+        *,
+        base_url: str | httpx.URL,
+        model: str | None = None,
+        context_window: int | None = None,
+        api_key: str | None = None,
+        counter: TokenCounter | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        headers: Mapping[str, str] | None = None,
+        safety_margin: float = DEFAULT_SAFETY_MARGIN,
+        on_retry: Callable[[RetryEvent], None] | None = None,
+    ) -> None:
+        if context_window is not None and (
+            isinstance(context_window, bool)
+            or not isinstance(context_window, int)
+            or context_window < 1
+        ):
+            raise ValueError(f"context_window must be a positive integer, got {context_window!r}")
+        if not (isinstance(safety_margin, (int, float)) and 0 <= safety_margin < 1):
+            raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin!r}")
+        self.base_url = _normalize_base_url(base_url)
+        self.model = model
+        self.context_window = context_window
+        self.api_key = api_key
+        self.counter: TokenCounter = counter if counter is not None else TiktokenCounter()
+        self.retry = retry if retry is not None else RetryPolicy()
+        self.timeout = timeout
+        self.safety_margin = float(safety_margin)
+        self.on_retry = on_retry
+        self._extra_headers = dict(headers or {})
+        self._cooldown = Cooldown()
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def _url(self, path: str) -> str:
+        return self.base_url + path
+
+    def _headers(self, prepared: _Prepared | None, attempt: int) -> dict[str, str]:
+        headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        headers.update(self._extra_headers)
+        if prepared is not None:
+            headers[IDEMPOTENCY_HEADER] = prepared.idempotency_key
+            if prepared.body.get("stream"):
+                headers["Accept"] = "text/event-stream"
+        headers[RETRY_COUNT_HEADER] = str(attempt - 1)
+        return headers
+
+    def _build_request(
+        self, http: httpx.Client | httpx.AsyncClient, prepared: _Prepared, attempt: int
+    ) -> httpx.Request:
+        return http.build_request(
+            "POST",
+            self._url(prepared.path),
+            content=json.dumps(prepared.body).encode(),
+            headers={**self._headers(prepared, attempt), "Content-Type": "application/json"},
+        )
+
+    def _needs_discovery(self) -> bool:
+        return self.context_window is None or self.model is None
+
+    def _adopt_models(self, payload: Any) -> None:
+        """Take the context window (and the model, if unset) from a ``/v1/models`` answer."""
+        data = payload.get("data") if isinstance(payload, dict) else None
+        if not isinstance(data, list) or not all(isinstance(entry, dict) for entry in data):
+            raise APIResponseError(f"GET {_MODELS} did not answer an OpenAI model list")
+        if not data:
+            raise KVClientError(f"GET {_MODELS} lists no model; pass model= and context_window=")
+        if self.model is None:
+            entry = data[0]
+            model = entry.get("id")
+            if not isinstance(model, str):
+                raise APIResponseError(f"GET {_MODELS}: the first model has no id")
+            self.model = model
+        else:
+            matches = [entry for entry in data if entry.get("id") == self.model]
+            if not matches:
+                if self.context_window is not None:
+                    return
+                known = ", ".join(str(entry.get("id")) for entry in data)
+                raise KVClientError(
+                    f"model {self.model!r} is not served at {self.base_url} (it serves: "
+                    f"{known}); pass context_window= to skip discovery"
+                )
+            entry = matches[0]
+        if self.context_window is None:
+            window = entry.get("max_model_len")
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise KVClientError(
+                    f"{self.base_url}{_MODELS} does not report max_model_len for model "
+                    f"{self.model!r} (vLLM does; this server does not): pass context_window="
+                )
+            self.context_window = window
+
+    def _check_params(self, params: Mapping[str, Any]) -> None:
+        bad = sorted(_RESERVED.intersection(params))
+        if bad:
+            raise TypeError(f"kvclient sets {', '.join(bad)} itself; do not pass them in **params")
+
+    def _clamp(self, requested: int | None, counted: int) -> int:
+        window = self.context_window
+        assert window is not None, "context window must be known before clamping"
+        # The counter may count fewer tokens than the server will: assume the margin on top.
+        assumed = math.ceil(counted * (1.0 + self.safety_margin))
+        cap = effective_output_cap(requested, assumed, window)
+        if cap is None:
+            margin = f" (counted {counted}, {assumed} with the safety margin)" * (
+                assumed != counted
+            )
+            raise PromptTooLongError(
+                f"prompt of {counted} tokens{margin} leaves no room for output in the context "
+                f"window of {window} tokens; nothing was sent",
+                prompt_tokens=counted,
+                context_window=window,
+            )
+        return cap
+
+    def _prepare_completion(
+        self, prompt: str, max_tokens: int | None, params: dict[str, Any], *, stream: bool
+    ) -> _Prepared:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        self._check_params(params)
+        counted = self.counter.count(prompt)
+        cap = self._clamp(max_tokens, counted)
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt, **params, "max_tokens": cap}
+        self._stream_options(body, stream)
+        return _Prepared(
+            path=_COMPLETIONS, body=body, max_tokens=cap, prompt_tokens=counted, chat=False
+        )
+
+    def _prepare_chat(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int | None,
+        params: dict[str, Any],
+        *,
+        stream: bool,
+    ) -> _Prepared:
+        self._check_params(params)
+        if max_tokens is None and "max_completion_tokens" in params:
+            max_tokens = params.pop("max_completion_tokens")
+        else:
+            params.pop("max_completion_tokens", None)
+        counted = self.counter.count_messages(messages)
+        cap = self._clamp(max_tokens, counted)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [dict(message) for message in messages],
+            **params,
+            "max_tokens": cap,
+        }
+        self._stream_options(body, stream)
+        return _Prepared(path=_CHAT, body=body, max_tokens=cap, prompt_tokens=counted, chat=True)
+
+    @staticmethod
+    def _stream_options(body: dict[str, Any], stream: bool) -> None:
+        if stream:
+            body["stream"] = True
+            # Usage arrives in a last chunk only when asked for.
+            body.setdefault("stream_options", {"include_usage": True})
+
+    # --- answers -----------------------------------------------------------------------------
+
+    def _status_error(self, response: httpx.Response) -> KVClientError:
+        """The one factory from an error answer to an exception."""
+        verdict = classify_error(response.status_code, response.content)
+        details = verdict.details
+        where = f"{response.request.method} {response.request.url.path}"
+        message = f"{where} -> {response.status_code}: {details.message}"
+        if verdict.exception is PromptTooLongError:
+            return PromptTooLongError(
+                f"server refused the prompt as too long for the context: {message}",
+                prompt_tokens=details.prompt_tokens,
+                context_window=details.context_window,
+                response=response,
+                body=details.body,
+                code=details.code,
+            )
+        assert issubclass(verdict.exception, APIStatusError)
+        return verdict.exception(
+            message,
+            response=response,
+            body=details.body,
+            code=details.code,
+            error_type=details.error_type,
+            retry_after=parse_retry_after(response.headers, now=self.retry.wall_clock()),
+            retryable=verdict.retryable,
+        )
+
+    @staticmethod
+    def _transport_error(
+        exc: httpx.HTTPError, request: httpx.Request | None, *, answered: bool
+    ) -> APIConnectionError:
+        """A transport failure; retryable only when no answer had started to arrive."""
+        target = f"{request.method} {request.url}" if request is not None else "request"
+        when = "while reading the answer" if answered else "before any answer"
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if isinstance(exc, httpx.TimeoutException):
+            return APITimeoutError(
+                f"{target} timed out {when} ({detail})", request=request, retryable=not answered
+            )
+        return APIConnectionError(
+            f"{target} failed {when} ({detail})", request=request, retryable=not answered
+        )
+
+    @staticmethod
+    def _json(response: httpx.Response) -> dict[str, Any]:
+        try:
+            payload = json.loads(response.content)
+        except ValueError:
+            snippet = response.content[:200].decode("utf-8", "replace")
+            raise APIResponseError(
+                f"{response.request.method} {response.request.url.path} answered "
+                f"{response.status_code} with a body that is not JSON: {snippet!r}",
+                response=response,
+            ) from None
+        if not isinstance(payload, dict):
+            raise APIResponseError(
+                f"{response.request.url.path} answered JSON that is not an object",
+                response=response,
+            )
+        return payload
+
+    @staticmethod
+    def _completion(payload: dict[str, Any], prepared: _Prepared, call: RetryCall) -> Completion:
+        choices = payload.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise APIResponseError(f"answer has no choices: {json.dumps(payload)[:200]}")
+        choice = choices[0]
+        if prepared.chat:
+            message = choice.get("message")
+            text = message.get("content") if isinstance(message, dict) else None
+        else:
+            text = choice.get("text")
+        finish = choice.get("finish_reason")
+        model = payload.get("model")
+        ident = payload.get("id")
+        return Completion(
+            text=text if isinstance(text, str) else "",
+            finish_reason=finish if isinstance(finish, str) else None,
+            usage=Usage.from_json(payload.get("usage")),
+            max_tokens=prepared.max_tokens,
+            prompt_tokens=prepared.prompt_tokens,
+            attempts=call.attempts,
+            retry_wait=call.waited,
+            history=tuple(call.history),
+            model=model if isinstance(model, str) else None,
+            id=ident if isinstance(ident, str) else None,
+            raw=payload,
+        )
+
+    def _new_call(self) -> RetryCall:
+        return RetryCall(self.retry, self._cooldown, on_retry=self.on_retry)
+
+    @staticmethod
+    def _stuck(call: RetryCall) -> ServerBusyError:
+        return ServerBusyError(
+            "the cooldown never ended: the injected clock does not advance while sleeping",
+            retry_after=call.cooldown.advice,
+            attempts=call.attempts,
+        )
+
+
+class _StreamBase:
+    """The pure half of a stream: events in, chunks out, the aggregated completion at the end."""
+
+    def __init__(self, prepared: _Prepared | None, *, chat: bool) -> None:
+        self._prepared_value = prepared
+        self._acc = StreamAccumulator(chat=chat)
+        self._pending: deque[CompletionChunk] = deque()
+        self._call: RetryCall | None = None
+        self._completion: Completion | None = None
+
+    def _feed(self, payload: dict[str, Any] | None) -> None:
+        if payload is None:
+            self._end(saw_done=True)
+        else:
+            self._pending.extend(self._acc.feed(payload))
+
+    @property
+    def _prepared(self) -> _Prepared:
+        prepared = self._prepared_value
+        if prepared is None:
+            raise RuntimeError("the stream is not open yet: use it in a `with` block or iterate")
+        return prepared
+
+    def _end(self, *, saw_done: bool) -> None:
+        call = self._call
+        assert call is not None
+        self._acc.end(saw_done=saw_done)
+        self._completion = self._acc.completion(
+            max_tokens=self._prepared.max_tokens,
+            prompt_tokens=self._prepared.prompt_tokens,
+            attempts=call.attempts,
+            retry_wait=call.waited,
+            history=tuple(call.history),
+        )
+
+    def _broken(self, exc: httpx.HTTPError, request: httpx.Request | None) -> APIConnectionError:
+        error = BaseClient._transport_error(exc, request, answered=True)
+        error.message = (
+            f"{error.message}; the stream broke after {self._acc.events} events and is not "
+            "retried because output was already delivered"
+        )
+        error.args = (error.message,)
+        return error
+
+    @property
+    def max_tokens(self) -> int:
+        """The ``max_tokens`` sent."""
+        return self._prepared.max_tokens
+
+    @property
+    def completion(self) -> Completion:
+        """The whole answer, once the stream has been read to its end."""
+        if self._completion is None:
+            raise RuntimeError("the stream is not finished: iterate it to the end first")
+        return self._completion
+
+
+class Stream(_StreamBase):
+    """A streamed answer: ``with client.chat_stream(...) as stream: for chunk in stream: ...``.
+
+    Opening it sends the request and waits for the first event, retrying as a plain call would;
+    once an event arrived nothing is retried.
+    """
+
+    def __init__(self, client: Client, prepared: _Prepared) -> None:
+        super().__init__(prepared, chat=prepared.chat)
+        self._client = client
+        self._response: httpx.Response | None = None
+        self._events: Any = None
+
+    def __enter__(self) -> Stream:
+        self._open()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _open(self) -> None:
+        if self._call is not None:
+            return
+        client = self._client
+        self._call = client._new_call()
+
+        def attempt(number: int) -> tuple[httpx.Response, Any, dict[str, Any] | None]:
+            response = client._send(self._prepared, number, stream=True)
+            events = iter_events(response.iter_lines())
+            try:
+                first = next(events)
+            except StopIteration:
+                response.close()
+                raise APIResponseError(
+                    "the stream ended before its first event", response=response
+                ) from None
+            except httpx.HTTPError as exc:
+                response.close()
+                # No event yet: nothing delivered, so this is as retryable as a refused connection.
+                raise client._transport_error(exc, response.request, answered=False) from exc
+            except BaseException:
+                response.close()
+                raise
+            return response, events, first
+
+        self._response, self._events, first = client._run(self._call, attempt)
+        self._feed(first)
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> CompletionChunk:
+        self._open()
+        while not self._pending:
+            if self._acc.done:
+                self.close()
+                raise StopIteration
+            try:
+                payload = next(self._events)
+            except StopIteration:
+                self.close()
+                self._end(saw_done=False)
+                continue
+            except httpx.HTTPError as exc:
+                self.close()
+                raise self._broken(exc, self._response.request if self._response else None) from exc
+            except BaseException:
+                self.close()
+                raise
+            self._feed(payload)
+        return self._pending.popleft()
+
+    def close(self) -> None:
+        if self._response is not None:
+            self._response.close()
+
+
+class AsyncStream(_StreamBase):
+    """Async :class:`Stream`: ``async with`` and ``async for``."""
+
+    def __init__(
+        self, client: AsyncClient, prepare: Callable[[], Awaitable[_Prepared]], *, chat: bool
+    ) -> None:
+        super().__init__(None, chat=chat)
+        self._prepare = prepare
+        self._client = client
+        self._response: httpx.Response | None = None
+        self._events: Any = None
+
+    async def __aenter__(self) -> AsyncStream:
+        await self._open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _open(self) -> None:
+        if self._call is not None:
+            return
+        client = self._client
+        if self._prepared_value is None:
+            # Discovery and counting happen here, so `async with client.chat_stream(...)` works.
+            self._prepared_value = await self._prepare()
+        self._call = client._new_call()
+
+        async def attempt(number: int) -> tuple[httpx.Response, Any, dict[str, Any] | None]:
+            response = await client._send(self._prepared, number, stream=True)
+            events = aiter_events(response.aiter_lines())
+            try:
+                first = await events.__anext__()
+            except StopAsyncIteration:
+                await response.aclose()
+                raise APIResponseError(
+                    "the stream ended before its first event", response=response
+                ) from None
+            except httpx.HTTPError as exc:
+                await events.aclose()
+                await response.aclose()
+                raise client._transport_error(exc, response.request, answered=False) from exc
+            except BaseException:
+                await events.aclose()
+                await response.aclose()
+                raise
+            return response, events, first
+
+        self._response, self._events, first = await client._run(self._call, attempt)
+        self._feed(first)
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> CompletionChunk:
+        await self._open()
+        while not self._pending:
+            if self._acc.done:
+                await self.aclose()
+                raise StopAsyncIteration
+            try:
+                payload = await self._events.__anext__()
+            except StopAsyncIteration:
+                await self.aclose()
+                self._end(saw_done=False)
+                continue
+            except httpx.HTTPError as exc:
+                await self.aclose()
+                raise self._broken(exc, self._response.request if self._response else None) from exc
+            except BaseException:
+                await self.aclose()
+                raise
+            self._feed(payload)
+        return self._pending.popleft()
+
+    async def aclose(self) -> None:
+        if self._events is not None:
+            events, self._events = self._events, None
+            await events.aclose()
+        if self._response is not None:
+            await self._response.aclose()
+
+
+class Client(BaseClient):
+    """Synchronous client. Thread-safe: share one per server so its cooldown is shared.
+
+    >>> with Client(base_url="http://127.0.0.1:8000", model="m", context_window=8192) as c:
+    ...     c.complete("Say hi", max_tokens=16).text  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str | httpx.URL,
+        model: str | None = None,
+        context_window: int | None = None,
+        api_key: str | None = None,
+        counter: TokenCounter | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        headers: Mapping[str, str] | None = None,
+        safety_margin: float = DEFAULT_SAFETY_MARGIN,
+        on_retry: Callable[[RetryEvent], None] | None = None,
+        transport: httpx.BaseTransport | None = None,
+        http_client: httpx.Client | None = None,
+    ) -> None:
+        super().__init__(
+            base_url=base_url,
+            model=model,
+            context_window=context_window,
+            api_key=api_key,
+            counter=counter,
+            retry=retry,
+            timeout=timeout,
+            headers=headers,
+            safety_margin=safety_margin,
+            on_retry=on_retry,
+        )
+        if http_client is not None and transport is not None:
+            raise ValueError("pass transport= or http_client=, not both")
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.Client(transport=transport, timeout=timeout)
+        self._discovery_lock = threading.Lock()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connections (not those of an ``http_client`` passed in)."""
+        if self._owns_http:
+            self._http.close()
+
+    # --- I/O ---------------------------------------------------------------------------------
+
+    def _hold(self, call: RetryCall) -> None:
+        for _ in call.hold_rounds():
+            wait = call.hold_time()
+            if wait <= 0:
+                return
+            self.retry.sleep(wait)
+            call.held(wait)
+        raise self._stuck(call)
+
+    def _run(self, call: RetryCall, attempt: Callable[[int], T]) -> T:
+        results: list[T] = []
+        for manager in call.attempts_iter():
+            with manager:
+                self._hold(call)
+                results.append(attempt(call.begin_attempt()))
+        return results[-1]
+
+    def _send_request(self, request: httpx.Request, *, stream: bool) -> httpx.Response:
+        try:
+            response = self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc, request, answered=False) from exc
+        if stream and response.status_code < 400:
+            return response
+        try:
+            response.read()
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc, request, answered=True) from exc
+        finally:
+            response.close()
+        if response.status_code >= 400:
+            raise self._status_error(response)
+        return response
+
+    def _send(self, prepared: _Prepared, attempt: int, *, stream: bool = False) -> httpx.Response:
+        request = self._build_request(self._http, prepared, attempt)
+        return self._send_request(request, stream=stream)
+
+    def _discover(self) -> None:
+        if not self._needs_discovery():
+            return
+        with self._discovery_lock:
+            if not self._needs_discovery():
+                return
+
+            def attempt(number: int) -> dict[str, Any]:
+                request = self._http.build_request(
+                    "GET", self._url(_MODELS), headers=self._headers(None, number)
+                )
+                return self._json(self._send_request(request, stream=False))
+
+            self._adopt_models(self._run(self._new_call(), attempt))
+
+    def _call(self, prepared: _Prepared) -> Completion:
+        call = self._new_call()
+        payload = self._run(
+            call, lambda number: self._json(self._send(prepared, number, stream=False))
+        )
+        return self._completion(payload, prepared, call)
+
+    # --- API ---------------------------------------------------------------------------------
+
+    def complete(self, prompt: str, *, max_tokens: int | None = None, **params: Any) -> Completion:
+        """``POST /v1/completions`` with an explicit, clamped ``max_tokens``."""
+        self._discover()
+        return self._call(self._prepare_completion(prompt, max_tokens, params, stream=False))
+
+    def chat(
+        self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
+    ) -> Completion:
+        """``POST /v1/chat/completions`` with an explicit, clamped ``max_tokens``."""
+        self._discover()
+        return self._call(self._prepare_chat(messages, max_tokens, params, stream=False))
+
+    def complete_stream(
+        self, prompt: str, *, max_tokens: int | None = None, **params: Any
+    ) -> Stream:
+        """Stream ``/v1/completions``; use as ``with ... as stream: for chunk in stream``."""
+        self._discover()
+        return Stream(self, self._prepare_completion(prompt, max_tokens, params, stream=True))
+
+    def chat_stream(
+        self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
+    ) -> Stream:
+        """Stream ``/v1/chat/completions``; use as ``with ... as stream: for chunk in stream``."""
+        self._discover()
+        return Stream(self, self._prepare_chat(messages, max_tokens, params, stream=True))
+
+
+class AsyncClient(BaseClient):
+    """Asynchronous client, on asyncio or trio (anyio underneath). Share one per server.
+
+    >>> async with AsyncClient(base_url="http://127.0.0.1:8000") as c:  # doctest: +SKIP
+    ...     (await c.chat([{"role": "user", "content": "hi"}])).text
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str | httpx.URL,
+        model: str | None = None,
+        context_window: int | None = None,
+        api_key: str | None = None,
+        counter: TokenCounter | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        headers: Mapping[str, str] | None = None,
+        safety_margin: float = DEFAULT_SAFETY_MARGIN,
+        on_retry: Callable[[RetryEvent], None] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        super().__init__(
+            base_url=base_url,
+            model=model,
+            context_window=context_window,
+            api_key=api_key,
+            counter=counter,
+            retry=retry,
+            timeout=timeout,
+            headers=headers,
+            safety_margin=safety_margin,
+            on_retry=on_retry,
+        )
+        if http_client is not None and transport is not None:
+            raise ValueError("pass transport= or http_client=, not both")
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.AsyncClient(transport=transport, timeout=timeout)
+        # anyio locks bind to the event loop that first uses them: create it inside one.
+        self._discovery_lock: anyio.Lock | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connections (not those of an ``http_client`` passed in)."""
+        if self._owns_http:
+            await self._http.aclose()
+
+    # --- I/O ---------------------------------------------------------------------------------
+
+    async def _hold(self, call: RetryCall) -> None:
+        for _ in call.hold_rounds():
+            wait = call.hold_time()
+            if wait <= 0:
+                return
+            await self.retry.async_sleep(wait)
+            call.held(wait)
+        raise self._stuck(call)
+
+    async def _run(self, call: RetryCall, attempt: Callable[[int], Any]) -> Any:
+        results: list[Any] = []
+        async for manager in call.async_attempts():
+            with manager:
+                await self._hold(call)
+                results.append(await attempt(call.begin_attempt()))
+        return results[-1]
+
+    async def _send_request(self, request: httpx.Request, *, stream: bool) -> httpx.Response:
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc, request, answered=False) from exc
+        if stream and response.status_code < 400:
+            return response
+        try:
+            await response.aread()
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc, request, answered=True) from exc
+        finally:
+            await response.aclose()
+        if response.status_code >= 400:
+            raise self._status_error(response)
+        return response
+
+    async def _send(
+        self, prepared: _Prepared, attempt: int, *, stream: bool = False
+    ) -> httpx.Response:
+        request = self._build_request(self._http, prepared, attempt)
+        return await self._send_request(request, stream=stream)
+
+    async def _discover(self) -> None:
+        if not self._needs_discovery():
+            return
+        if self._discovery_lock is None:
+            self._discovery_lock = anyio.Lock()
+        async with self._discovery_lock:
+            if not self._needs_discovery():
+                return
+
+            async def attempt(number: int) -> dict[str, Any]:
+                request = self._http.build_request(
+                    "GET", self._url(_MODELS), headers=self._headers(None, number)
+                )
+                return self._json(await self._send_request(request, stream=False))
+
+            self._adopt_models(await self._run(self._new_call(), attempt))
+
+    async def _call(self, prepared: _Prepared) -> Completion:
+        call = self._new_call()
+
+        async def attempt(number: int) -> dict[str, Any]:
+            return self._json(await self._send(prepared, number, stream=False))
+
+        payload = await self._run(call, attempt)
+        return self._completion(payload, prepared, call)
+
+    # --- API ---------------------------------------------------------------------------------
+
+    async def complete(
+        self, prompt: str, *, max_tokens: int | None = None, **params: Any
+    ) -> Completion:
+        """``POST /v1/completions`` with an explicit, clamped ``max_tokens``."""
+        await self._discover()
+        return await self._call(self._prepare_completion(prompt, max_tokens, params, stream=False))
+
+    async def chat(
+        self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
+    ) -> Completion:
+        """``POST /v1/chat/completions`` with an explicit, clamped ``max_tokens``."""
+        await self._discover()
+        return await self._call(self._prepare_chat(messages, max_tokens, params, stream=False))
+
+    def complete_stream(
+        self, prompt: str, *, max_tokens: int | None = None, **params: Any
+    ) -> AsyncStream:
+        """Stream ``/v1/completions``: ``async with client.complete_stream(...) as stream``.
+
+        The request is counted, clamped and sent when the stream is entered (or first iterated).
+        """
+
+        async def prepare() -> _Prepared:
+            await self._discover()
+            return self._prepare_completion(prompt, max_tokens, params, stream=True)
+
+        return AsyncStream(self, prepare, chat=False)
+
+    def chat_stream(
+        self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
+    ) -> AsyncStream:
+        """Stream ``/v1/chat/completions``: ``async with client.chat_stream(...) as stream``.
+
+        The request is counted, clamped and sent when the stream is entered (or first iterated).
+        """
+
+        async def prepare() -> _Prepared:
+            await self._discover()
+            return self._prepare_chat(messages, max_tokens, params, stream=True)
+
+        return AsyncStream(self, prepare, chat=True)

@@ -1,0 +1,499 @@
+"""Retry policy: pure decisions, no I/O.
+
+What to retry, how long to wait, when to give up, and the client-wide cooldown all live here as
+plain functions and small value objects, so sync and async clients share them and tests drive
+them with an injected clock. tenacity runs the loop (:class:`RetryCall` builds its ``Retrying``
+objects), but none of its types leave this module.
+
+>>> parse_retry_after({"Retry-After": "2"})
+2.0
+>>> parse_retry_after({"retry-after-ms": "1500", "Retry-After": "2"})
+1.5
+>>> parse_retry_after({"Retry-After": "soon"}) is None
+True
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import math
+import random as _random
+import re
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import tenacity
+
+from ._exceptions import (
+    APIConnectionError,
+    APIStatusError,
+    KVClientError,
+    ServerBusyError,
+)
+from ._models import RetryEvent
+
+__all__ = [
+    "DEFAULT_BACKOFF_INITIAL",
+    "DEFAULT_BACKOFF_MAX",
+    "DEFAULT_BACKOFF_MIN",
+    "DEFAULT_BACKOFF_MULTIPLIER",
+    "DEFAULT_DEADLINE",
+    "DEFAULT_JITTER_ABSOLUTE",
+    "DEFAULT_JITTER_RATIO",
+    "DEFAULT_MAX_ATTEMPTS",
+    "DEFAULT_MAX_WAIT",
+    "Cooldown",
+    "RetryBudget",
+    "RetryCall",
+    "RetryPolicy",
+    "backoff_wait",
+    "is_retryable",
+    "parse_retry_after",
+    "server_wait",
+]
+
+logger = logging.getLogger("kvclient")
+
+#: Attempts per call, the first one included.
+DEFAULT_MAX_ATTEMPTS = 6
+#: Seconds a call may take across all its attempts and waits.
+DEFAULT_DEADLINE = 120.0
+#: Longest single wait kvclient accepts; a server asking for more gets ServerBusyError at once.
+DEFAULT_MAX_WAIT = 60.0
+#: Full-jitter exponential backoff when the server gives no advice.
+DEFAULT_BACKOFF_INITIAL = 0.5
+DEFAULT_BACKOFF_MULTIPLIER = 2.0
+DEFAULT_BACKOFF_MAX = 10.0
+#: Floor of a backoff wait: full jitter alone can draw ~0, which would be a zero-delay retry.
+DEFAULT_BACKOFF_MIN = 0.05
+#: Jitter added *above* the server's advice: up to 10% of it plus up to 0.1 s.
+DEFAULT_JITTER_RATIO = 0.1
+DEFAULT_JITTER_ABSOLUTE = 0.1
+
+# A header longer than this is garbage (or hostile); never feed megabytes to float() or a parser.
+_MAX_HEADER_LENGTH = 64
+_DELTA_SECONDS = re.compile(r"\s*(\d{1,20}(?:\.\d{1,9})?)\s*")
+# Guard for injected clocks that do not advance: a hold loop never spins forever.
+_MAX_HOLD_ROUNDS = 1000
+
+
+def _header(headers: Mapping[str, str] | Any, name: str) -> str | None:
+    getter = getattr(headers, "get", None)
+    if getter is None:
+        return None
+    value = getter(name)
+    if value is None and not hasattr(headers, "multi_items"):  # a plain dict: case-insensitive
+        for key, candidate in headers.items():
+            if isinstance(key, str) and key.lower() == name:
+                value = candidate
+                break
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    return value if isinstance(value, str) else None
+
+
+def parse_retry_after(
+    headers: Mapping[str, str] | Any, *, now: float | None = None
+) -> float | None:
+    """The server's advised wait in seconds, or None when it gave no usable advice.
+
+    ``retry-after-ms`` (milliseconds) wins over ``Retry-After``, which is either delta-seconds
+    (integer or decimal) or an HTTP-date, read relative to ``now`` (Unix time, default: the
+    current time). A date in the past means "now": ``0.0``. Anything malformed, negative,
+    non-finite or absurdly long is ignored. Never raises.
+    """
+    try:
+        millis = _header(headers, "retry-after-ms")
+        if millis is not None and len(millis) <= _MAX_HEADER_LENGTH:
+            match = _DELTA_SECONDS.fullmatch(millis)
+            if match:
+                seconds = float(match.group(1)) / 1000.0
+                if math.isfinite(seconds):
+                    return seconds
+        value = _header(headers, "retry-after")
+        if value is None or len(value) > _MAX_HEADER_LENGTH:
+            return None
+        match = _DELTA_SECONDS.fullmatch(value)
+        if match:
+            seconds = float(match.group(1))
+            return seconds if math.isfinite(seconds) else None
+        try:
+            when = email.utils.parsedate_to_datetime(value.strip())
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        if when.tzinfo is None:  # RFC 9110 dates are GMT; a naive result had no zone at all
+            return None
+        current = time.time() if now is None else now
+        delta = when.timestamp() - current
+        if not math.isfinite(delta):
+            return None
+        return max(0.0, delta)
+    except Exception:  # a header parser must never take the client down
+        return None
+
+
+class RetryBudget:
+    """A token bucket bounding retries to a share of traffic (gRPC retry throttling).
+
+    The bucket starts full with ``max_tokens``. Each retryable failure spends one token, each
+    success earns ``token_ratio`` back. Retries are allowed only while more than half the bucket
+    is left, so a server that keeps failing sees retries fall to about ``token_ratio`` of
+    traffic, while a server that is merely pacing (some successes between 429s) keeps them.
+    Thread-safe; share one budget between clients to bound them together.
+    """
+
+    __slots__ = ("_lock", "_tokens", "max_tokens", "token_ratio")
+
+    def __init__(self, max_tokens: float = 10.0, token_ratio: float = 0.1) -> None:
+        if not (max_tokens > 0 and math.isfinite(max_tokens)):
+            raise ValueError(f"max_tokens must be a positive number, got {max_tokens!r}")
+        if not (0 < token_ratio <= max_tokens):
+            raise ValueError(f"token_ratio must be in (0, max_tokens], got {token_ratio!r}")
+        self.max_tokens = float(max_tokens)
+        self.token_ratio = float(token_ratio)
+        self._tokens = float(max_tokens)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"RetryBudget(tokens={self.tokens:.2f}/{self.max_tokens}, ratio={self.token_ratio})"
+
+    @property
+    def tokens(self) -> float:
+        return self._tokens
+
+    def record_success(self) -> None:
+        with self._lock:
+            self._tokens = min(self.max_tokens, self._tokens + self.token_ratio)
+
+    def record_failure(self) -> None:
+        with self._lock:
+            self._tokens = max(0.0, self._tokens - 1.0)
+
+    def allows_retry(self) -> bool:
+        with self._lock:
+            return self._tokens > self.max_tokens / 2
+
+
+def _default_sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+async def _default_async_sleep(seconds: float) -> None:
+    await anyio.sleep(seconds)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryPolicy:
+    """When to retry, how long to wait, when to give up.
+
+    ``max_attempts`` counts every request of one call; ``deadline`` bounds the whole call in
+    seconds; ``max_wait`` caps one wait: a server asking for more, or for more than the time left
+    before the deadline, gets :class:`ServerBusyError` at once instead of a hopeless sleep.
+
+    The server's advice (Retry-After) is a floor: the wait is the advice plus a random jitter of
+    up to ``jitter_ratio`` x advice + ``jitter_absolute``, never less. Without advice the wait is
+    full-jitter exponential backoff: uniform in [``backoff_min``, min(``backoff_max``,
+    ``backoff_initial`` x ``backoff_multiplier`` ** (attempt - 1))].
+
+    ``clock`` (monotonic seconds), ``wall_clock`` (Unix time, for HTTP-dates), ``sleep``,
+    ``async_sleep`` and ``random`` are injectable, so tests never sleep for real; see
+    :mod:`kvclient.testing`.
+    """
+
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    deadline: float = DEFAULT_DEADLINE
+    max_wait: float = DEFAULT_MAX_WAIT
+    backoff_initial: float = DEFAULT_BACKOFF_INITIAL
+    backoff_multiplier: float = DEFAULT_BACKOFF_MULTIPLIER
+    backoff_max: float = DEFAULT_BACKOFF_MAX
+    backoff_min: float = DEFAULT_BACKOFF_MIN
+    jitter_ratio: float = DEFAULT_JITTER_RATIO
+    jitter_absolute: float = DEFAULT_JITTER_ABSOLUTE
+    retry_budget: RetryBudget | None = None
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    wall_clock: Callable[[], float] = field(default=time.time, repr=False)
+    sleep: Callable[[float], None] = field(default=_default_sleep, repr=False)
+    async_sleep: Callable[[float], Awaitable[None]] = field(
+        default=_default_async_sleep, repr=False
+    )
+    random: Callable[[], float] = field(default=_random.random, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise ValueError(f"max_attempts must be an integer, got {self.max_attempts!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        for name in ("deadline", "max_wait", "backoff_initial", "backoff_max"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and not math.isnan(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in ("backoff_min", "jitter_ratio", "jitter_absolute"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not (self.backoff_multiplier >= 1 and math.isfinite(self.backoff_multiplier)):
+            raise ValueError(f"backoff_multiplier must be >= 1, got {self.backoff_multiplier!r}")
+
+
+def backoff_wait(policy: RetryPolicy, attempt: int) -> float:
+    """Full-jitter exponential backoff after failed attempt number ``attempt`` (1-based)."""
+    exponent = min(max(attempt - 1, 0), 64)  # 2**64 x anything is past any cap already
+    ceiling = min(policy.backoff_max, policy.backoff_initial * policy.backoff_multiplier**exponent)
+    floor = min(policy.backoff_min, ceiling)
+    return floor + (ceiling - floor) * policy.random()
+
+
+def server_wait(policy: RetryPolicy, advice: float) -> float:
+    """The wait for a server's advice: the advice plus jitter above it, capped at max_wait.
+
+    Never below ``advice``; callers check ``advice <= max_wait`` first.
+    """
+    jitter = (policy.jitter_ratio * advice + policy.jitter_absolute) * policy.random()
+    return max(advice, min(advice + jitter, policy.max_wait))
+
+
+def is_retryable(error: BaseException) -> bool:
+    """Whether a retry may fix ``error``: the classification made when the error was built."""
+    if isinstance(error, (APIStatusError, APIConnectionError)):
+        return error.retryable
+    return False
+
+
+class Cooldown:
+    """A client-wide "not before" time, shared by every request of one client.
+
+    One 429 with Retry-After T pushes it to now + T; other requests hold new sends until then
+    instead of each discovering the overload with a 429 of their own. Pure value logic over the
+    times it is given; a lock only keeps concurrent updates from losing the later time.
+    """
+
+    __slots__ = ("_lock", "_not_before", "advice")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._not_before = -math.inf
+        self.advice: float | None = None
+
+    def extend(self, now: float, advice: float) -> None:
+        """The server asked for ``advice`` seconds at monotonic time ``now``."""
+        with self._lock:
+            until = now + advice
+            if until > self._not_before:
+                self._not_before = until
+                self.advice = advice
+
+    def remaining(self, now: float) -> float:
+        return max(0.0, self._not_before - now)
+
+
+@dataclass(frozen=True, slots=True)
+class _Decision:
+    retry: bool
+    wait: float = 0.0
+    give_up: KVClientError | None = None
+
+
+class RetryCall:
+    """The state of one call across its attempts, and the tenacity loop that drives them.
+
+    Sync and async clients share it: they iterate :meth:`attempts` or :meth:`async_attempts`
+    and, inside each attempt, call :meth:`hold_time` before sending. Every decision is made here.
+    """
+
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        cooldown: Cooldown,
+        *,
+        on_retry: Callable[[RetryEvent], None] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.cooldown = cooldown
+        self.on_retry = on_retry
+        self.started = policy.clock()
+        self.attempts = 0
+        self.history: list[RetryEvent] = []
+        self.waited = 0.0
+        self._decision = _Decision(retry=False)
+
+    # --- decisions ---------------------------------------------------------------------------
+
+    def elapsed(self) -> float:
+        return max(0.0, self.policy.clock() - self.started)
+
+    def time_left(self) -> float:
+        return self.policy.deadline - self.elapsed()
+
+    def begin_attempt(self) -> int:
+        self.attempts += 1
+        return self.attempts
+
+    def _busy(
+        self, reason: str, advice: float | None, last: BaseException | None
+    ) -> ServerBusyError:
+        error = ServerBusyError(reason, retry_after=advice, attempts=self.attempts, last_error=last)
+        return error
+
+    def hold_time(self) -> float:
+        """Seconds to hold before sending because the client is cooling down (0: send now).
+
+        Raises ServerBusyError when the cooldown outlasts the wait cap or the deadline.
+        """
+        remaining = self.cooldown.remaining(self.policy.clock())
+        if remaining <= 0:
+            return 0.0
+        if remaining > self.policy.max_wait or remaining >= self.time_left():
+            raise self._busy(
+                f"client is cooling down for {remaining:.3g}s more after the server's "
+                f"Retry-After, longer than the wait cap ({self.policy.max_wait:g}s) or the "
+                f"{max(self.time_left(), 0.0):.3g}s left before the deadline",
+                self.cooldown.advice,
+                None,
+            )
+        # Jitter above the remaining time too, so held requests do not all return at once.
+        return server_wait(self.policy, remaining)
+
+    def held(self, seconds: float) -> None:
+        self.waited += seconds
+
+    def decide(self, error: BaseException | None) -> _Decision:
+        """What to do after an attempt: ``error`` None means it succeeded."""
+        budget = self.policy.retry_budget
+        if error is None:
+            if budget is not None:
+                budget.record_success()
+            return _Decision(retry=False)
+        self._annotate(error)
+        if not is_retryable(error):
+            return _Decision(retry=False)
+        advice = error.retry_after if isinstance(error, APIStatusError) else None
+        if advice is not None and advice > 0 and isinstance(error, APIStatusError):
+            # The server said when it will have room: the whole client waits for that moment.
+            self.cooldown.extend(self.policy.clock(), advice)
+        if budget is not None:
+            budget.record_failure()
+        if self.attempts >= self.policy.max_attempts:
+            return self._give_up(f"gave up after {self.attempts} attempts: {error}", advice, error)
+        if budget is not None and not budget.allows_retry():
+            return self._give_up(
+                f"retry budget exhausted ({budget.tokens:.1f}/{budget.max_tokens:g} tokens): "
+                f"the server keeps failing; not retrying: {error}",
+                advice,
+                error,
+            )
+        left = self.time_left()
+        if advice is not None and advice > 0:
+            if advice > self.policy.max_wait:
+                return self._give_up(
+                    f"server asked to retry after {advice:.6g}s, more than the wait cap of "
+                    f"{self.policy.max_wait:g}s: {error}",
+                    advice,
+                    error,
+                )
+            if advice >= left:
+                return self._give_up(
+                    f"server asked to retry after {advice:.6g}s but only {max(left, 0):.3g}s "
+                    f"are left before the {self.policy.deadline:g}s deadline: {error}",
+                    advice,
+                    error,
+                )
+            wait = server_wait(self.policy, advice)
+        else:
+            # No advice (or "now", a past date): back off; a zero-delay retry helps nobody.
+            wait = backoff_wait(self.policy, self.attempts)
+            if wait >= left:
+                return self._give_up(
+                    f"deadline of {self.policy.deadline:g}s reached after {self.attempts} "
+                    f"attempts: {error}",
+                    advice,
+                    error,
+                )
+        wait = min(wait, max(left, 0.0))
+        return _Decision(retry=True, wait=wait)
+
+    def _give_up(self, message: str, advice: float | None, error: BaseException) -> _Decision:
+        if isinstance(error, APIConnectionError):
+            # No capacity signal from the server: the connection error itself is the answer.
+            return _Decision(retry=True, give_up=error)
+        busy = self._busy(message, advice, error)
+        self._annotate(busy)
+        return _Decision(retry=True, give_up=busy)
+
+    def _annotate(self, error: BaseException) -> None:
+        if isinstance(error, KVClientError):
+            error.attempts = self.attempts
+            error.history = tuple(self.history)
+
+    def _record(self, error: BaseException | None, wait: float) -> None:
+        status = error.status_code if isinstance(error, APIStatusError) else None
+        advice = error.retry_after if isinstance(error, APIStatusError) else None
+        event = RetryEvent(
+            attempt=self.attempts,
+            status_code=status,
+            error=f"{type(error).__name__}: {error}" if error is not None else "",
+            wait=wait,
+            retry_after=advice,
+        )
+        self.history.append(event)
+        self.waited += wait
+        logger.info(
+            "kvclient retry: attempt %d failed (%s), waiting %.3fs",
+            event.attempt,
+            event.status_code if event.status_code is not None else type(error).__name__,
+            wait,
+            extra={"kvclient_retry": event},
+        )
+        if self.on_retry is not None:
+            self.on_retry(event)
+
+    # --- tenacity glue -----------------------------------------------------------------------
+
+    def _t_retry(self, state: tenacity.RetryCallState) -> bool:
+        outcome = state.outcome
+        error = outcome.exception() if outcome is not None and outcome.failed else None
+        self._decision = self.decide(error)
+        return self._decision.retry
+
+    def _t_wait(self, state: tenacity.RetryCallState) -> float:
+        return self._decision.wait
+
+    def _t_stop(self, state: tenacity.RetryCallState) -> bool:
+        return self._decision.give_up is not None
+
+    def _t_give_up(self, state: tenacity.RetryCallState) -> Any:
+        error = self._decision.give_up
+        assert error is not None
+        cause = state.outcome.exception() if state.outcome is not None else None
+        if error is cause:
+            raise error
+        raise error from cause
+
+    def _t_before_sleep(self, state: tenacity.RetryCallState) -> None:
+        outcome = state.outcome
+        error = outcome.exception() if outcome is not None and outcome.failed else None
+        self._record(error, self._decision.wait)
+
+    def _options(self) -> dict[str, Any]:
+        return {
+            "retry": self._t_retry,
+            "wait": self._t_wait,
+            "stop": self._t_stop,
+            "retry_error_callback": self._t_give_up,
+            "before_sleep": self._t_before_sleep,
+        }
+
+    def attempts_iter(self) -> Iterator[Any]:
+        """Context managers, one per attempt: ``with attempt: ...`` (sync)."""
+        return iter(tenacity.Retrying(sleep=self.policy.sleep, **self._options()))
+
+    def async_attempts(self) -> AsyncIterator[Any]:
+        """Context managers, one per attempt: ``with attempt: ...`` (async)."""
+        return tenacity.AsyncRetrying(sleep=self.policy.async_sleep, **self._options()).__aiter__()
+
+    def hold_rounds(self) -> range:
+        return range(_MAX_HOLD_ROUNDS)
