@@ -208,12 +208,13 @@ class TiktokenCounter:
     ordinary text, as a server that does not parse specials in user input would.
     """
 
-    __slots__ = ("_encoding", "encoding_name", "path")
+    __slots__ = ("_encode", "_encoding", "encoding_name", "path")
 
     def __init__(self, encoding: str = "cl100k_base", *, path: str | Path | None = None) -> None:
         self.encoding_name = encoding
         self.path = str(path) if path is not None else None
         self._encoding: Any = None
+        self._encode: Callable[[str], list[int]] | None = None
 
     def __repr__(self) -> str:
         extra = f", path={self.path!r}" if self.path else ""
@@ -224,6 +225,7 @@ class TiktokenCounter:
         """The loaded ``tiktoken.Encoding``."""
         if self._encoding is None:
             self._encoding = _load_encoding(self.encoding_name, self.path)
+            self._encode = self._encoding.encode_ordinary
         return self._encoding
 
     def load(self) -> TiktokenCounter:
@@ -240,9 +242,19 @@ class TiktokenCounter:
         return text
 
     def count(self, text: str) -> int:
-        if not isinstance(text, str):
-            raise TypeError(f"count() takes a str, got {type(text).__name__}")
-        return len(self.encoding.encode_ordinary(text))
+        # The hot path of every request: one bound-method call, no per-call checks (tiktoken
+        # itself raises TypeError for a non-str, which is re-worded below).
+        encode = self._encode
+        if encode is None:
+            _ = self.encoding
+            encode = self._encode
+            assert encode is not None
+        try:
+            return len(encode(text))
+        except TypeError:
+            if isinstance(text, str):
+                raise
+            raise TypeError(f"count() takes a str, got {type(text).__name__}") from None
 
     def count_messages(self, messages: Sequence[Message]) -> int:
         return count_chat_tokens(messages, self.count)

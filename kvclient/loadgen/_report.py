@@ -1,0 +1,135 @@
+"""Turning summaries into tables, and reading a server's Prometheus metrics (pure, plus print).
+
+Tables print with rich when it is installed (the ``bench`` extra) and as aligned plain text
+otherwise, so a report never needs more than the core install.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+from ._metrics import Distribution, Summary
+
+__all__ = [
+    "format_count",
+    "format_seconds",
+    "parse_prometheus_text",
+    "print_table",
+    "summary_rows",
+]
+
+
+def format_seconds(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    if value < 1.0:
+        return f"{value * 1000:.0f} ms"
+    return f"{value:.2f} s"
+
+
+def format_count(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.{digits}f}"
+
+
+def _dist(d: Distribution) -> str:
+    if not d.count:
+        return "-"
+    return (
+        f"p50 {format_seconds(d.p50)} · p90 {format_seconds(d.p90)} · p99 {format_seconds(d.p99)}"
+    )
+
+
+def summary_rows(s: Summary) -> list[tuple[str, str]]:
+    """The rows of a bench summary, in reading order."""
+    causes = ", ".join(f"{k} {v}" for k, v in s.failed_by_cause.items()) or "-"
+    rows = [
+        ("requests sent", format_count(s.sent)),
+        ("completed", format_count(s.completed)),
+        ("failed", f"{s.failed} ({causes})" if s.failed else "0"),
+        ("429s received", format_count(s.http_429)),
+        ("503s received", format_count(s.http_503)),
+        ("attempts per completed request", format_count(s.attempts_per_completed)),
+        ("time spent backing off", format_seconds(s.backoff_seconds)),
+        ("end-to-end latency", _dist(s.latency)),
+        ("time to first token", _dist(s.ttft)),
+        ("time per output token", _dist(s.tpot)),
+        ("inter-token latency", _dist(s.itl)),
+        ("request throughput", f"{s.request_throughput:.2f} req/s"),
+        ("output token throughput", f"{s.output_token_throughput:.1f} tok/s"),
+        ("schedule lag (planned → sent)", _dist(s.schedule_lag)),
+        ("wall time", format_seconds(s.duration)),
+    ]
+    if s.goodput is not None:
+        rows.append(("goodput (within SLOs)", f"{s.goodput:.2f} req/s"))
+    return rows
+
+
+def print_table(
+    title: str,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    file: IO[str] | None = None,
+) -> None:
+    """Print a table: rich when available, plain aligned columns otherwise."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        _print_plain(title, headers, rows, file=file)
+        return
+    table = Table(title=title, title_justify="left")
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    Console(file=file, width=max(100, sum(len(h) for h in headers) + 40)).print(table)
+
+
+def _print_plain(
+    title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], *, file: IO[str] | None
+) -> None:
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    for row in rows:
+        cells = [row[0].ljust(widths[0])]
+        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+    print("\n".join(lines), file=file)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_prometheus_text(text: str) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus text exposition, by name (labelled ones are skipped).
+
+    >>> parse_prometheus_text("# HELP x y\\nkv_rejected_total 3.0\\n")
+    {'kv_rejected_total': 3.0}
+    """
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or match.group(2):
+            continue
+        try:
+            samples[match.group(1)] = float(match.group(3))
+        except ValueError:
+            continue
+    return samples
+
+
+def metric_delta(
+    before: Mapping[str, float], after: Mapping[str, float], name: str
+) -> float | None:
+    if name not in after:
+        return None
+    return after[name] - before.get(name, 0.0)
