@@ -237,9 +237,10 @@ class KVAdmissionController:
     def release(self, handle: Handle) -> None:
         """Give a reservation back. Idempotent: a second release of the same handle is a no-op."""
         with self._lock:
-            if handle.released or self._live.pop(handle.id, None) is None:
-                handle.released = True
+            # Identity, not just the id: a handle from another ledger may share the number.
+            if handle.released or self._live.get(handle.id) is not handle:
                 return
+            del self._live[handle.id]
             handle.released = True
             self._reserved -= handle.reserved_tokens
             self._released_total += 1

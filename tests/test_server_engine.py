@@ -1,0 +1,142 @@
+"""The simulated engine: real tokens, reproducible lengths, a physical pool that can overflow."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kvclient import TiktokenCounter
+from reference_server import EngineOOMError, SimulatedEngine
+
+pytestmark = pytest.mark.anyio
+
+COUNTER = TiktokenCounter()
+
+
+def make(**kw: object) -> SimulatedEngine:
+    defaults: dict[str, object] = {
+        "tokenizer": COUNTER,
+        "capacity_tokens": 100_000,
+        "decode_rate": 20_000.0,
+        "mean_output_tokens": 50.0,
+        "tick_seconds": 0.005,
+    }
+    defaults.update(kw)
+    return SimulatedEngine(**defaults)  # type: ignore[arg-type]
+
+
+async def test_generated_text_retokenizes_to_the_reported_count() -> None:
+    engine = make(mean_output_tokens=300.0)
+    for _ in range(5):
+        completion = await engine.generate(10, 400)
+        assert completion.completion_tokens >= 1
+        assert COUNTER.count(completion.text) == completion.completion_tokens
+
+
+async def test_streamed_pieces_make_the_whole_text() -> None:
+    engine = make(decode_rate=5000.0, mean_output_tokens=10_000.0)
+    pieces: list[str] = []
+
+    async def on_text(text: str) -> None:
+        pieces.append(text)
+
+    completion = await engine.generate(5, 120, on_text)
+    assert len(pieces) > 1  # several ticks, not one burst
+    assert "".join(pieces) == completion.text
+    assert completion.completion_tokens == 120
+    assert completion.finish_reason == "length"
+
+
+async def test_natural_length_stops_early_with_stop() -> None:
+    engine = make(mean_output_tokens=5.0, seed=1)
+    reasons = {(await engine.generate(1, 1000)).finish_reason for _ in range(10)}
+    assert reasons == {"stop"}
+
+
+async def test_cap_stops_with_length() -> None:
+    engine = make(mean_output_tokens=10_000.0)
+    completion = await engine.generate(1, 7)
+    assert completion.finish_reason == "length"
+    assert completion.completion_tokens == 7
+
+
+async def test_same_seed_same_outputs() -> None:
+    first = [(await make(seed=42).generate(3, 500)).text for _ in range(1)]
+    again = [(await make(seed=42).generate(3, 500)).text for _ in range(1)]
+    other = [(await make(seed=43).generate(3, 500)).text for _ in range(1)]
+    assert first == again
+    assert first != other
+
+
+async def test_decode_rate_paces_generation() -> None:
+    engine = make(decode_rate=2000.0, mean_output_tokens=10_000.0, tick_seconds=0.01)
+    start = anyio.current_time()
+    await engine.generate(1, 200)
+    assert anyio.current_time() - start >= 0.09  # 200 tokens at 2000/s = 0.1 s
+
+
+async def test_pool_overflow_fails_every_sequence_and_empties_the_pool() -> None:
+    # 8 sequences of 16-token prompts decoding up to 200 each: 1728 tokens > 1000 capacity.
+    engine = make(capacity_tokens=1000, decode_rate=4000.0, mean_output_tokens=100_000.0)
+    outcomes: list[str] = []
+
+    async def one() -> None:
+        try:
+            await engine.generate(16, 200)
+            outcomes.append("ok")
+        except EngineOOMError as exc:
+            outcomes.append(f"oom {exc.capacity_tokens}")
+
+    async with anyio.create_task_group() as group:
+        for _ in range(8):
+            group.start_soon(one)
+    assert outcomes == ["oom 1000"] * 8
+    stats = engine.stats()
+    assert stats.oom_events_total == 1
+    assert stats.oom_failed_sequences_total == 8
+    assert stats.used_tokens == 0
+    assert stats.running == 0
+    assert stats.peak_used_tokens > 1000
+
+
+async def test_within_capacity_nothing_fails() -> None:
+    engine = make(capacity_tokens=8 * 224, decode_rate=4000.0, mean_output_tokens=100_000.0)
+    async with anyio.create_task_group() as group:
+        for _ in range(8):
+            group.start_soon(engine.generate, 16, 200)
+    stats = engine.stats()
+    assert stats.oom_events_total == 0
+    assert stats.finished_total == 8
+    assert stats.used_tokens == 0
+    assert stats.peak_used_tokens <= 8 * 224
+
+
+async def test_cancellation_frees_the_sequence() -> None:
+    engine = make(decode_rate=1000.0, mean_output_tokens=100_000.0)
+    with anyio.move_on_after(0.05):
+        await engine.generate(100, 10_000)
+    stats = engine.stats()
+    assert stats.running == 0
+    assert stats.used_tokens == 0
+    assert stats.finished_total == 0
+
+
+async def test_pool_counts_whole_blocks_of_prompt_plus_generated() -> None:
+    engine = make(decode_rate=1000.0, mean_output_tokens=100_000.0, tick_seconds=0.005)
+    seen: list[int] = []
+
+    async def on_text(text: str) -> None:
+        seen.append(engine.stats().used_tokens)
+
+    await engine.generate(17, 40, on_text)
+    assert seen
+    assert all(used % 16 == 0 and 32 <= used <= 64 for used in seen)
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        make(capacity_tokens=0)
+    with pytest.raises(ValueError, match="decode_rate"):
+        make(decode_rate=0.0)
+    with pytest.raises(ValueError, match="mean_output_tokens"):
+        make(mean_output_tokens=0.0)

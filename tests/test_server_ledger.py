@@ -1,0 +1,332 @@
+"""The reservation ledger: pure arithmetic, thread safety, Retry-After estimates, invariants."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvclient import effective_output_cap, reservation_tokens
+from reference_server import Handle, KVAdmissionController
+
+
+def make(**kw: object) -> KVAdmissionController:
+    defaults: dict[str, object] = {
+        "total_kv_tokens": 10_000,
+        "context_window": 4096,
+        "decode_rate": 100.0,
+    }
+    defaults.update(kw)
+    return KVAdmissionController(**defaults)  # type: ignore[arg-type]
+
+
+def test_usable_budget_is_total_times_safety_fraction() -> None:
+    assert make().usable_tokens == 9000
+    assert make(safety_fraction=0.5).usable_tokens == 5000
+    ledger = make(kv_bytes_per_token=131072)
+    assert ledger.stats().usable_bytes == 9000 * 131072
+
+
+def test_reserve_mode_prices_prompt_plus_cap_in_whole_blocks() -> None:
+    ledger = make(block_size=16)
+    assert ledger.need_tokens(200, 4000) == reservation_tokens(200, 4000, block_size=16) == 4208
+    handle = ledger.try_admit(200, 4000, now=0.0)
+    assert handle is not None
+    assert handle.reserved_tokens == 4208
+    stats = ledger.stats()
+    assert stats.reserved_tokens == 4208
+    assert stats.inflight == 1
+    assert stats.admitted_total == 1
+
+
+def test_unset_cap_is_clamped_to_the_context_as_the_seed_says() -> None:
+    # The app clamps with kvclient's effective_output_cap before asking the ledger.
+    cap = effective_output_cap(None, prompt_tokens=200, context_window=4096)
+    assert cap == 3896
+    assert make().need_tokens(200, cap) == 4096
+
+
+def test_rejects_when_short_and_admits_after_release() -> None:
+    ledger = make()
+    first = ledger.try_admit(100, 4000, now=0.0)
+    second = ledger.try_admit(100, 4000, now=0.0)
+    assert first is not None
+    assert second is not None
+    assert ledger.try_admit(100, 4000, now=0.0) is None
+    assert ledger.stats().rejected_total == 1
+    ledger.release(first)
+    assert ledger.try_admit(100, 4000, now=0.0) is not None
+
+
+def test_release_is_idempotent() -> None:
+    ledger = make()
+    handle = ledger.try_admit(10, 10, now=0.0)
+    assert handle is not None
+    ledger.release(handle)
+    ledger.release(handle)
+    stats = ledger.stats()
+    assert stats.reserved_tokens == 0
+    assert stats.inflight == 0
+    assert stats.released_total == 1
+    assert handle.released
+
+
+def test_releasing_a_foreign_handle_changes_nothing() -> None:
+    ledger = make()
+    mine = ledger.try_admit(10, 10, now=0.0)
+    assert mine is not None
+    other = make().try_admit(100, 100, now=0.0)
+    assert other is not None
+    ledger.release(other)  # not this ledger's: harmless
+    assert ledger.stats().reserved_tokens == mine.reserved_tokens
+
+
+def test_prompt_mode_reserves_only_prompt_blocks() -> None:
+    ledger = make(strategy="prompt")
+    assert ledger.need_tokens(20, 4000) == 32
+    handles = [ledger.try_admit(20, 4000, now=0.0) for _ in range(100)]
+    assert all(h is not None for h in handles)
+    assert ledger.stats().reserved_tokens == 3200  # blind to the 400k output tokens promised
+
+
+def test_concurrency_mode_counts_requests_only() -> None:
+    ledger = make(strategy="concurrency", max_concurrency=3)
+    assert ledger.need_tokens(4000, 4000) == 0
+    handles = [ledger.try_admit(4000, 4000, now=0.0) for _ in range(3)]
+    assert all(h is not None for h in handles)
+    assert ledger.try_admit(1, 1, now=0.0) is None
+    assert ledger.stats().reserved_tokens == 0
+
+
+def test_concurrency_mode_has_a_default_cap() -> None:
+    assert make(strategy="concurrency").max_concurrency == 16
+
+
+def test_max_concurrency_also_caps_reserve_mode() -> None:
+    ledger = make(max_concurrency=1)
+    assert ledger.try_admit(1, 1, now=0.0) is not None
+    assert ledger.try_admit(1, 1, now=0.0) is None
+
+
+def test_never_fits() -> None:
+    ledger = make()
+    assert not ledger.never_fits(9000)
+    assert ledger.never_fits(9001)
+    assert ledger.max_output_that_fits(1000) == 3096  # the context binds first
+    small = make(total_kv_tokens=1000, context_window=4096)
+    assert small.max_output_that_fits(100) == 896 - 100
+    assert not small.never_fits(small.need_tokens(100, small.max_output_that_fits(100)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"total_kv_tokens": 0}, "total_kv_tokens"),
+        ({"safety_fraction": 0.0}, "safety_fraction"),
+        ({"safety_fraction": 1.5}, "safety_fraction"),
+        ({"block_size": 0}, "block_size"),
+        ({"decode_rate": 0.0}, "decode_rate"),
+        ({"strategy": "lottery"}, "strategy"),
+        ({"max_concurrency": 0}, "max_concurrency"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make(**kwargs)
+
+
+# --- Retry-After ---------------------------------------------------------------------------
+
+
+def test_retry_after_is_zero_when_it_fits_now() -> None:
+    assert make().retry_after(100, now=0.0) == 0.0
+
+
+def test_retry_after_accumulates_due_releases_in_order() -> None:
+    # usable 9000; decode 100 tok/s: a cap of 1000 is due 10 s after admission.
+    ledger = make(block_size=1)
+    a = ledger.try_admit(0, 3000, now=0.0)  # due at 30
+    b = ledger.try_admit(0, 1000, now=5.0)  # due at 15
+    c = ledger.try_admit(0, 4000, now=0.0)  # due at 40 -> reserved 8000
+    assert a is not None
+    assert b is not None
+    assert c is not None
+    assert ledger.retry_after(1000, now=10.0) == 0.0  # 1000 free
+    # 2000 needed: b (due 15) frees 1000 -> 2000 free: 5 s from now.
+    assert ledger.retry_after(2000, now=10.0) == pytest.approx(5.0)
+    # 5000 needed: b then a (due 30) -> 5000 free: 20 s from now.
+    assert ledger.retry_after(5000, now=10.0) == pytest.approx(20.0)
+    # Past-due handles count as freeing now.
+    assert ledger.retry_after(2000, now=100.0) == 0.0
+
+
+def test_retry_after_counts_concurrency_slots() -> None:
+    ledger = make(strategy="concurrency", max_concurrency=2)
+    assert ledger.try_admit(0, 500, now=0.0)  # due 5
+    assert ledger.try_admit(0, 200, now=0.0)  # due 2
+    assert ledger.retry_after(0, now=1.0) == pytest.approx(1.0)
+
+
+def test_retry_after_includes_the_release_margin() -> None:
+    ledger = make(release_margin=0.25)
+    assert ledger.try_admit(0, 8992, now=0.0)
+    assert ledger.retry_after(16, now=0.0) == pytest.approx(89.92 + 0.25)
+
+
+# --- concurrency and invariants -----------------------------------------------------------------
+
+
+def test_many_threads_admit_and_release_back_to_zero() -> None:
+    ledger = make(total_kv_tokens=5000)
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        held: list[Handle] = []
+        for _ in range(500):
+            if held and rng.random() < 0.5:
+                handle = held.pop(rng.randrange(len(held)))
+                ledger.release(handle)
+                if rng.random() < 0.2:
+                    ledger.release(handle)  # double release: harmless
+            else:
+                handle_or_none = ledger.try_admit(rng.randrange(200), rng.randrange(1, 600), now=0)
+                if handle_or_none is not None:
+                    held.append(handle_or_none)
+            stats = ledger.stats()
+            if not 0 <= stats.reserved_tokens <= stats.usable_tokens:
+                errors.append(f"reserved out of range: {stats}")
+        for handle in held:
+            ledger.release(handle)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors
+    stats = ledger.stats()
+    assert stats.reserved_tokens == 0
+    assert stats.inflight == 0
+    assert stats.admitted_total == stats.released_total
+
+
+_op = st.tuples(
+    st.sampled_from(["admit", "finish", "fail", "cancel", "double_release"]),
+    st.integers(0, 3000),
+    st.integers(1, 3000),
+    st.integers(0, 10_000),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    strategy=st.sampled_from(["reserve", "prompt", "concurrency"]),
+    scripts=st.lists(st.lists(_op, max_size=40), min_size=1, max_size=4),
+)
+def test_random_interleavings_from_many_threads_keep_the_invariants(
+    strategy: str, scripts: list[list[tuple[str, int, int, int]]]
+) -> None:
+    """Each thread runs its own random script; interleavings are up to the scheduler."""
+    ledger = make(total_kv_tokens=8000, strategy=strategy, max_concurrency=6)
+    barrier = threading.Barrier(len(scripts))
+    violations: list[str] = []
+
+    def run(script: list[tuple[str, int, int, int]]) -> None:
+        held: list[Handle] = []
+        barrier.wait(10)
+        for op, prompt, cap, pick in script:
+            if op == "admit" or not held:
+                handle = ledger.try_admit(prompt, cap, now=0.0)
+                if handle is not None:
+                    held.append(handle)
+            else:
+                # finish, fail and cancel all end in the same finally: release.
+                handle = held.pop(pick % len(held))
+                ledger.release(handle)
+                if op == "double_release":
+                    ledger.release(handle)
+            stats = ledger.stats()
+            if stats.reserved_tokens < 0 or stats.reserved_tokens > stats.usable_tokens:
+                violations.append(f"reserved {stats.reserved_tokens}")
+        for handle in held:
+            ledger.release(handle)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in scripts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not violations
+    stats = ledger.stats()
+    assert stats.reserved_tokens == 0
+    assert stats.inflight == 0
+    assert stats.admitted_total == stats.released_total
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Single-threaded model check: reserved is always the sum of the live handles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = make(total_kv_tokens=6000, max_concurrency=5)
+        self.live: list[Handle] = []
+        self.dead: list[Handle] = []
+        self.now = 0.0
+
+    @rule(prompt=st.integers(0, 4000), cap=st.integers(1, 4000))
+    def admit(self, prompt: int, cap: int) -> None:
+        need = self.ledger.need_tokens(prompt, cap)
+        before = self.ledger.stats()
+        handle = self.ledger.try_admit(prompt, cap, now=self.now)
+        fits = before.reserved_tokens + need <= before.usable_tokens and before.inflight < 5
+        assert (handle is not None) == fits
+        if handle is not None:
+            assert handle.reserved_tokens == need
+            self.live.append(handle)
+
+    @precondition(lambda self: bool(self.live))
+    @rule(pick=st.integers(0, 100), how=st.sampled_from(["finish", "fail", "cancel"]))
+    def end(self, pick: int, how: str) -> None:
+        handle = self.live.pop(pick % len(self.live))
+        self.ledger.release(handle)
+        self.dead.append(handle)
+
+    @precondition(lambda self: bool(self.dead))
+    @rule(pick=st.integers(0, 100))
+    def release_again(self, pick: int) -> None:
+        self.ledger.release(self.dead[pick % len(self.dead)])
+
+    @rule(dt=st.floats(0, 5))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+
+    @rule(need=st.integers(0, 6000))
+    def estimate(self, need: int) -> None:
+        wait = self.ledger.retry_after(need, self.now)
+        assert wait >= 0.0
+        if wait == 0.0 and not self.ledger.never_fits(need):
+            stats = self.ledger.stats()
+            assert stats.reserved_tokens + need <= stats.usable_tokens or any(
+                h.due_at <= self.now for h in self.live
+            )
+
+    @invariant()
+    def reserved_is_the_sum_of_live_handles(self) -> None:
+        stats = self.ledger.stats()
+        assert stats.reserved_tokens == sum(h.reserved_tokens for h in self.live)
+        assert stats.inflight == len(self.live)
+        assert 0 <= stats.reserved_tokens <= stats.usable_tokens
+
+    def teardown(self) -> None:
+        for handle in self.live:
+            self.ledger.release(handle)
+        assert self.ledger.stats().reserved_tokens == 0
+
+
+TestLedgerMachine = LedgerMachine.TestCase
+TestLedgerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
