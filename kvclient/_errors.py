@@ -90,6 +90,9 @@ _NUMBER_PATTERNS: tuple[tuple[re.Pattern[str], int | None, int | None], ...] = (
     # TGI: "`inputs` must have less than 4096 tokens. Given: 5000"
     (re.compile(r"`inputs` must have less than (\d+) tokens\. Given: (\d+)", re.I), 1, None),
     (re.compile(r"`inputs` must have less than \d+ tokens\. Given: (\d+)", re.I), None, 1),
+    # llama.cpp: "request (9412 tokens) exceeds the available context size (8192 tokens)"
+    (re.compile(r"request \((\d+) tokens\) exceeds", re.I), None, 1),
+    (re.compile(r"available context size \((\d+) tokens\)", re.I), 1, None),
     # SGLang: "The input (9000 tokens) is longer than the model's context length (8192 tokens)"
     (re.compile(r"input \((\d+) tokens\)", re.I), None, 1),
     (re.compile(r"context length \((\d+) tokens\)", re.I), 1, None),

@@ -15,6 +15,7 @@ True
 
 from __future__ import annotations
 
+import datetime
 import email.utils
 import logging
 import math
@@ -126,8 +127,8 @@ def parse_retry_after(
             when = email.utils.parsedate_to_datetime(value.strip())
         except (TypeError, ValueError, IndexError, OverflowError):
             return None
-        if when.tzinfo is None:  # RFC 9110 dates are GMT; a naive result had no zone at all
-            return None
+        if when.tzinfo is None:  # asctime dates carry no zone; every HTTP-date is GMT
+            when = when.replace(tzinfo=datetime.timezone.utc)
         current = time.time() if now is None else now
         delta = when.timestamp() - current
         if not math.isfinite(delta):

@@ -7,6 +7,7 @@ The parser knows nothing of HTTP: it takes decoded lines and yields the ``data``
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -87,7 +88,7 @@ def iter_events(lines: Iterable[str]) -> Iterator[dict[str, Any] | None]:
         if data.strip() == DONE:
             # Read the few bytes after [DONE] so the response ends cleanly (bounded: a server
             # that keeps talking after [DONE] is cut off).
-            for _, _line in zip(range(_MAX_LINES_AFTER_DONE), lines):
+            for _line in itertools.islice(lines, _MAX_LINES_AFTER_DONE):
                 pass
             yield None
             return

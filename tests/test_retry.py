@@ -1,0 +1,303 @@
+"""The pure retry logic: Retry-After parsing, waits, budget, cooldown, give-up decisions."""
+
+from __future__ import annotations
+
+import math
+import threading
+from datetime import datetime, timezone
+from email.utils import format_datetime
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvclient import RetryBudget, RetryPolicy, ServerBusyError, parse_retry_after
+from kvclient._exceptions import APIConnectionError, RateLimitError
+from kvclient._retry import Cooldown, RetryCall, backoff_wait, server_wait
+from kvclient.testing import FakeClock
+
+NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc).timestamp()
+
+
+def http_date(offset: float) -> str:
+    return format_datetime(datetime.fromtimestamp(NOW + offset, tz=timezone.utc), usegmt=True)
+
+
+# --- parse_retry_after -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"Retry-After": "2"}, 2.0),
+        ({"Retry-After": "0"}, 0.0),
+        ({"Retry-After": " 7 "}, 7.0),
+        ({"Retry-After": "1.5"}, 1.5),
+        ({"retry-after": "3"}, 3.0),
+        ({"RETRY-AFTER": "4"}, 4.0),
+        ({"retry-after-ms": "1500"}, 1.5),
+        ({"retry-after-ms": "250.5"}, 0.2505),
+        # retry-after-ms is the more precise advice and wins.
+        ({"retry-after-ms": "1500", "Retry-After": "2"}, 1.5),
+        # A garbage retry-after-ms falls back to Retry-After.
+        ({"retry-after-ms": "soon", "Retry-After": "2"}, 2.0),
+        ({"retry-after-ms": "-5", "Retry-After": "2"}, 2.0),
+        ({}, None),
+        ({"Retry-After": ""}, None),
+        ({"Retry-After": "soon"}, None),
+        ({"Retry-After": "-1"}, None),
+        ({"Retry-After": "-0.5"}, None),
+        ({"Retry-After": "NaN"}, None),
+        ({"Retry-After": "nan"}, None),
+        ({"Retry-After": "inf"}, None),
+        ({"Retry-After": "Infinity"}, None),
+        ({"Retry-After": "1e3"}, None),
+        ({"Retry-After": "0x10"}, None),
+        ({"Retry-After": "2, 3"}, None),
+        ({"Retry-After": "9" * 10_000}, None),
+        ({"Retry-After": "1" * 1_000_000}, None),
+        ({"retry-after-ms": "NaN"}, None),
+        ({"retry-after-ms": "inf"}, None),
+    ],
+)
+def test_parse_retry_after_delta_seconds_and_garbage(
+    headers: dict[str, str], expected: float | None
+) -> None:
+    assert parse_retry_after(headers, now=NOW) == expected
+
+
+def test_parse_retry_after_http_date() -> None:
+    assert parse_retry_after({"Retry-After": http_date(30)}, now=NOW) == pytest.approx(30)
+    # RFC 850 and asctime forms are HTTP-dates too.
+    assert parse_retry_after(
+        {"Retry-After": "Thursday, 01-Jan-26 12:00:10 GMT"}, now=NOW
+    ) == pytest.approx(10)
+    assert parse_retry_after({"Retry-After": "Thu Jan  1 12:00:20 2026"}, now=NOW) == 20
+
+
+def test_parse_retry_after_date_in_the_past_means_now() -> None:
+    assert parse_retry_after({"Retry-After": http_date(-3600)}, now=NOW) == 0.0
+
+
+def test_parse_retry_after_date_a_year_ahead_is_reported_as_is() -> None:
+    year = 365 * 24 * 3600
+    assert parse_retry_after({"Retry-After": http_date(year)}, now=NOW) == pytest.approx(year)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "Mon, 99 Foo 2026 99:99:99 GMT",
+        "Wed, 21 Oct 99999999 07:28:00 GMT",
+        "tomorrow",
+        "\x00\x01",
+    ],
+)
+def test_parse_retry_after_malformed_dates(value: str) -> None:
+    assert parse_retry_after({"Retry-After": value}, now=NOW) is None
+
+
+def test_parse_retry_after_takes_httpx_headers_and_bytes() -> None:
+    assert parse_retry_after(httpx.Headers({"Retry-After": "5"})) == 5.0
+    assert parse_retry_after({"Retry-After": b"6"}) == 6.0  # type: ignore[dict-item]
+    assert parse_retry_after(None) is None
+    assert parse_retry_after(42) is None
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["Retry-After", "retry-after", "retry-after-ms", "Retry-After-Ms", "x"]),
+        st.one_of(st.text(), st.from_regex(r"-?\d{0,30}(\.\d{0,12})?", fullmatch=True)),
+    ),
+    st.floats(allow_nan=True, allow_infinity=True) | st.none(),
+)
+def test_parse_retry_after_never_raises_and_is_finite(
+    headers: dict[str, str], now: float | None
+) -> None:
+    value = parse_retry_after(headers, now=now)
+    assert value is None or (math.isfinite(value) and value >= 0)
+
+
+@settings(deadline=None)
+@given(st.datetimes(timezones=st.just(timezone.utc)), st.floats(0, 2e9))
+def test_parse_retry_after_any_http_date(when: datetime, now: float) -> None:
+    value = parse_retry_after({"Retry-After": format_datetime(when, usegmt=True)}, now=now)
+    assert value is None or (math.isfinite(value) and value >= 0)
+
+
+# --- waits -----------------------------------------------------------------------------------
+
+
+@settings(deadline=None)
+@given(
+    advice=st.floats(0, 1e6, allow_nan=False),
+    draw=st.floats(0, 1, exclude_max=True),
+    max_wait=st.floats(0.001, 1e6),
+    ratio=st.floats(0, 2),
+    absolute=st.floats(0, 10),
+)
+def test_server_wait_is_never_below_advice_nor_above_cap(
+    advice: float, draw: float, max_wait: float, ratio: float, absolute: float
+) -> None:
+    policy = RetryPolicy(
+        max_wait=max_wait, jitter_ratio=ratio, jitter_absolute=absolute, random=lambda: draw
+    )
+    if advice > max_wait:
+        return  # the client gives up instead of waiting; see test_advice_over_cap_gives_up
+    wait = server_wait(policy, advice)
+    assert advice <= wait <= max_wait
+
+
+def test_jitter_is_only_above_the_server_number() -> None:
+    low = server_wait(RetryPolicy(random=lambda: 0.0), 2.0)
+    high = server_wait(RetryPolicy(random=lambda: 0.999999), 2.0)
+    assert low == 2.0
+    assert 2.0 < high <= 2.0 + 0.1 * 2.0 + 0.1
+    # Different draws spread clients told the same number.
+    assert len({server_wait(RetryPolicy(), 2.0) for _ in range(20)}) > 1
+
+
+@settings(deadline=None)
+@given(attempt=st.integers(1, 10_000), draw=st.floats(0, 1, exclude_max=True))
+def test_backoff_is_full_jitter_within_bounds(attempt: int, draw: float) -> None:
+    policy = RetryPolicy(random=lambda: draw)
+    wait = backoff_wait(policy, attempt)
+    ceiling = min(policy.backoff_max, policy.backoff_initial * 2 ** min(attempt - 1, 64))
+    assert policy.backoff_min <= wait <= ceiling
+
+
+def test_backoff_grows_exponentially_up_to_max() -> None:
+    policy = RetryPolicy(
+        random=lambda: 1.0, backoff_initial=0.5, backoff_multiplier=2, backoff_max=10
+    )
+    assert [backoff_wait(policy, n) for n in range(1, 8)] == [0.5, 1, 2, 4, 8, 10, 10]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_attempts": 0},
+        {"max_attempts": True},
+        {"deadline": 0},
+        {"max_wait": -1},
+        {"max_wait": float("nan")},
+        {"backoff_multiplier": 0.5},
+        {"jitter_ratio": -0.1},
+        {"jitter_absolute": float("inf")},
+    ],
+)
+def test_policy_rejects_nonsense(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        RetryPolicy(**bad)  # type: ignore[arg-type]
+
+
+def test_policy_defaults_are_named_constants() -> None:
+    policy = RetryPolicy()
+    assert (policy.max_attempts, policy.deadline, policy.max_wait) == (6, 120.0, 60.0)
+    assert (policy.backoff_initial, policy.backoff_multiplier, policy.backoff_max) == (0.5, 2, 10)
+    with pytest.raises(AttributeError):
+        policy.max_attempts = 3  # type: ignore[misc]
+
+
+# --- retry budget and cooldown ---------------------------------------------------------------
+
+
+def test_retry_budget_spends_on_failures_and_earns_on_successes() -> None:
+    budget = RetryBudget(max_tokens=4, token_ratio=0.5)
+    assert budget.allows_retry()
+    budget.record_failure()  # 3 > 2
+    assert budget.allows_retry()
+    budget.record_failure()  # 2, not > 2
+    assert not budget.allows_retry()
+    budget.record_success()  # 2.5
+    assert budget.allows_retry()
+    for _ in range(100):
+        budget.record_success()
+    assert budget.tokens == 4
+    for _ in range(100):
+        budget.record_failure()
+    assert budget.tokens == 0
+
+
+def test_retry_budget_is_thread_safe() -> None:
+    budget = RetryBudget(max_tokens=100_000, token_ratio=1)
+
+    def spend() -> None:
+        for _ in range(1000):
+            budget.record_failure()
+
+    threads = [threading.Thread(target=spend) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert budget.tokens == 100_000 - 8000
+
+
+def test_retry_budget_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        RetryBudget(max_tokens=0)
+    with pytest.raises(ValueError, match="token_ratio"):
+        RetryBudget(token_ratio=0)
+
+
+def test_cooldown_keeps_the_latest_not_before() -> None:
+    cooldown = Cooldown()
+    assert cooldown.remaining(0) == 0
+    cooldown.extend(10.0, 5.0)
+    cooldown.extend(11.0, 1.0)  # ends earlier: ignored
+    assert cooldown.remaining(12.0) == pytest.approx(3.0)
+    assert cooldown.advice == 5.0
+    assert cooldown.remaining(20.0) == 0
+
+
+# --- decisions -------------------------------------------------------------------------------
+
+
+def rate_limited(advice: float | None) -> RateLimitError:
+    response = httpx.Response(429, request=httpx.Request("POST", "http://x/v1/completions"))
+    return RateLimitError("busy", response=response, retry_after=advice, retryable=True)
+
+
+def test_advice_over_cap_gives_up_at_once() -> None:
+    clock = FakeClock()
+    call = RetryCall(clock.policy(max_wait=5), Cooldown())
+    call.begin_attempt()
+    decision = call.decide(rate_limited(30))
+    assert isinstance(decision.give_up, ServerBusyError)
+    assert decision.give_up.retry_after == 30
+    assert decision.give_up.attempts == 1
+    assert "wait cap" in str(decision.give_up)
+
+
+def test_advice_past_deadline_gives_up_at_once() -> None:
+    clock = FakeClock()
+    call = RetryCall(clock.policy(deadline=10, max_wait=60), Cooldown())
+    call.begin_attempt()
+    clock.advance(8)
+    decision = call.decide(rate_limited(5))
+    assert isinstance(decision.give_up, ServerBusyError)
+    assert "deadline" in str(decision.give_up)
+
+
+def test_no_advice_or_zero_advice_backs_off() -> None:
+    clock = FakeClock()
+    call = RetryCall(clock.policy(random=lambda: 0.0), Cooldown())
+    call.begin_attempt()
+    for advice in (None, 0.0):
+        decision = call.decide(rate_limited(advice))
+        assert decision.retry
+        assert decision.give_up is None
+        assert decision.wait == RetryPolicy().backoff_min
+
+
+def test_connection_errors_give_up_with_themselves() -> None:
+    clock = FakeClock()
+    call = RetryCall(clock.policy(max_attempts=1), Cooldown())
+    call.begin_attempt()
+    error = APIConnectionError("refused")
+    decision = call.decide(error)
+    assert decision.give_up is error
+    assert error.attempts == 1
