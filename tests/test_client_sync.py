@@ -171,17 +171,21 @@ def test_discovery_adopts_the_first_model_when_none_is_given(server: FakeServer)
 
 def test_discovery_without_max_model_len_says_pass_context_window(server: FakeServer) -> None:
     server.add("/v1/models", models({"id": MODEL, "object": "model"}))
-    with make_client(server, context_window=None) as client:
-        with pytest.raises(KVClientError, match="context_window="):
-            client.complete(PROMPT)
+    with (
+        make_client(server, context_window=None) as client,
+        pytest.raises(KVClientError, match="context_window="),
+    ):
+        client.complete(PROMPT)
     assert server.posts == []
 
 
 def test_discovery_of_an_unknown_model_names_the_served_ones(server: FakeServer) -> None:
     server.add("/v1/models", models({"id": "a", "max_model_len": 10}))
-    with make_client(server, context_window=None) as client:
-        with pytest.raises(KVClientError, match="serves: a"):
-            client.complete(PROMPT)
+    with (
+        make_client(server, context_window=None) as client,
+        pytest.raises(KVClientError, match="serves: a"),
+    ):
+        client.complete(PROMPT)
 
 
 def test_discovery_is_thread_safe(server: FakeServer) -> None:
@@ -365,9 +369,11 @@ def test_read_error_after_the_answer_started_is_not_retried(server: FakeServer) 
 
 def test_connection_errors_exhausted_raise_the_connection_error(server: FakeServer) -> None:
     server.default = httpx.ConnectTimeout("timed out")
-    with make_client(server, retry=server.clock.policy(max_attempts=3)) as client:
-        with pytest.raises(APITimeoutError) as info:
-            client.complete(PROMPT)
+    with (
+        make_client(server, retry=server.clock.policy(max_attempts=3)) as client,
+        pytest.raises(APITimeoutError) as info,
+    ):
+        client.complete(PROMPT)
     assert len(server.posts) == 3
     assert info.value.attempts == 3
     assert len(info.value.history) == 2
@@ -403,9 +409,11 @@ def test_http_date_retry_after_is_read_against_the_wall_clock(server: FakeServer
 
 def test_wait_longer_than_the_cap_fails_at_once(server: FakeServer) -> None:
     server.add("/v1/completions", busy("120"))
-    with make_client(server, retry=server.clock.policy(max_wait=30)) as client:
-        with pytest.raises(ServerBusyError) as info:
-            client.complete(PROMPT)
+    with (
+        make_client(server, retry=server.clock.policy(max_wait=30)) as client,
+        pytest.raises(ServerBusyError) as info,
+    ):
+        client.complete(PROMPT)
     assert info.value.retry_after == 120
     assert info.value.attempts == 1
     assert isinstance(info.value.last_error, RateLimitError)
@@ -426,9 +434,11 @@ def test_wait_past_the_deadline_fails_at_once(server: FakeServer) -> None:
 
 def test_attempts_exhausted_is_server_busy_with_history(server: FakeServer) -> None:
     server.default = busy("1")
-    with make_client(server, retry=server.clock.policy(max_attempts=4)) as client:
-        with pytest.raises(ServerBusyError) as info:
-            client.complete(PROMPT)
+    with (
+        make_client(server, retry=server.clock.policy(max_attempts=4)) as client,
+        pytest.raises(ServerBusyError) as info,
+    ):
+        client.complete(PROMPT)
     assert len(server.posts) == 4
     assert info.value.attempts == 4
     assert [event.attempt for event in info.value.history] == [1, 2, 3]
@@ -438,9 +448,11 @@ def test_attempts_exhausted_is_server_busy_with_history(server: FakeServer) -> N
 def test_on_retry_hook_and_log_event(server: FakeServer, caplog: pytest.LogCaptureFixture) -> None:
     events: list[RetryEvent] = []
     server.add("/v1/completions", busy("1"), httpx.Response(503), ok_completion())
-    with caplog.at_level(logging.INFO, logger="kvclient"):
-        with make_client(server, on_retry=events.append) as client:
-            client.complete(PROMPT)
+    with (
+        caplog.at_level(logging.INFO, logger="kvclient"),
+        make_client(server, on_retry=events.append) as client,
+    ):
+        client.complete(PROMPT)
     assert [(e.attempt, e.status_code) for e in events] == [(1, 429), (2, 503)]
     assert all(e.wait > 0 for e in events)
     records = [r for r in caplog.records if hasattr(r, "kvclient_retry")]
