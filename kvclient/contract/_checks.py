@@ -1,0 +1,675 @@
+"""The checks: one coroutine each, talking plain HTTP to any OpenAI-compatible server.
+
+Each check is bounded in requests (at most ``burst`` at once) and in time (``timeout`` seconds,
+every wait included) and returns a :class:`~._judge.Verdict` with one line of evidence. What to
+conclude from the answers lives in :mod:`._judge`; this module only sends and reads.
+
+Nothing here imports a server: the suite must judge vLLM, TGI, llama.cpp or SGLang exactly as it
+judges the reference server.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+
+from ._judge import (
+    BurstOutcome,
+    ErrorBody,
+    Verdict,
+    classify_error_body,
+    describe_counts,
+    find_context_window,
+    judge_bad_input,
+    judge_completion_tokens,
+    judge_overlong_prompt,
+    judge_retry_after,
+    judge_saturation,
+    prometheus_value,
+    usage_tokens,
+)
+from ._results import CheckStatus, ContractOptions
+
+__all__ = ["CHECKS", "Session"]
+
+COMPLETIONS = "/v1/completions"
+#: Asks for a short answer: burst requests should finish quickly even on a real model.
+SHORT_PROMPT = "Reply with the single word OK."
+#: Asks for a long answer, so that a small max_tokens really has to cut it.
+LONG_OUTPUT_PROMPT = "Write a long story about a lighthouse keeper, in at least five hundred words."
+#: The overlong prompt: this many times the context, in words the tokenizer keeps apart.
+OVERLONG_FACTOR = 1.25
+#: Local estimates of prompt tokens (no /tokenize, no usage) are padded by this much.
+ESTIMATE_MARGIN = 0.2
+#: Caps the explicit-max_tokens check asks for.
+EXPLICIT_CAPS = (1, 4, 16)
+#: Without Retry-After, capacity is polled this often.
+POLL_INTERVAL = 0.25
+#: How long the holders of the honesty check get to be answered before the probe.
+HOLDERS_ANSWER_WAIT = 10.0
+#: How long /metrics is polled for kv_reserved_tokens to reach 0.
+METRICS_WAIT = 2.0
+
+_Unset = object()
+
+
+@dataclass(slots=True)
+class Answer:
+    """One non-streamed request's answer, or why there was none (``error``)."""
+
+    status: int | None
+    headers: httpx.Headers
+    content: bytes = b""
+    error: str | None = None
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.content)
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+    def error_body(self) -> ErrorBody:
+        return classify_error_body(self.content)
+
+    def describe(self) -> str:
+        if self.status is None:
+            return f"no answer ({self.error})"
+        if self.status >= 400:
+            return f"{self.status} ({self.error_body().describe()})"
+        return str(self.status)
+
+
+class Session:
+    """One run against one server: the HTTP client, the options, what discovery learned."""
+
+    def __init__(self, http: httpx.AsyncClient, options: ContractOptions) -> None:
+        self.http = http
+        self.options = options
+        self.model: str | None = options.model
+        self.context_window: int | None = options.context_window
+        self.reachable = True
+        self.deadline = math.inf
+        self._counts: dict[str, tuple[int, str]] = {}
+        self._tokenize_works: bool | None = None
+
+    # --- time ---------------------------------------------------------------------------------
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - anyio.current_time())
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def body(
+        self, prompt: Any, *, max_tokens: Any = _Unset, stream: bool = False
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {}
+        if self.model is not None:
+            body["model"] = self.model
+        body["prompt"] = prompt
+        if max_tokens is not _Unset:
+            body["max_tokens"] = max_tokens
+        if stream:
+            body["stream"] = True
+        return body
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = _Unset,
+        content: bytes | None = None,
+    ) -> Answer:
+        kwargs: dict[str, Any] = {}
+        if json_body is not _Unset:
+            kwargs["json"] = json_body
+        if content is not None:
+            kwargs["content"] = content
+            kwargs["headers"] = {"content-type": "application/json"}
+        try:
+            response = await self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            return Answer(None, httpx.Headers(), error=type(exc).__name__)
+        return Answer(response.status_code, response.headers, response.content)
+
+    async def admitted(self, body: dict[str, Any], *, attempts: int = 5) -> tuple[Answer, int]:
+        """POST a completion, waiting out 429/503 as advised; ``(last answer, attempts made)``."""
+        answer = Answer(None, httpx.Headers(), error="not sent")
+        for attempt in range(1, attempts + 1):
+            answer = await self.request("POST", COMPLETIONS, json_body=body)
+            if answer.status not in (429, 503):
+                return answer, attempt
+            advice = judge_retry_after(
+                answer.headers.get("retry-after"), millis=answer.headers.get("retry-after-ms")
+            )
+            wait = advice.seconds if advice.seconds is not None else POLL_INTERVAL * attempt
+            if attempt == attempts or wait >= self.remaining():
+                return answer, attempt
+            await anyio.sleep(wait)
+        return answer, attempts
+
+    # --- tokens -------------------------------------------------------------------------------
+
+    async def count_prompt(self, prompt: str) -> tuple[int, str]:
+        """``(prompt tokens, how they were counted)``: the server's ``/tokenize``, else the
+        ``usage`` of a one-token completion, else a padded local tiktoken estimate."""
+        cached = self._counts.get(prompt)
+        if cached is not None:
+            return cached
+        result = await self._tokenize(prompt)
+        if result is None:
+            answer, _ = await self.admitted(self.body(prompt, max_tokens=1), attempts=3)
+            prompt_tokens, _ = usage_tokens(answer.json()) if answer.status == 200 else (None, 0)
+            if prompt_tokens is not None:
+                result = (prompt_tokens, "usage")
+        if result is None:
+            estimate = await anyio.to_thread.run_sync(_estimate_tokens, prompt)
+            result = (math.ceil(estimate * (1 + ESTIMATE_MARGIN)) + 8, "estimate")
+        self._counts[prompt] = result
+        return result
+
+    async def _tokenize(self, prompt: str) -> tuple[int, str] | None:
+        if self._tokenize_works is False:
+            return None
+        body: dict[str, Any] = {"prompt": prompt}
+        if self.model is not None:
+            body["model"] = self.model
+        answer = await self.request("POST", "/tokenize", json_body=body)
+        data = answer.json() if answer.status == 200 else None
+        count: int | None = None
+        if isinstance(data, dict):
+            if isinstance(data.get("count"), int):
+                count = data["count"]
+            elif isinstance(data.get("tokens"), list):
+                count = len(data["tokens"])
+        elif isinstance(data, list):  # TGI answers a list of tokens
+            count = len(data)
+        self._tokenize_works = count is not None
+        return (count, "/tokenize") if count is not None else None
+
+    def burst_cap(self, prompt_tokens: int) -> int:
+        """The burst's max_tokens: the whole remaining context unless the options lower it."""
+        assert self.context_window is not None
+        room = max(1, self.context_window - prompt_tokens)
+        cap = self.options.burst_max_tokens
+        return room if cap is None else min(cap, room)
+
+    # --- bursts -------------------------------------------------------------------------------
+
+    async def send_one(
+        self,
+        body: dict[str, Any],
+        outcome: BurstOutcome,
+        *,
+        drop_after_first: bool = False,
+        on_answer: Callable[[], None] | None = None,
+    ) -> None:
+        """Send one burst request and record what happened in ``outcome``.
+
+        With ``drop_after_first`` an admitted stream is closed after its first event: the client
+        walks away mid-generation. ``on_answer`` is called once the status (or the failure to
+        get one) is known, while a stream may still be running.
+        """
+        outcome.unfinished = True  # until proven otherwise: the deadline may cut us here
+        try:
+            if outcome.streamed:
+                async with self.http.stream(
+                    "POST", COMPLETIONS, json={**body, "stream": True}
+                ) as r:
+                    outcome.status = r.status_code
+                    if on_answer is not None:
+                        on_answer()
+                        on_answer = None
+                    if r.status_code >= 300:
+                        await r.aread()
+                        self._refusal(outcome, r.status_code, r.headers, r.content)
+                    elif drop_after_first:
+                        await _first_event(r)
+                    else:
+                        outcome.completed, outcome.problem, outcome.error_code = await _consume(r)
+            else:
+                response = await self.http.post(COMPLETIONS, json=body)
+                outcome.status = response.status_code
+                if response.status_code >= 300:
+                    self._refusal(outcome, response.status_code, response.headers, response.content)
+                else:
+                    outcome.completed, outcome.problem = _complete_body(response.content)
+        except httpx.TransportError as exc:
+            outcome.transport_error = type(exc).__name__
+            if outcome.status is not None:  # the answer began, then the connection broke
+                outcome.problem = f"connection broke mid-answer ({type(exc).__name__})"
+        outcome.unfinished = False
+        if on_answer is not None:
+            on_answer()
+
+    def _refusal(
+        self, outcome: BurstOutcome, status: int, headers: httpx.Headers, content: bytes
+    ) -> None:
+        outcome.error_code = classify_error_body(content).code
+        if status in (429, 503):
+            outcome.retry_after = judge_retry_after(
+                headers.get("retry-after"), millis=headers.get("retry-after-ms"), now=_unix_now()
+            )
+
+    async def burst(
+        self,
+        body: dict[str, Any],
+        count: int,
+        *,
+        budget: float,
+        drop_after_first: bool = False,
+        stream_every: int = 2,
+    ) -> list[BurstOutcome]:
+        """``count`` concurrent requests (every ``stream_every``-th one streamed), cut at
+        ``budget`` seconds."""
+        outcomes = [BurstOutcome(streamed=i % stream_every == 0) for i in range(count)]
+        with anyio.move_on_after(max(0.0, budget)):
+            async with anyio.create_task_group() as group:
+                for outcome in outcomes:
+                    send = functools.partial(
+                        self.send_one, body, outcome, drop_after_first=drop_after_first
+                    )
+                    group.start_soon(send)
+        return outcomes
+
+    async def largest_admitted(
+        self, prompt: str, max_tokens: int, *, patience: float
+    ) -> tuple[bool, int, float, Counter[str]]:
+        """Send the largest admissible request (streamed, dropped after its first event) until it
+        is admitted, honouring Retry-After, for at most ``patience`` seconds.
+
+        ``(admitted, tries, seconds waited, statuses seen)``.
+        """
+        statuses: Counter[str] = Counter()
+        start = anyio.current_time()
+        tries = 0
+        while True:
+            tries += 1
+            outcome = BurstOutcome(streamed=True)
+            await self.send_one(
+                self.body(prompt, max_tokens=max_tokens), outcome, drop_after_first=True
+            )
+            statuses[str(outcome.status) if outcome.status is not None else "no answer"] += 1
+            waited = anyio.current_time() - start
+            if outcome.status is not None and 200 <= outcome.status < 300:
+                return True, tries, waited, statuses
+            if outcome.status not in (429, 503):
+                return False, tries, waited, statuses
+            advice = outcome.retry_after
+            wait = advice.seconds if advice is not None and advice.seconds else POLL_INTERVAL
+            if waited + wait > patience or wait >= self.remaining():
+                return False, tries, waited, statuses
+            await anyio.sleep(wait)
+
+    async def reserved_tokens(self) -> float | None:
+        """``kv_reserved_tokens`` from ``/metrics`` after it settles, None when not exposed."""
+        value: float | None = None
+        stop = anyio.current_time() + min(METRICS_WAIT, self.remaining())
+        while True:
+            answer = await self.request("GET", "/metrics")
+            if answer.status != 200:
+                return None
+            value = prometheus_value(
+                answer.content.decode("utf-8", "replace"), "kv_reserved_tokens"
+            )
+            if value is None or value == 0 or anyio.current_time() >= stop:
+                return value
+            await anyio.sleep(0.1)
+
+
+def _estimate_tokens(prompt: str) -> int:
+    from kvclient import TiktokenCounter
+
+    return TiktokenCounter().count(prompt)
+
+
+def _unix_now() -> float:
+    import time
+
+    return time.time()
+
+
+async def _first_event(response: httpx.Response) -> None:
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            return
+
+
+async def _consume(response: httpx.Response) -> tuple[bool, str | None, str | None]:
+    """Read an SSE completion stream to its end: ``(completed, problem, error code)``."""
+    finished = False
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return True, None, None
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return False, "unreadable stream event", None
+        if isinstance(event, dict) and event.get("error") is not None:
+            body = classify_error_body(data.encode())
+            return False, "error event mid-stream", body.code or body.type or "error"
+        choices = event.get("choices") if isinstance(event, dict) else None
+        if isinstance(choices, list):
+            finished = finished or any(
+                isinstance(c, dict) and c.get("finish_reason") for c in choices
+            )
+    if finished:
+        return True, None, None
+    return False, "stream ended without [DONE] or finish_reason", None
+
+
+def _complete_body(content: bytes) -> tuple[bool, str | None]:
+    try:
+        data = json.loads(content)
+    except (ValueError, UnicodeDecodeError):
+        return False, "unreadable body"
+    if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+        return False, "no choices in the body"
+    return True, None
+
+
+# --- the checks ---------------------------------------------------------------------------------
+
+
+async def check_context_window(s: Session) -> Verdict:
+    option = s.options.context_window
+    answer = await s.request("GET", "/v1/models")
+    if answer.status is None:
+        s.reachable = False
+        return Verdict(CheckStatus.FAIL, f"cannot reach the server: {answer.error}")
+    if answer.status in (404, 405, 501):
+        if option is not None:
+            return Verdict(
+                CheckStatus.UNSUPPORTED,
+                f"no /v1/models ({answer.status}); using --context-window {option}",
+            )
+        return Verdict(
+            CheckStatus.FAIL,
+            f"no /v1/models ({answer.status}) and no --context-window: context window unknown",
+        )
+    if answer.status != 200:
+        hint = " (pass --api-key?)" if answer.status in (401, 403) else ""
+        return Verdict(CheckStatus.FAIL, f"/v1/models answered {answer.describe()}{hint}")
+    ident, length, problem = find_context_window(answer.json(), s.options.model)
+    s.model = s.options.model or ident
+    if problem is not None:
+        return Verdict(CheckStatus.FAIL, f"/v1/models: {problem}")
+    if length is None:
+        if option is not None:
+            return Verdict(
+                CheckStatus.UNSUPPORTED,
+                f"model {ident}: no max_model_len in /v1/models; using --context-window {option}",
+            )
+        return Verdict(
+            CheckStatus.FAIL,
+            f"model {ident}: no max_model_len in /v1/models and no --context-window",
+        )
+    if s.context_window is None:
+        s.context_window = length
+    note = f"; using --context-window {option} as given" if option not in (None, length) else ""
+    return Verdict(
+        CheckStatus.PASS, f"model {ident}: max_model_len {length}{note}", {"max_model_len": length}
+    )
+
+
+async def check_bad_input(s: Session) -> Verdict:
+    base = s.body(SHORT_PROMPT, max_tokens=4)
+    cases: list[tuple[str, Any, bytes | None]] = [
+        ("malformed JSON", _Unset, json.dumps(base).encode()[:-1]),
+        ("max_tokens 'ten'", {**base, "max_tokens": "ten"}, None),
+        ("prompt as an object", {**base, "prompt": {"text": 1}}, None),
+        ("max_tokens -1", {**base, "max_tokens": -1}, None),
+        ("max_tokens 0", {**base, "max_tokens": 0}, None),
+    ]
+    seen: list[str] = []
+    problems: list[str] = []
+    for case, body, raw in cases:
+        answer = await s.request("POST", COMPLETIONS, json_body=body, content=raw)
+        seen.append(f"{case} {answer.status if answer.status is not None else 'dropped'}")
+        problem = judge_bad_input(case, answer.status, answer.error_body())
+        if problem is not None:
+            problems.append(problem)
+    after, _ = await s.admitted(base)
+    evidence = ", ".join(seen) + f"; then a valid request {after.describe()}"
+    if after.status != 200:
+        problems.append(f"the server stopped serving: a valid request got {after.describe()}")
+    if problems:
+        return Verdict(CheckStatus.FAIL, "; ".join(problems) + f" [{evidence}]")
+    return Verdict(CheckStatus.PASS, evidence)
+
+
+async def _overlong_prompt(s: Session) -> tuple[str, str]:
+    """A prompt longer than the context, and how its length is known."""
+    assert s.context_window is not None
+    words = math.ceil(s.context_window * OVERLONG_FACTOR) + 64
+    for _ in range(3):
+        prompt = "hello " * words
+        counted = await s._tokenize(prompt)
+        if counted is None:
+            return prompt, f"~{words} tokens (estimated) > {s.context_window}"
+        if counted[0] > s.context_window:
+            return prompt, f"{counted[0]} tokens > {s.context_window}"
+        words *= 2
+    return prompt, f"{words} words > {s.context_window}"
+
+
+async def check_prompt_too_long(s: Session) -> Verdict:
+    prompt, described = await _overlong_prompt(s)
+    answer = await s.request("POST", COMPLETIONS, json_body=s.body(prompt, max_tokens=16))
+    verdict = judge_overlong_prompt(answer.status, answer.error_body(), prompt_tokens=described)
+    if answer.status is None:
+        return Verdict(verdict.status, f"{verdict.evidence} ({answer.error})")
+    return verdict
+
+
+async def check_unset_max_tokens(s: Session) -> Verdict:
+    assert s.context_window is not None
+    answer, tries = await s.admitted(s.body(SHORT_PROMPT))
+    if answer.status != 200:
+        return Verdict(CheckStatus.FAIL, f"a request without max_tokens got {answer.describe()}")
+    data = answer.json()
+    prompt_tokens, completion_tokens = usage_tokens(data)
+    source = "usage"
+    if prompt_tokens is None:
+        prompt_tokens, source = await s.count_prompt(SHORT_PROMPT)
+    limit = s.context_window - prompt_tokens
+    if completion_tokens is None:
+        return Verdict(
+            CheckStatus.UNSUPPORTED, "accepted (200) but no usage.completion_tokens to judge"
+        )
+    problem = judge_completion_tokens(completion_tokens, limit, "unset max_tokens")
+    numbers = (
+        f"{completion_tokens} completion tokens, limit {s.context_window} - "
+        f"{prompt_tokens} prompt ({source}) = {limit}"
+    )
+    details = {"completion_tokens": completion_tokens, "limit": limit, "attempts": tries}
+    if problem is not None:
+        return Verdict(CheckStatus.FAIL, f"accepted, but {numbers}", details)
+    return Verdict(CheckStatus.PASS, f"accepted (200): {numbers}", details)
+
+
+async def check_explicit_max_tokens(s: Session) -> Verdict:
+    seen: list[str] = []
+    problems: list[str] = []
+    for cap in EXPLICIT_CAPS:
+        answer, _ = await s.admitted(s.body(LONG_OUTPUT_PROMPT, max_tokens=cap))
+        if answer.status != 200:
+            problems.append(f"max_tokens {cap} got {answer.describe()}")
+            continue
+        _, completion_tokens = usage_tokens(answer.json())
+        if completion_tokens is None:
+            return Verdict(CheckStatus.UNSUPPORTED, "no usage.completion_tokens in the answers")
+        seen.append(f"{cap}->{completion_tokens}")
+        problem = judge_completion_tokens(completion_tokens, cap, f"max_tokens {cap}")
+        if problem is not None:
+            problems.append(problem)
+    evidence = "max_tokens->completion_tokens: " + ", ".join(seen)
+    if problems:
+        return Verdict(CheckStatus.FAIL, "; ".join(problems) + f" [{evidence}]")
+    return Verdict(CheckStatus.PASS, evidence)
+
+
+async def check_saturation(s: Session) -> Verdict:
+    prompt_tokens, _ = await s.count_prompt(SHORT_PROMPT)
+    cap = s.burst_cap(prompt_tokens)
+    outcomes = await s.burst(
+        s.body(SHORT_PROMPT, max_tokens=cap), s.options.burst, budget=s.remaining() - 0.5
+    )
+    verdict = judge_saturation(outcomes, require_retry_after=s.options.require_retry_after)
+    details = {**verdict.details, "max_tokens": cap, "prompt_tokens": prompt_tokens}
+    return Verdict(verdict.status, f"max_tokens {cap}; {verdict.evidence}", details)
+
+
+async def check_retry_after_honest(s: Session) -> Verdict:
+    prompt_tokens, _ = await s.count_prompt(SHORT_PROMPT)
+    cap = s.burst_cap(prompt_tokens)
+    body = s.body(SHORT_PROMPT, max_tokens=cap)
+    holders = [BurstOutcome(streamed=True) for _ in range(s.options.burst)]
+    answered = anyio.Event()
+    pending = [len(holders)]
+
+    def on_answer() -> None:
+        pending[0] -= 1
+        if pending[0] == 0:
+            answered.set()
+
+    async with anyio.create_task_group() as group:
+        for holder in holders:
+            group.start_soon(functools.partial(s.send_one, body, holder, on_answer=on_answer))
+        # The holders keep their streams open while the probe asks to be admitted.
+        with anyio.move_on_after(min(HOLDERS_ANSWER_WAIT, s.remaining())):
+            await answered.wait()
+        if not any(h.status in (429, 503) for h in holders):
+            verdict = Verdict(
+                CheckStatus.UNSUPPORTED,
+                f"a burst of {len(holders)} was never refused: no Retry-After to judge",
+            )
+        else:
+            verdict = await _probe_retry_after(s, body)
+        group.cancel_scope.cancel()
+    return verdict
+
+
+async def _probe_retry_after(s: Session, body: dict[str, Any]) -> Verdict:
+    waits: list[float] = []
+    statuses: Counter[str] = Counter()
+    for attempt in range(s.options.retry_tries + 1):
+        outcome = BurstOutcome(streamed=True)
+        await s.send_one(body, outcome, drop_after_first=True)
+        statuses[str(outcome.status)] += 1
+        details = {"waits": waits, "statuses": dict(statuses)}
+        if outcome.status is not None and 200 <= outcome.status < 300:
+            if attempt == 0:
+                return Verdict(
+                    CheckStatus.UNSUPPORTED,
+                    "the probe was admitted at once: the burst drained too fast (raise --burst)",
+                    details,
+                )
+            return Verdict(
+                CheckStatus.PASS,
+                f"refused, then admitted on retry {attempt} after following Retry-After "
+                f"({' + '.join(f'{w:g}' for w in waits)} s)",
+                details,
+            )
+        if outcome.status not in (429, 503):
+            return Verdict(
+                CheckStatus.FAIL,
+                f"retry {attempt} got {outcome.status or outcome.transport_error}, not 429/503/200",
+                details,
+            )
+        advice = outcome.retry_after
+        assert advice is not None
+        if advice.missing:
+            return Verdict(
+                CheckStatus.UNSUPPORTED, f"{outcome.status} without Retry-After: nothing to honour"
+            )
+        if advice.seconds is None or not advice.valid:
+            return Verdict(
+                CheckStatus.FAIL, f"cannot honour Retry-After {advice.raw!r}: {advice.problem}"
+            )
+        if attempt == s.options.retry_tries:
+            break
+        if advice.seconds >= s.remaining():
+            return Verdict(
+                CheckStatus.FAIL,
+                f"advised {advice.seconds:g} s with {s.remaining():.1f} s of the check left "
+                "(raise --timeout if that wait is honest)",
+                details,
+            )
+        waits.append(advice.seconds)
+        await anyio.sleep(advice.seconds)
+    return Verdict(
+        CheckStatus.FAIL,
+        f"still refused after {s.options.retry_tries} retries that each waited the advised "
+        f"Retry-After ({' + '.join(f'{w:g}' for w in waits)} s): {describe_counts(statuses)}",
+        {"waits": waits, "statuses": dict(statuses)},
+    )
+
+
+async def check_capacity_returns(s: Session) -> Verdict:
+    assert s.context_window is not None
+    prompt_tokens, source = await s.count_prompt(SHORT_PROMPT)
+    largest = s.context_window - prompt_tokens
+    size = f"{prompt_tokens} prompt ({source}) + {largest} max_tokens = {s.context_window}"
+    patience = min(s.options.capacity_wait, s.remaining())
+    before = await s.largest_admitted(SHORT_PROMPT, largest, patience=patience)
+    if not before[0]:
+        return Verdict(
+            CheckStatus.FAIL,
+            f"after the earlier bursts completed, a full-context request ({size}) was still "
+            f"refused after {before[2]:.1f} s ({describe_counts(before[3])})",
+        )
+    cap = s.burst_cap(prompt_tokens)
+    outcomes = await s.burst(
+        s.body(SHORT_PROMPT, max_tokens=cap),
+        s.options.burst,
+        budget=min(s.remaining() / 3, s.options.timeout / 3),
+        drop_after_first=True,
+        stream_every=1,
+    )
+    dropped = sum(1 for o in outcomes if o.status is not None and 200 <= o.status < 300)
+    statuses = describe_counts(Counter(str(o.status) for o in outcomes))
+    admitted, tries, waited, seen = await s.largest_admitted(
+        SHORT_PROMPT, largest, patience=min(s.options.capacity_wait, s.remaining())
+    )
+    reserved = await s.reserved_tokens()
+    metric = "" if reserved is None else f"; /metrics kv_reserved_tokens {reserved:g}"
+    details = {"dropped_streams": dropped, "tries": tries, "kv_reserved_tokens": reserved}
+    dropped_text = f"dropped {dropped} streams mid-way ({statuses})"
+    if admitted:
+        return Verdict(
+            CheckStatus.PASS,
+            f"full-context request ({size}) admitted after the bursts; {dropped_text}; admitted "
+            f"again on try {tries} after {waited:.1f} s{metric}",
+            details,
+        )
+    return Verdict(
+        CheckStatus.FAIL,
+        f"{dropped_text}; then a full-context request ({size}) was still refused after "
+        f"{waited:.1f} s, {tries} tries ({describe_counts(seen)}){metric}",
+        details,
+    )
+
+
+#: name -> (check, needs the context window)
+CHECKS: dict[str, tuple[Callable[[Session], Awaitable[Verdict]], bool]] = {
+    "context_window": (check_context_window, False),
+    "bad_input": (check_bad_input, False),
+    "prompt_too_long": (check_prompt_too_long, True),
+    "unset_max_tokens": (check_unset_max_tokens, True),
+    "explicit_max_tokens": (check_explicit_max_tokens, False),
+    "saturation": (check_saturation, True),
+    "retry_after_honest": (check_retry_after_honest, True),
+    "capacity_returns": (check_capacity_returns, True),
+}
