@@ -83,7 +83,8 @@ _NUMBER_PATTERNS: tuple[tuple[re.Pattern[str], int | None, int | None], ...] = (
     # vLLM >= 0.6: "However, your request has 9000 input tokens"; "your messages resulted in N"
     (re.compile(r"request has (\d+) input tokens", re.I), None, 1),
     (re.compile(r"(?:messages|prompt) resulted in (\d+) tokens", re.I), None, 1),
-    (re.compile(r"your prompt (?:has|contains|is) (\d+)", re.I), None, 1),
+    (re.compile(r"prompt (?:has|contains|is|of) (\d+) tokens", re.I), None, 1),
+    (re.compile(r"context window (?:is |of )(\d+) tokens", re.I), 1, None),
     # TGI: "must be <= 4096. Given: 4000 `inputs` tokens and 200 `max_new_tokens`"
     (re.compile(r"must be <= (\d+)\. Given: (\d+) `inputs` tokens", re.I), 1, None),
     (re.compile(r"Given: (\d+) `inputs` tokens", re.I), None, 1),

@@ -33,13 +33,14 @@ CONTEXT_ERRORS: list[tuple[str, int, Any, int | None, int | None]] = [
         413,
         {
             "error": {
-                "message": "prompt of 9000 tokens does not fit the context window of 8192 tokens",
+                "message": "This model's maximum context length is 8192 tokens; the prompt has "
+                "9000 tokens, which leaves no room for output.",
                 "type": "invalid_request_error",
                 "code": "context_length_exceeded",
             }
         },
-        None,
-        None,
+        9000,
+        8192,
     ),
     (
         "openai-400",
