@@ -53,7 +53,7 @@ ESTIMATE_MARGIN = 0.2
 EXPLICIT_CAPS = (1, 4, 16)
 #: Without Retry-After, capacity is polled this often.
 POLL_INTERVAL = 0.25
-#: How long the holders of the honesty check get to be answered before the probe.
+#: How long the holders of the honesty check may take to fill the server before the probe.
 HOLDERS_ANSWER_WAIT = 10.0
 #: How long /metrics is polled for kv_reserved_tokens to reach 0.
 METRICS_WAIT = 2.0
@@ -532,24 +532,24 @@ async def check_saturation(s: Session) -> Verdict:
 
 
 async def check_retry_after_honest(s: Session) -> Verdict:
-    prompt_tokens, _ = await s.count_prompt(SHORT_PROMPT)
+    # Holders ask for long answers so that they are still generating when the probe comes.
+    prompt_tokens, _ = await s.count_prompt(LONG_OUTPUT_PROMPT)
     cap = s.burst_cap(prompt_tokens)
-    body = s.body(SHORT_PROMPT, max_tokens=cap)
+    body = s.body(LONG_OUTPUT_PROMPT, max_tokens=cap)
     holders = [BurstOutcome(streamed=True) for _ in range(s.options.burst)]
-    answered = anyio.Event()
-    pending = [len(holders)]
+    full = anyio.Event()  # set at the first refusal, or once every holder has its answer
 
     def on_answer() -> None:
-        pending[0] -= 1
-        if pending[0] == 0:
-            answered.set()
+        answered = [h for h in holders if h.status is not None or h.transport_error is not None]
+        if len(answered) == len(holders) or any(h.status in (429, 503) for h in answered):
+            full.set()
 
     async with anyio.create_task_group() as group:
         for holder in holders:
             group.start_soon(functools.partial(s.send_one, body, holder, on_answer=on_answer))
         # The holders keep their streams open while the probe asks to be admitted.
         with anyio.move_on_after(min(HOLDERS_ANSWER_WAIT, s.remaining())):
-            await answered.wait()
+            await full.wait()
         if not any(h.status in (429, 503) for h in holders):
             verdict = Verdict(
                 CheckStatus.UNSUPPORTED,
@@ -619,11 +619,13 @@ async def _probe_retry_after(s: Session, body: dict[str, Any]) -> Verdict:
 
 async def check_capacity_returns(s: Session) -> Verdict:
     assert s.context_window is not None
-    prompt_tokens, source = await s.count_prompt(SHORT_PROMPT)
+    # Long answers: the dropped streams must still be generating when the client walks away.
+    prompt = LONG_OUTPUT_PROMPT
+    prompt_tokens, source = await s.count_prompt(prompt)
     largest = s.context_window - prompt_tokens
     size = f"{prompt_tokens} prompt ({source}) + {largest} max_tokens = {s.context_window}"
     patience = min(s.options.capacity_wait, s.remaining())
-    before = await s.largest_admitted(SHORT_PROMPT, largest, patience=patience)
+    before = await s.largest_admitted(prompt, largest, patience=patience)
     if not before[0]:
         return Verdict(
             CheckStatus.FAIL,
@@ -632,7 +634,7 @@ async def check_capacity_returns(s: Session) -> Verdict:
         )
     cap = s.burst_cap(prompt_tokens)
     outcomes = await s.burst(
-        s.body(SHORT_PROMPT, max_tokens=cap),
+        s.body(prompt, max_tokens=cap),
         s.options.burst,
         budget=min(s.remaining() / 3, s.options.timeout / 3),
         drop_after_first=True,
@@ -641,12 +643,12 @@ async def check_capacity_returns(s: Session) -> Verdict:
     dropped = sum(1 for o in outcomes if o.status is not None and 200 <= o.status < 300)
     statuses = describe_counts(Counter(str(o.status) for o in outcomes))
     admitted, tries, waited, seen = await s.largest_admitted(
-        SHORT_PROMPT, largest, patience=min(s.options.capacity_wait, s.remaining())
+        prompt, largest, patience=min(s.options.capacity_wait, s.remaining())
     )
     reserved = await s.reserved_tokens()
     metric = "" if reserved is None else f"; /metrics kv_reserved_tokens {reserved:g}"
     details = {"dropped_streams": dropped, "tries": tries, "kv_reserved_tokens": reserved}
-    dropped_text = f"dropped {dropped} streams mid-way ({statuses})"
+    dropped_text = f"dropped {dropped} stream{'' if dropped == 1 else 's'} mid-way ({statuses})"
     if admitted:
         return Verdict(
             CheckStatus.PASS,
