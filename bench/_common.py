@@ -83,3 +83,32 @@ def serve_app(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def instant_server_process(*, cpu: int | None = None) -> Iterator[str]:
+    """bench/instant_server.py in its own process (own core when ``cpu`` is given)."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    port = free_port()
+    cmd = [sys.executable, str(Path(__file__).parent / "instant_server.py"), "--port", str(port)]
+    if cpu is not None:
+        cmd += ["--cpu", str(cpu)]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the instant server did not start") from None
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
