@@ -234,6 +234,13 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             declared_size = int(declared)
         except ValueError:
             raise APIError(400, "invalid Content-Length header", code="invalid_request") from None
+    if declared_size is not None and (declared_size < 0 or declared_size > _DRAIN_LIMIT_BYTES):
+        # Too much to drain: answer at once (before the client has sent it all, if ever).
+        raise (
+            too_large
+            if declared_size > 0
+            else APIError(400, "invalid Content-Length header", code="invalid_request")
+        )
     chunks: list[bytes] = []
     total = 0
     over = declared_size is not None and declared_size > limit
