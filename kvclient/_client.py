@@ -55,6 +55,9 @@ _CHAT = "/v1/chat/completions"
 _MODELS = "/v1/models"
 # Keys kvclient owns in a request body; passing them through **params would bypass the clamp.
 _RESERVED = frozenset({"model", "prompt", "messages", "stream", "max_tokens"})
+# Bounds on finishing an abandoned async stream (see _finish_generators).
+_DRAIN_EVENTS = 10_000
+_DRAIN_SECONDS = 1.0
 
 
 class _Prepared:
@@ -490,6 +493,23 @@ class Stream(_StreamBase):
     def close(self) -> None:
         if self._response is not None:
             self._response.close()
+        if self._events is not None:
+            self._events.close()
+
+
+async def _finish_generators(events: Any) -> None:
+    """Run the generator chain under an abandoned stream to its end, the connection closed.
+
+    httpx reads a stream through nested async generators; aclose() on ours leaves the inner ones
+    suspended, and trio warns when it collects an unfinished one. With the response closed,
+    resuming them ends at once (buffered lines, then the closed stream), so they finish cleanly.
+    """
+    with anyio.move_on_after(_DRAIN_SECONDS):
+        try:
+            for _ in range(_DRAIN_EVENTS):
+                await events.__anext__()
+        except Exception:  # StopAsyncIteration, the closed stream's error, a bad last event
+            return
 
 
 class AsyncStream(_StreamBase):
@@ -573,11 +593,15 @@ class AsyncStream(_StreamBase):
         return self._pending.popleft()
 
     async def aclose(self) -> None:
-        if self._events is not None:
-            events, self._events = self._events, None
-            await events.aclose()
-        if self._response is not None:
-            await self._response.aclose()
+        events, self._events = self._events, None
+        try:
+            if self._response is not None:
+                await self._response.aclose()
+            if events is not None:
+                await _finish_generators(events)
+        finally:
+            if events is not None:
+                await events.aclose()
 
 
 class Client(BaseClient):

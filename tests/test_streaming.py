@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import httpx
 import pytest
 
@@ -230,3 +232,24 @@ async def test_async_stream_prompt_too_long_raises_on_enter(server: FakeServer) 
             async with stream:
                 pass
     assert server.seen == []
+
+
+@pytest.mark.anyio
+async def test_async_stream_left_early_closes_cleanly(server: FakeServer) -> None:
+    """Breaking out leaves no half-read generator behind (trio warns about those)."""
+    server.add("/v1/completions", sse(*text_events("a", "b", "c", "d")))
+    async with make_async_client(server) as client:
+        async with client.complete_stream(PROMPT) as stream:
+            async for _chunk in stream:
+                break
+        gc.collect()
+    with pytest.raises(RuntimeError, match="not finished"):
+        _ = stream.completion
+
+
+def test_sync_stream_left_early_closes_cleanly(server: FakeServer) -> None:
+    server.add("/v1/completions", sse(*text_events("a", "b", "c", "d")))
+    with make_client(server) as client, client.complete_stream(PROMPT) as stream:
+        assert next(stream).text == "a"
+    assert stream._response is not None
+    assert stream._response.is_closed
