@@ -10,11 +10,12 @@ judges the reference server.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -338,32 +339,55 @@ def _unix_now() -> float:
 
 
 async def _first_event(response: httpx.Response) -> None:
-    async for line in response.aiter_lines():
+    """Read up to the first event, then walk away: close the connection mid-stream."""
+    lines = response.aiter_lines()
+    async for line in lines:
         if line.startswith("data:"):
-            return
+            break
+    await _abandon(response, lines)
+
+
+async def _abandon(response: httpx.Response, lines: AsyncIterator[str]) -> None:
+    """Close a stream left early, then run httpx's generator chain under it to its end.
+
+    Leaving ``async for`` early suspends httpx's nested generators, and trio warns when it
+    collects an unfinished one; with the connection closed, resuming them ends at once.
+    """
+    await response.aclose()
+    with anyio.move_on_after(1.0), contextlib.suppress(Exception):
+        async for _ in lines:
+            pass
 
 
 async def _consume(response: httpx.Response) -> tuple[bool, str | None, str | None]:
     """Read an SSE completion stream to its end: ``(completed, problem, error code)``."""
     finished = False
-    async for line in response.aiter_lines():
+    verdict: tuple[bool, str | None, str | None] | None = None
+    lines = response.aiter_lines()
+    async for line in lines:
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
-            return True, None, None
+            verdict = (True, None, None)
+            break
         try:
             event = json.loads(data)
         except ValueError:
-            return False, "unreadable stream event", None
+            verdict = (False, "unreadable stream event", None)
+            break
         if isinstance(event, dict) and event.get("error") is not None:
             body = classify_error_body(data.encode())
-            return False, "error event mid-stream", body.code or body.type or "error"
+            verdict = (False, "error event mid-stream", body.code or body.type or "error")
+            break
         choices = event.get("choices") if isinstance(event, dict) else None
         if isinstance(choices, list):
             finished = finished or any(
                 isinstance(c, dict) and c.get("finish_reason") for c in choices
             )
+    if verdict is not None:
+        await _abandon(response, lines)
+        return verdict
     if finished:
         return True, None, None
     return False, "stream ended without [DONE] or finish_reason", None

@@ -1,0 +1,416 @@
+"""The contract suite's pure judgements, and its checks against small fake servers.
+
+The fakes are ``httpx.MockTransport`` handlers: each one keeps (or breaks) one rule of the
+contract, so every verdict here is decided by the server's answers alone.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from kvclient.contract import (
+    CHECK_NAMES,
+    CheckResult,
+    CheckStatus,
+    ContractOptions,
+    ContractReport,
+    arun_contract,
+)
+from kvclient.contract._judge import (
+    BurstOutcome,
+    classify_error_body,
+    find_context_window,
+    judge_bad_input,
+    judge_completion_tokens,
+    judge_overlong_prompt,
+    judge_retry_after,
+    judge_saturation,
+    prometheus_value,
+    usage_tokens,
+)
+from kvclient.contract.cli import main, render_table
+
+NOW = 1_700_000_000.0
+
+# --- Retry-After ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["1", "2", " 30 ", "3600"])
+def test_retry_after_delta_seconds_valid(value: str) -> None:
+    advice = judge_retry_after(value)
+    assert advice.valid
+    assert advice.seconds == float(value.strip())
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("0", "immediate retry"),
+        ("1.5", "neither delta-seconds"),
+        ("-1", "neither delta-seconds"),
+        ("soon", "neither delta-seconds"),
+        ("", "neither delta-seconds"),
+        ("9" * 80, "characters"),
+        ("86400", "implausibly long"),
+    ],
+)
+def test_retry_after_problems(value: str, problem: str) -> None:
+    advice = judge_retry_after(value)
+    assert not advice.valid
+    assert problem in (advice.problem or "")
+
+
+def test_retry_after_missing() -> None:
+    advice = judge_retry_after(None)
+    assert advice.missing
+    assert not advice.valid
+    assert not judge_retry_after(None, millis="500").missing
+
+
+def test_retry_after_http_date() -> None:
+    future = email.utils.formatdate(NOW + 5, usegmt=True)
+    past = email.utils.formatdate(NOW - 5, usegmt=True)
+    assert judge_retry_after(future, now=NOW).seconds == pytest.approx(5.0)
+    assert "in the past" in (judge_retry_after(past, now=NOW).problem or "")
+    assert "current time" in (judge_retry_after(future).problem or "")
+
+
+def test_retry_after_millis_must_agree() -> None:
+    assert judge_retry_after("2", millis="1500").valid
+    assert "disagrees" in (judge_retry_after("1", millis="9000").problem or "")
+    assert "not a number" in (judge_retry_after("1", millis="soon").problem or "")
+
+
+# --- error bodies and single answers --------------------------------------------------------------
+
+
+def test_classify_error_bodies() -> None:
+    openai = classify_error_body(b'{"error": {"message": "m", "type": "t", "code": "c"}}')
+    assert (openai.shape, openai.code, openai.type) == ("openai", "c", "t")
+    tgi = classify_error_body(b'{"error": "Input validation error", "error_type": "validation"}')
+    assert (tgi.shape, tgi.type) == ("json", "validation")
+    fastapi = classify_error_body(b'{"detail": [{"loc": ["body"], "msg": "bad"}]}')
+    assert fastapi.shape == "json"
+    for content in (b"Internal Server Error", b"[1, 2]", b'{"ok": true}', b"\xff"):
+        assert classify_error_body(content).shape == "none"
+    assert classify_error_body(b"oops").describe() == "no JSON error body"
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected", "words"),
+    [
+        (413, b'{"error": {"message": "too long"}}', CheckStatus.PASS, "413"),
+        (400, b'{"error": {"message": "too long"}}', CheckStatus.PASS, "413 preferred"),
+        (422, b'{"detail": "too long"}', CheckStatus.PASS, "413 preferred"),
+        (500, b'{"error": {"message": "boom"}}', CheckStatus.FAIL, "server error"),
+        (429, b'{"error": {"message": "busy"}}', CheckStatus.FAIL, "retryable"),
+        (503, b'{"error": {"message": "busy"}}', CheckStatus.FAIL, "server error"),
+        (200, b'{"choices": []}', CheckStatus.FAIL, "accepted"),
+        (413, b"<html>too long</html>", CheckStatus.FAIL, "not JSON"),
+        (404, b'{"error": {"message": "?"}}', CheckStatus.FAIL, "expected 413"),
+        (None, b"", CheckStatus.FAIL, "connection dropped"),
+    ],
+)
+def test_judge_overlong_prompt(
+    status: int | None, body: bytes, expected: CheckStatus, words: str
+) -> None:
+    verdict = judge_overlong_prompt(status, classify_error_body(body), prompt_tokens="9000")
+    assert verdict.status is expected
+    assert words in verdict.evidence
+
+
+def test_judge_bad_input() -> None:
+    json_error = classify_error_body(b'{"error": {"message": "bad"}}')
+    assert judge_bad_input("x", 400, json_error) is None
+    assert judge_bad_input("x", 422, json_error) is None
+    assert "500" in (judge_bad_input("x", 500, json_error) or "")
+    assert "accepted" in (judge_bad_input("x", 200, json_error) or "")
+    assert "retryable" in (judge_bad_input("x", 429, json_error) or "")
+    assert "without a JSON" in (judge_bad_input("x", 400, classify_error_body(b"no")) or "")
+    assert "dropped" in (judge_bad_input("x", None, json_error) or "")
+
+
+def test_find_context_window() -> None:
+    models = {"data": [{"id": "a", "max_model_len": 4096}, {"id": "b"}]}
+    assert find_context_window(models, None) == ("a", 4096, None)
+    assert find_context_window(models, "b") == ("b", None, None)
+    assert "not listed" in (find_context_window(models, "c")[2] or "")
+    assert "not a positive" in (
+        find_context_window({"data": [{"id": "a", "max_model_len": "8k"}]}, None)[2] or ""
+    )
+    assert "no model" in (find_context_window({"data": []}, None)[2] or "")
+    assert "not an OpenAI" in (find_context_window(["a"], None)[2] or "")
+
+
+def test_usage_and_completion_limits() -> None:
+    assert usage_tokens({"usage": {"prompt_tokens": 3, "completion_tokens": 5}}) == (3, 5)
+    assert usage_tokens({"usage": {"prompt_tokens": True}}) == (None, None)
+    assert usage_tokens("nope") == (None, None)
+    assert judge_completion_tokens(5, 5, "x") is None
+    assert "6 completion tokens > 5" in (judge_completion_tokens(6, 5, "x") or "")
+    assert "no usage" in (judge_completion_tokens(None, 5, "x") or "")
+
+
+def test_prometheus_value() -> None:
+    text = (
+        "# HELP kv_reserved_tokens Reserved.\n# TYPE kv_reserved_tokens gauge\n"
+        "kv_reserved_tokens_peak 9.0\nkv_reserved_tokens 3072.0\n"
+    )
+    assert prometheus_value(text, "kv_reserved_tokens") == 3072.0
+    assert prometheus_value(text, "kv_missing") is None
+    assert prometheus_value("kv_reserved_tokens NaN\n", "kv_reserved_tokens") is None
+
+
+# --- the burst verdict ----------------------------------------------------------------------------
+
+
+def _ok(streamed: bool = False) -> BurstOutcome:
+    return BurstOutcome(streamed=streamed, status=200, completed=True)
+
+
+def _refused(value: str | None = "1", status: int = 429) -> BurstOutcome:
+    return BurstOutcome(status=status, retry_after=judge_retry_after(value))
+
+
+def test_saturation_pass() -> None:
+    verdict = judge_saturation([_ok(), _ok(True), _refused("1"), _refused("2", status=503)])
+    assert verdict.status is CheckStatus.PASS
+    assert "Retry-After 1-2 s" in verdict.evidence
+    assert verdict.details["refused"] == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (BurstOutcome(status=500, error_code="kv_cache_oom"), "kv_cache_oom"),
+        (BurstOutcome(transport_error="RemoteProtocolError"), "dropped connections"),
+        (BurstOutcome(status=200, problem="error event mid-stream"), "did not complete"),
+        (BurstOutcome(status=200, unfinished=True), "unfinished at the deadline"),
+        (BurstOutcome(status=400, error_code="kv_budget_exceeded"), "unexpected 3xx/4xx"),
+        (_refused("soon"), "invalid Retry-After"),
+        (_refused(None), "without Retry-After"),
+    ],
+)
+def test_saturation_failures(extra: BurstOutcome, words: str) -> None:
+    verdict = judge_saturation([_ok(), _refused("1"), extra])
+    assert verdict.status is CheckStatus.FAIL
+    assert words in verdict.evidence
+
+
+def test_saturation_without_refusals_or_retry_after_is_unsupported() -> None:
+    never_refused = judge_saturation([_ok(), _ok(True)])
+    assert never_refused.status is CheckStatus.UNSUPPORTED
+    assert "never refused" in never_refused.evidence
+    lenient = judge_saturation([_ok(), _refused(None)], require_retry_after=False)
+    assert lenient.status is CheckStatus.UNSUPPORTED
+    assert "no Retry-After (allowed)" in lenient.evidence
+    strict = judge_saturation([_ok(), _refused(None)])
+    assert strict.status is CheckStatus.FAIL
+
+
+# --- options and reports --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"burst": 0},
+        {"burst": True},
+        {"timeout": 0},
+        {"timeout": float("inf")},
+        {"context_window": -1},
+        {"only": ("nope",)},
+        {"retry_tries": 0},
+    ],
+)
+def test_options_are_validated(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        ContractOptions(**kwargs)
+
+
+def test_report_ok_ignores_unsupported_and_skipped() -> None:
+    def result(name: str, status: CheckStatus) -> CheckResult:
+        return CheckResult(name=name, status=status, evidence="e")
+
+    report = ContractReport(
+        base_url="http://x",
+        model="m",
+        context_window=8,
+        results=(
+            result("context_window", CheckStatus.UNSUPPORTED),
+            result("bad_input", CheckStatus.PASS),
+            result("saturation", CheckStatus.SKIPPED),
+        ),
+        duration=1.0,
+    )
+    assert report.ok
+    assert report["bad_input"].status is CheckStatus.PASS
+    assert report.counts() == {"pass": 1, "fail": 0, "unsupported": 1, "skipped": 1}
+    json.dumps(report.to_dict())
+    assert "PASSED" in render_table(report)
+    failed = ContractReport(
+        base_url="http://x",
+        model=None,
+        context_window=None,
+        results=(result("bad_input", CheckStatus.FAIL),),
+        duration=0.0,
+    )
+    assert not failed.ok
+    assert "FAILED" in render_table(failed)
+    with pytest.raises(KeyError):
+        failed["saturation"]
+
+
+def test_cli_rejects_unknown_check(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["http://127.0.0.1:9", "--only", "saturation,nope"]) == 2
+    assert "unknown check(s) nope" in capsys.readouterr().err
+
+
+# --- checks against fake servers ------------------------------------------------------------------
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def _error(status: int, message: str, **headers: str) -> httpx.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "code": None}}
+    return httpx.Response(status, json=body, headers=headers)
+
+
+def fake_server(
+    *,
+    context: int = 64,
+    models: Any = None,
+    unset_output: int = 10,
+    overlong_status: int = 413,
+) -> Handler:
+    """A tiny in-memory server that keeps the contract, except where told otherwise.
+
+    It counts one token per word and never saturates (so the burst checks are unsupported).
+    """
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            if models == 404:
+                return _error(404, "no route")
+            listing = models or {"data": [{"id": "fake", "max_model_len": context}]}
+            return httpx.Response(200, json=listing)
+        if request.url.path == "/tokenize":
+            return _error(404, "no route")
+        if request.url.path != "/v1/completions":
+            return _error(404, "no route")
+        try:
+            body = json.loads(request.content)
+        except ValueError:
+            return _error(400, "not JSON")
+        prompt, cap = body.get("prompt"), body.get("max_tokens")
+        if not isinstance(prompt, str) or (
+            cap is not None and (not isinstance(cap, int) or cap < 1)
+        ):
+            return _error(400, "bad field")
+        prompt_tokens = len(prompt.split())
+        if prompt_tokens >= context:
+            return _error(overlong_status, "prompt too long")
+        completion = unset_output if cap is None else min(cap, 3)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion}
+        if body.get("stream"):
+            events = [
+                {"choices": [{"index": 0, "text": " ok", "finish_reason": None}]},
+                {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+            ]
+            text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+            return httpx.Response(
+                200, content=text.encode(), headers={"content-type": "text/event-stream"}
+            )
+        choice = {"index": 0, "text": " ok" * completion, "finish_reason": "length"}
+        return httpx.Response(200, json={"choices": [choice], "usage": usage})
+
+    return handler
+
+
+async def _run(handler: Handler, **options: Any) -> ContractReport:
+    options.setdefault("burst", 4)
+    options.setdefault("timeout", 5.0)
+    options.setdefault("capacity_wait", 0.5)
+    return await arun_contract("http://fake/v1", transport=httpx.MockTransport(handler), **options)
+
+
+@pytest.mark.anyio
+async def test_fake_server_that_keeps_the_contract() -> None:
+    report = await _run(fake_server())
+    statuses = {r.name: r.status for r in report.results}
+    assert [r.name for r in report.results] == list(CHECK_NAMES)
+    assert report.base_url == "http://fake"
+    assert report.model == "fake"
+    assert report.context_window == 64
+    # It never refuses, so there is no Retry-After to judge: unsupported, not failed.
+    assert statuses["saturation"] is CheckStatus.UNSUPPORTED
+    assert statuses["retry_after_honest"] is CheckStatus.UNSUPPORTED
+    others = {k: v for k, v in statuses.items() if k not in ("saturation", "retry_after_honest")}
+    assert set(others.values()) == {CheckStatus.PASS}, report.to_dict()
+    assert report.ok
+
+
+@pytest.mark.anyio
+async def test_unset_max_tokens_overrunning_the_context_fails() -> None:
+    report = await _run(fake_server(context=64, unset_output=500), only=("unset_max_tokens",))
+    result = report["unset_max_tokens"]
+    assert result.status is CheckStatus.FAIL
+    assert "500 completion tokens" in result.evidence
+    assert not report.ok
+
+
+@pytest.mark.anyio
+async def test_prompt_too_long_answered_500_fails() -> None:
+    report = await _run(fake_server(overlong_status=500), only=("prompt_too_long",))
+    assert report["prompt_too_long"].status is CheckStatus.FAIL
+
+
+@pytest.mark.anyio
+async def test_no_models_endpoint() -> None:
+    without = await _run(fake_server(models=404))
+    assert without["context_window"].status is CheckStatus.FAIL
+    assert without["prompt_too_long"].status is CheckStatus.SKIPPED
+    assert without["bad_input"].status is CheckStatus.PASS  # needs no context window
+    assert not without.ok
+    given = await _run(fake_server(models=404), context_window=64, only=("context_window",))
+    assert given["context_window"].status is CheckStatus.UNSUPPORTED
+    assert "--context-window 64" in given["context_window"].evidence
+    assert given.ok
+
+
+@pytest.mark.anyio
+async def test_invalid_max_model_len_fails() -> None:
+    models = {"data": [{"id": "fake", "max_model_len": "8k"}]}
+    report = await _run(fake_server(models=models), only=("context_window",))
+    assert report["context_window"].status is CheckStatus.FAIL
+    assert "'8k'" in report["context_window"].evidence
+
+
+@pytest.mark.anyio
+async def test_unreachable_server_fails_once_and_skips_the_rest() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    report = await _run(refuse)
+    assert report["context_window"].status is CheckStatus.FAIL
+    assert "cannot reach" in report["context_window"].evidence
+    assert {r.status for r in report.results[1:]} == {CheckStatus.SKIPPED}
+
+
+@pytest.mark.anyio
+async def test_a_server_answering_nonsense_fails_checks_without_crashing_the_suite() -> None:
+    def nonsense(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "x", "max_model_len": 64}]})
+        return httpx.Response(200, content=b"\x00garbage")
+
+    report = await _run(nonsense)
+    assert not report.ok
+    assert report["bad_input"].status is CheckStatus.FAIL
+    assert report["saturation"].status is CheckStatus.FAIL  # admitted but unreadable
