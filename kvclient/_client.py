@@ -55,6 +55,8 @@ _CHAT = "/v1/chat/completions"
 _MODELS = "/v1/models"
 # Keys kvclient owns in a request body; passing them through **params would bypass the clamp.
 _RESERVED = frozenset({"model", "prompt", "messages", "stream", "max_tokens"})
+# A request always gets a little time, even when the deadline is all but spent.
+_MIN_ATTEMPT_TIMEOUT = 0.001
 # Bounds on finishing an abandoned async stream (see _finish_generators).
 _DRAIN_EVENTS = 10_000
 _DRAIN_SECONDS = 1.0
@@ -141,13 +143,42 @@ class BaseClient:
         return headers
 
     def _build_request(
-        self, http: httpx.Client | httpx.AsyncClient, prepared: _Prepared, attempt: int
+        self, http: httpx.Client | httpx.AsyncClient, prepared: _Prepared, call: RetryCall
     ) -> httpx.Request:
         return http.build_request(
             "POST",
             self._url(prepared.path),
             content=json.dumps(prepared.body).encode(),
-            headers={**self._headers(prepared, attempt), "Content-Type": "application/json"},
+            headers={**self._headers(prepared, call.attempts), "Content-Type": "application/json"},
+            timeout=self._attempt_timeout(call),
+        )
+
+    def _attempt_timeout(self, call: RetryCall) -> httpx.Timeout:
+        """The configured timeouts, none longer than the time left before the call's deadline.
+
+        For a stream the read timeout bounds each wait for the next chunk, not the whole stream.
+        """
+        base = httpx.Timeout(self.timeout)
+        left = max(call.time_left(), _MIN_ATTEMPT_TIMEOUT)
+
+        def cap(value: float | None) -> float:
+            return left if value is None else min(value, left)
+
+        return httpx.Timeout(
+            connect=cap(base.connect),
+            read=cap(base.read),
+            write=cap(base.write),
+            pool=cap(base.pool),
+        )
+
+    def _models_request(
+        self, http: httpx.Client | httpx.AsyncClient, call: RetryCall
+    ) -> httpx.Request:
+        return http.build_request(
+            "GET",
+            self._url(_MODELS),
+            headers=self._headers(None, call.attempts),
+            timeout=self._attempt_timeout(call),
         )
 
     def _needs_discovery(self) -> bool:
@@ -290,12 +321,14 @@ class BaseClient:
         target = f"{request.method} {request.url}" if request is not None else "request"
         when = "while reading the answer" if answered else "before any answer"
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        # A wrong URL scheme is not a network accident: no retry can fix it.
+        retryable = not answered and not isinstance(exc, httpx.UnsupportedProtocol)
         if isinstance(exc, httpx.TimeoutException):
             return APITimeoutError(
-                f"{target} timed out {when} ({detail})", request=request, retryable=not answered
+                f"{target} timed out {when} ({detail})", request=request, retryable=retryable
             )
         return APIConnectionError(
-            f"{target} failed {when} ({detail})", request=request, retryable=not answered
+            f"{target} failed {when} ({detail})", request=request, retryable=retryable
         )
 
     @staticmethod
@@ -444,8 +477,8 @@ class Stream(_StreamBase):
         client = self._client
         self._call = client._new_call()
 
-        def attempt(number: int) -> tuple[httpx.Response, Any, dict[str, Any] | None]:
-            response = client._send(self._prepared, number, stream=True)
+        def attempt(call: RetryCall) -> tuple[httpx.Response, Any, dict[str, Any] | None]:
+            response = client._send(self._prepared, call, stream=True)
             events = iter_events(response.iter_lines())
             try:
                 first = next(events)
@@ -545,8 +578,8 @@ class AsyncStream(_StreamBase):
             self._prepared_value = await self._prepare()
         self._call = client._new_call()
 
-        async def attempt(number: int) -> tuple[httpx.Response, Any, dict[str, Any] | None]:
-            response = await client._send(self._prepared, number, stream=True)
+        async def attempt(call: RetryCall) -> tuple[httpx.Response, Any, dict[str, Any] | None]:
+            response = await client._send(self._prepared, call, stream=True)
             events = aiter_events(response.aiter_lines())
             try:
                 first = await events.__anext__()
@@ -672,12 +705,13 @@ class Client(BaseClient):
             call.held(wait)
         raise self._stuck(call)
 
-    def _run(self, call: RetryCall, attempt: Callable[[int], T]) -> T:
+    def _run(self, call: RetryCall, attempt: Callable[[RetryCall], T]) -> T:
         results: list[T] = []
         for manager in call.attempts_iter():
             with manager:
                 self._hold(call)
-                results.append(attempt(call.begin_attempt()))
+                call.begin_attempt()
+                results.append(attempt(call))
         return results[-1]
 
     def _send_request(self, request: httpx.Request, *, stream: bool) -> httpx.Response:
@@ -697,8 +731,8 @@ class Client(BaseClient):
             raise self._status_error(response)
         return response
 
-    def _send(self, prepared: _Prepared, attempt: int, *, stream: bool = False) -> httpx.Response:
-        request = self._build_request(self._http, prepared, attempt)
+    def _send(self, prepared: _Prepared, call: RetryCall, *, stream: bool) -> httpx.Response:
+        request = self._build_request(self._http, prepared, call)
         return self._send_request(request, stream=stream)
 
     def _discover(self) -> None:
@@ -708,19 +742,15 @@ class Client(BaseClient):
             if not self._needs_discovery():
                 return
 
-            def attempt(number: int) -> dict[str, Any]:
-                request = self._http.build_request(
-                    "GET", self._url(_MODELS), headers=self._headers(None, number)
-                )
+            def attempt(call: RetryCall) -> dict[str, Any]:
+                request = self._models_request(self._http, call)
                 return self._json(self._send_request(request, stream=False))
 
             self._adopt_models(self._run(self._new_call(), attempt))
 
     def _call(self, prepared: _Prepared) -> Completion:
         call = self._new_call()
-        payload = self._run(
-            call, lambda number: self._json(self._send(prepared, number, stream=False))
-        )
+        payload = self._run(call, lambda call: self._json(self._send(prepared, call, stream=False)))
         return self._completion(payload, prepared, call)
 
     # --- API ---------------------------------------------------------------------------------
@@ -821,12 +851,13 @@ class AsyncClient(BaseClient):
             call.held(wait)
         raise self._stuck(call)
 
-    async def _run(self, call: RetryCall, attempt: Callable[[int], Any]) -> Any:
+    async def _run(self, call: RetryCall, attempt: Callable[[RetryCall], Any]) -> Any:
         results: list[Any] = []
         async for manager in call.async_attempts():
             with manager:
                 await self._hold(call)
-                results.append(await attempt(call.begin_attempt()))
+                call.begin_attempt()
+                results.append(await attempt(call))
         return results[-1]
 
     async def _send_request(self, request: httpx.Request, *, stream: bool) -> httpx.Response:
@@ -846,10 +877,8 @@ class AsyncClient(BaseClient):
             raise self._status_error(response)
         return response
 
-    async def _send(
-        self, prepared: _Prepared, attempt: int, *, stream: bool = False
-    ) -> httpx.Response:
-        request = self._build_request(self._http, prepared, attempt)
+    async def _send(self, prepared: _Prepared, call: RetryCall, *, stream: bool) -> httpx.Response:
+        request = self._build_request(self._http, prepared, call)
         return await self._send_request(request, stream=stream)
 
     async def _discover(self) -> None:
@@ -861,10 +890,8 @@ class AsyncClient(BaseClient):
             if not self._needs_discovery():
                 return
 
-            async def attempt(number: int) -> dict[str, Any]:
-                request = self._http.build_request(
-                    "GET", self._url(_MODELS), headers=self._headers(None, number)
-                )
+            async def attempt(call: RetryCall) -> dict[str, Any]:
+                request = self._models_request(self._http, call)
                 return self._json(await self._send_request(request, stream=False))
 
             self._adopt_models(await self._run(self._new_call(), attempt))
@@ -872,8 +899,8 @@ class AsyncClient(BaseClient):
     async def _call(self, prepared: _Prepared) -> Completion:
         call = self._new_call()
 
-        async def attempt(number: int) -> dict[str, Any]:
-            return self._json(await self._send(prepared, number, stream=False))
+        async def attempt(call: RetryCall) -> dict[str, Any]:
+            return self._json(await self._send(prepared, call, stream=False))
 
         payload = await self._run(call, attempt)
         return self._completion(payload, prepared, call)

@@ -450,7 +450,10 @@ class RetryCall:
             extra={"kvclient_retry": event},
         )
         if self.on_retry is not None:
-            self.on_retry(event)
+            try:
+                self.on_retry(event)
+            except Exception:  # an observer's bug must not change what the call does
+                logger.exception("kvclient on_retry hook raised; retrying anyway")
 
     # --- tenacity glue -----------------------------------------------------------------------
 

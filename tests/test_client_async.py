@@ -272,3 +272,29 @@ async def test_real_anyio_sleep_is_used_by_default(server: FakeServer) -> None:
         result = await c.complete(PROMPT)
     assert result.attempts == 2
     assert 0.005 <= result.retry_wait < 0.05
+
+
+async def test_cancellation_is_not_retried_nor_swallowed(server: FakeServer) -> None:
+    """A cancelled call stops at once: cancellation is never taken for a retryable failure."""
+    sends = 0
+
+    async def hang(request: httpx.Request) -> httpx.Response:
+        nonlocal sends
+        sends += 1
+        await anyio.sleep(10)
+        return ok_completion()
+
+    client = AsyncClient(
+        base_url=BASE_URL,
+        model=MODEL,
+        context_window=CONTEXT,
+        counter=COUNTER,
+        retry=server.clock.policy(),
+        transport=httpx.MockTransport(hang),
+    )
+    async with client:
+        with anyio.move_on_after(0.01) as scope:
+            await client.complete(PROMPT)
+    assert scope.cancelled_caught
+    assert sends == 1
+    assert server.clock.sleeps == []

@@ -569,3 +569,39 @@ def test_default_counter_is_tiktoken() -> None:
     client = Client(base_url=BASE_URL, model=MODEL, context_window=CONTEXT)
     assert isinstance(client.counter, kvclient.TiktokenCounter)
     client.close()
+
+
+def test_each_attempt_times_out_before_the_deadline(server: FakeServer) -> None:
+    timeouts: list[dict[str, float]] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        timeouts.append(request.extensions["timeout"])
+        return busy("4") if len(timeouts) == 1 else ok_completion()
+
+    server.default = record
+    policy = server.clock.policy(deadline=10, random=lambda: 0.0)
+    with make_client(server, retry=policy, timeout=httpx.Timeout(30, connect=2)) as client:
+        client.complete(PROMPT)
+    assert timeouts[0] == {"connect": 2, "read": 10, "write": 10, "pool": 10}
+    assert timeouts[1] == {"connect": 2, "read": 6, "write": 6, "pool": 6}
+
+
+def test_a_failing_on_retry_hook_does_not_change_the_call(
+    server: FakeServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken_hook(event: RetryEvent) -> None:
+        raise RuntimeError("observer bug")
+
+    server.add("/v1/completions", busy("1"), ok_completion())
+    with make_client(server, on_retry=broken_hook) as client:
+        assert client.complete(PROMPT).attempts == 2
+    assert "on_retry hook raised" in caplog.text
+
+
+def test_a_wrong_url_scheme_is_not_retried() -> None:
+    with Client(base_url="http://kv.test", model=MODEL, context_window=CONTEXT) as client:
+        client.base_url = "ftp://kv.test"
+        with pytest.raises(APIConnectionError) as info:
+            client.complete(PROMPT)
+    assert not info.value.retryable
+    assert info.value.attempts == 1
