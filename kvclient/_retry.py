@@ -302,7 +302,7 @@ class _Decision:
 class RetryCall:
     """The state of one call across its attempts, and the tenacity loop that drives them.
 
-    Sync and async clients share it: they iterate :meth:`attempts` or :meth:`async_attempts`
+    Sync and async clients share it: they iterate :meth:`attempts_iter` or :meth:`async_attempts`
     and, inside each attempt, call :meth:`hold_time` before sending. Every decision is made here.
     """
 
