@@ -1,0 +1,221 @@
+"""kvclient's Client and AsyncClient against the real reference server, over loopback.
+
+The acceptance of the reference-server issue: a prompt over the context is refused before any
+send; saturation gives a 429 with a sensible Retry-After; retries then succeed; one client's 429
+cools the whole client down instead of every request finding out for itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from kvclient import (
+    AsyncClient,
+    Client,
+    PromptTooLongError,
+    RateLimitError,
+    RetryEvent,
+    RetryPolicy,
+    ServerBusyError,
+    TiktokenCounter,
+)
+from reference_server import RunningServer, running_server
+
+COUNTER = TiktokenCounter()
+CONFIG: dict[str, Any] = {
+    "kv_tokens": 4096,  # usable 3686
+    "context_window": 2048,
+    "decode_rate": 4000.0,
+    "mean_output_tokens": 1e6,  # always run to the cap: timings are predictable
+    "tick_seconds": 0.005,
+}
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+
+
+def at_zero(server: RunningServer) -> bool:
+    m = server.metrics()
+    return m["kv_reserved_tokens"] == 0 and m["kv_inflight_requests"] == 0
+
+
+@pytest.fixture
+def server() -> Iterator[RunningServer]:
+    with running_server(**CONFIG) as running:
+        yield running
+
+
+def hold(server: RunningServer, max_tokens: int) -> threading.Thread:
+    """Occupy the ledger with one raw request (not through the client under test)."""
+
+    def run() -> None:
+        httpx.post(
+            server.base_url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": max_tokens},
+            timeout=30,
+        )
+
+    before = server.metrics()["kv_admitted_total"]
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.metrics()["kv_admitted_total"] > before)
+    return thread
+
+
+def test_prompt_over_the_context_is_refused_without_a_send(server: RunningServer) -> None:
+    with Client(base_url=server.base_url, model="kvclient-sim", context_window=2048) as client:
+        before = server.metrics()
+        with pytest.raises(PromptTooLongError) as exc:
+            client.complete("word " * 3000, max_tokens=10)
+        after = server.metrics()
+    assert exc.value.prompt_tokens == COUNTER.count("word " * 3000)
+    assert exc.value.context_window == 2048
+    assert after["kv_http_requests_total"] == before["kv_http_requests_total"]
+    assert after["kv_generation_requests_total"] == before["kv_generation_requests_total"] == 0
+
+
+def test_discovered_context_window_still_refuses_without_a_generation_send(
+    server: RunningServer,
+) -> None:
+    with Client(base_url=server.base_url) as client:
+        with pytest.raises(PromptTooLongError):
+            client.chat([{"role": "user", "content": "word " * 3000}])
+        assert client.context_window == 2048  # from /v1/models max_model_len
+    assert server.metrics()["kv_generation_requests_total"] == 0
+
+
+def test_client_counts_and_server_usage_agree(server: RunningServer) -> None:
+    with Client(base_url=server.base_url) as client:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        chat = client.chat(messages, max_tokens=20)
+        text = client.complete("Once upon a time", max_tokens=20)
+    assert chat.usage is not None
+    assert chat.usage.prompt_tokens == chat.prompt_tokens
+    assert text.usage is not None
+    assert text.usage.prompt_tokens == text.prompt_tokens
+    assert text.usage.completion_tokens == COUNTER.count(text.text) == 20
+
+
+def test_unset_max_tokens_is_sent_clamped(server: RunningServer) -> None:
+    with Client(base_url=server.base_url, context_window=2048) as client:
+        completion = client.complete("hi", max_tokens=None)
+    assert completion.max_tokens == 2048 - COUNTER.count("hi")
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == completion.max_tokens
+
+
+def test_saturation_gives_a_429_with_a_sensible_retry_after(server: RunningServer) -> None:
+    holder = hold(server, 2000)  # 2000 tokens at 4000/s: due in ~0.5 s
+    policy = RetryPolicy(max_attempts=1)
+    with (
+        Client(base_url=server.base_url, context_window=2048, retry=policy) as client,
+        pytest.raises((RateLimitError, ServerBusyError)) as exc,
+    ):
+        client.complete("y", max_tokens=2000)
+    error = exc.value
+    advice = error.retry_after
+    if advice is None and isinstance(error, ServerBusyError):
+        assert isinstance(error.last_error, RateLimitError)
+        advice = error.last_error.retry_after
+    assert advice is not None
+    assert 0.2 <= advice <= 1.0  # retry-after-ms: the holder's remaining decode time
+    assert server.metrics()["kv_rejected_total"] == 1
+    holder.join(10)
+
+
+def test_retries_then_succeed(server: RunningServer) -> None:
+    holder = hold(server, 2000)
+    with Client(base_url=server.base_url, context_window=2048) as client:
+        completion = client.complete("y", max_tokens=2000)
+    assert completion.attempts >= 2
+    assert completion.retry_wait > 0
+    assert completion.history
+    assert completion.history[0].status_code == 429
+    assert completion.finish_reason == "length"
+    holder.join(10)
+    wait_for(lambda: at_zero(server))
+
+
+def test_cooldown_is_honoured_across_requests_of_one_client(server: RunningServer) -> None:
+    """After one 429, the client's other requests wait out the advice instead of sending.
+
+    The later requests are small: the server would have admitted them at once, so a 429-free
+    run with ``retry_wait > 0`` shows they were held by the client, not refused by the server.
+    """
+    holder = hold(server, 2000)  # 2008 reserved; due in ~0.5 s
+    retried = threading.Event()
+    events: list[RetryEvent] = []
+    results: dict[str, Any] = {}
+
+    def on_retry(event: RetryEvent) -> None:
+        events.append(event)
+        retried.set()
+
+    with Client(base_url=server.base_url, context_window=2048, on_retry=on_retry) as client:
+
+        def one(name: str, max_tokens: int) -> None:
+            results[name] = (client.complete("y", max_tokens=max_tokens), time.monotonic())
+
+        first = threading.Thread(target=one, args=("big", 1800))  # 1808: does not fit now
+        first.start()
+        assert retried.wait(5)
+        told = time.monotonic()
+        advice = events[0].retry_after
+        assert advice is not None
+        others = [threading.Thread(target=one, args=(f"small{i}", 100)) for i in range(3)]
+        for thread in others:
+            thread.start()
+        for thread in [first, *others]:
+            thread.join(30)
+    assert len(results) == 4
+    assert server.metrics()["kv_rejected_total"] == 1  # only the first request heard "no"
+    for i in range(3):
+        completion, finished = results[f"small{i}"]
+        assert completion.attempts == 1
+        assert completion.retry_wait > 0
+        assert finished - told >= advice * 0.9
+    holder.join(10)
+    wait_for(lambda: at_zero(server))
+
+
+def test_streaming_through_the_client(server: RunningServer) -> None:
+    with (
+        Client(base_url=server.base_url) as client,
+        client.chat_stream([{"role": "user", "content": "go"}], max_tokens=25) as stream,
+    ):
+        text = "".join(chunk.text for chunk in stream)
+        completion = stream.completion
+    assert completion.text == text
+    assert COUNTER.count(text) == 25
+    wait_for(lambda: at_zero(server))
+
+
+@pytest.mark.anyio
+async def test_async_client_end_to_end(server: RunningServer) -> None:
+    holder = hold(server, 2000)
+    async with AsyncClient(base_url=server.base_url) as client:
+        with pytest.raises(PromptTooLongError):
+            await client.complete("word " * 3000)
+        retried = await client.complete("y", max_tokens=2000)
+        assert retried.attempts >= 2
+        async with client.chat_stream(
+            [{"role": "user", "content": "stream"}], max_tokens=15
+        ) as stream:
+            pieces = [chunk.text async for chunk in stream]
+        assert COUNTER.count("".join(pieces)) == 15
+    holder.join(10)
+    with anyio.fail_after(5):
+        while not at_zero(server):  # noqa: ASYNC110 - polling state the server thread owns
+            await anyio.sleep(0.005)
