@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,10 @@ import pytest
 
 from reference_server import running_server
 
-pytest.importorskip("locust")
+# Never import locust here: it monkey-patches the whole process with gevent (select.epoll goes
+# away, and trio with it). It runs in a subprocess.
+if importlib.util.find_spec("locust") is None:
+    pytest.skip("locust is not installed (extra: locust)", allow_module_level=True)
 
 LOCUSTFILE = Path(__file__).parent.parent / "examples" / "locustfile.py"
 
