@@ -10,6 +10,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 
 from kvclient import TiktokenCounter
@@ -631,3 +633,107 @@ async def test_client_disconnect_releases_the_reservation(stream: bool) -> None:
     assert not any(m.get("body", b"").endswith(b"[DONE]\n\n") for m in sent)
     assert state.engine.stats().finished_total == 0
     assert_ledger_at_zero(app)
+
+
+async def test_concurrency_mode_ooms_under_short_prompt_large_cap_traffic() -> None:
+    app = app_with(
+        admission="concurrency",
+        max_concurrency=8,
+        kv_tokens=1024,
+        decode_rate=4000.0,
+        mean_output_tokens=100_000.0,
+    )
+    statuses: list[int] = []
+
+    async def post() -> None:
+        response = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 500})
+        statuses.append(response.status_code)
+
+    async with client_for(app) as client, anyio.create_task_group() as group:
+        for _ in range(6):
+            group.start_soon(post)
+    assert 500 in statuses
+    assert state_of(app).engine.stats().oom_events_total >= 1
+    assert_ledger_at_zero(app)
+
+
+async def _drive_and_hang_up(app: Starlette, path: str, body: bytes, after: float) -> None:
+    """Raw ASGI: send the request, then disconnect ``after`` seconds later."""
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await anyio.sleep(after)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    await app(_scope(path, body), receive, send)
+
+
+_ACTIONS = st.tuples(
+    st.sampled_from(["ok", "chat", "stream", "cancel", "disconnect", "bad", "too_long"]),
+    st.integers(1, 1500),
+    st.floats(0.0, 0.03),
+)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    actions=st.lists(_ACTIONS, min_size=1, max_size=8),
+    admission=st.sampled_from(["reserve", "prompt"]),
+    backend=st.sampled_from(["asyncio", "trio"]),
+    queue_wait=st.sampled_from([0.0, 0.05]),
+)
+def test_random_request_mixes_leave_the_ledger_at_zero(
+    actions: list[tuple[str, int, float]], admission: str, backend: str, queue_wait: float
+) -> None:
+    """Random concurrent mixes of successes, streams, cancellations, disconnects, bad input and
+    (in prompt mode) OOMs: whatever happens, every reservation and every block comes back."""
+    app = app_with(
+        admission=admission,
+        kv_tokens=2048,
+        context_window=1024,
+        decode_rate=20_000.0,
+        mean_output_tokens=300.0,
+        max_queue_wait=queue_wait,
+    )
+
+    async def one(client: httpx.AsyncClient, kind: str, cap: int, delay: float) -> None:
+        completion = {"prompt": "go", "max_tokens": cap}
+        chat = {"messages": [{"role": "user", "content": "go"}], "max_tokens": cap}
+        if kind == "ok":
+            response = await client.post("/v1/completions", json=completion)
+        elif kind == "chat":
+            response = await client.post("/v1/chat/completions", json=chat)
+        elif kind == "stream":
+            response = await client.post("/v1/chat/completions", json={**chat, "stream": True})
+        elif kind == "cancel":
+            with anyio.move_on_after(delay):
+                await client.post("/v1/completions", json=completion)
+            return
+        elif kind == "disconnect":
+            body = json.dumps({**chat, "stream": cap % 2 == 0}).encode()
+            await _drive_and_hang_up(app, "/v1/chat/completions", body, delay)
+            return
+        elif kind == "bad":
+            response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
+        else:
+            response = await client.post("/v1/completions", json={"prompt": "w " * 2000})
+        assert response.status_code in (200, 400, 413, 429, 500)
+        if response.status_code == 500:
+            assert error_of(response)["code"] == "kv_cache_oom"
+
+    async def main() -> None:
+        async with client_for(app) as client, anyio.create_task_group() as group:
+            for kind, cap, delay in actions:
+                group.start_soon(one, client, kind, cap, delay)
+
+    anyio.run(main, backend=backend)
+    assert_ledger_at_zero(app)
+    if admission == "reserve":
+        assert state_of(app).engine.stats().oom_events_total == 0
