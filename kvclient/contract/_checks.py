@@ -653,7 +653,7 @@ async def check_capacity_returns(s: Session) -> Verdict:
     if not before[0]:
         return Verdict(
             CheckStatus.FAIL,
-            f"after the earlier bursts completed, a full-context request ({size}) was still "
+            f"before any stream was dropped, a full-context request ({size}) was still "
             f"refused after {before[2]:.1f} s ({describe_counts(before[3])})",
         )
     cap = s.burst_cap(prompt_tokens)
