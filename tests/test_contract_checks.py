@@ -414,3 +414,41 @@ async def test_a_server_answering_nonsense_fails_checks_without_crashing_the_sui
     assert not report.ok
     assert report["bad_input"].status is CheckStatus.FAIL
     assert report["saturation"].status is CheckStatus.FAIL  # admitted but unreadable
+
+
+@pytest.mark.anyio
+async def test_token_counting_falls_back_from_tokenize_to_usage() -> None:
+    """A /tokenize that reads another field (0 tokens) is not trusted: usage counts instead."""
+    seen: list[str] = []
+    inner = fake_server(context=64)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"tokens": []})
+        return inner(request)
+
+    report = await _run(handler, only=("capacity_returns",))
+    assert report["capacity_returns"].status is CheckStatus.PASS
+    assert "prompt (usage)" in report["capacity_returns"].evidence
+    assert seen.count("/tokenize") == 1  # learnt once, not asked again
+
+
+def test_cli_prints_a_rich_table_and_fails_on_a_failed_check(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def canned(url: str, *, options: ContractOptions) -> ContractReport:
+        assert options.burst == 8
+        assert options.only == ("saturation",)
+        assert options.require_retry_after is False
+        result = CheckResult(name="saturation", status=CheckStatus.FAIL, evidence="500 x3")
+        return ContractReport(
+            base_url=url, model="m", context_window=8, results=(result,), duration=0.1
+        )
+
+    monkeypatch.setattr("kvclient.contract.cli.run_contract", canned)
+    args = ["http://x", "--burst", "8", "--only", "saturation", "--allow-missing-retry-after"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "500 x3" in out
+    assert "FAILED" in out

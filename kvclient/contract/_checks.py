@@ -180,19 +180,23 @@ class Session:
     async def _tokenize(self, prompt: str) -> tuple[int, str] | None:
         if self._tokenize_works is False:
             return None
-        body: dict[str, Any] = {"prompt": prompt}
+        # vLLM and SGLang read "prompt", llama.cpp reads "content"; TGI wants "inputs" (and
+        # answers 422 here: then usage or the estimate counts instead).
+        body: dict[str, Any] = {"prompt": prompt, "content": prompt}
         if self.model is not None:
             body["model"] = self.model
         answer = await self.request("POST", "/tokenize", json_body=body)
         data = answer.json() if answer.status == 200 else None
         count: int | None = None
         if isinstance(data, dict):
-            if isinstance(data.get("count"), int):
+            if isinstance(data.get("count"), int) and not isinstance(data["count"], bool):
                 count = data["count"]
             elif isinstance(data.get("tokens"), list):
                 count = len(data["tokens"])
         elif isinstance(data, list):  # TGI answers a list of tokens
             count = len(data)
+        if count is not None and count < 1 <= len(prompt.strip()):
+            count = None  # an endpoint that read another field than the one we sent
         self._tokenize_works = count is not None
         return (count, "/tokenize") if count is not None else None
 
