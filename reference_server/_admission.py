@@ -56,13 +56,17 @@ class AdmissionQueue:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    def _reject(self, need: int, ahead: int, extra_need: int) -> Rejected:
+    def _reject(self, need: int, output_cap: int, ahead: int, extra_need: int) -> Rejected:
         self.ledger.record_rejection()
-        return Rejected(
-            need=need,
-            retry_after=self.ledger.retry_after(need + extra_need, self._clock()),
-            queued_ahead=ahead,
+        # Unqueued rejections become promises, so clients turned away together get staggered
+        # times; a queued request's estimate already counts those ahead of it instead.
+        wait = self.ledger.retry_after(
+            need + extra_need,
+            self._clock(),
+            duration=output_cap / self.ledger.decode_rate,
+            promise=ahead == 0,
         )
+        return Rejected(need=need, retry_after=wait, queued_ahead=ahead)
 
     def notify(self) -> None:
         """Something was released: let the head of the queue try again."""
@@ -79,7 +83,9 @@ class AdmissionQueue:
             if handle is not None:
                 return handle
         if self.max_wait <= 0:
-            raise self._reject(need, len(self._waiters), sum(w.need for w in self._waiters))
+            raise self._reject(
+                need, output_cap, len(self._waiters), sum(w.need for w in self._waiters)
+            )
 
         waiter = _Waiter(need)
         self._waiters.append(waiter)
@@ -96,7 +102,7 @@ class AdmissionQueue:
                     waiter.event = anyio.Event()
             ahead = self._waiters.index(waiter)
             extra = sum(self._waiters[i].need for i in range(ahead))
-            raise self._reject(need, ahead, extra)
+            raise self._reject(need, output_cap, ahead, extra)
         finally:
             was_head = bool(self._waiters) and self._waiters[0] is waiter
             with contextlib.suppress(ValueError):  # always queued here; belt and braces

@@ -50,6 +50,15 @@ DEFAULT_SAFETY_FRACTION = 0.9
 DEFAULT_MAX_CONCURRENCY = 16
 
 
+@dataclass(slots=True, kw_only=True)
+class _Promise:
+    """A rejected client told to come back at ``start``, holding ``tokens`` until ``end``."""
+
+    start: float
+    end: float
+    tokens: int
+
+
 class Handle:
     """One admitted request's reservation. Give it back with :meth:`KVAdmissionController.release`.
 
@@ -168,6 +177,7 @@ class KVAdmissionController:
         self._released_total = 0
         self._peak_reserved = 0
         self._peak_inflight = 0
+        self._promises: list[_Promise] = []
 
     # --- pure pricing ------------------------------------------------------------------------
 
@@ -223,11 +233,20 @@ class KVAdmissionController:
                 due_at=now + output_cap / self.decode_rate + self.release_margin,
             )
             self._live[handle.id] = handle
+            self._keep_promise(need, now)
             self._reserved += need
             self._admitted_total += 1
             self._peak_reserved = max(self._peak_reserved, self._reserved)
             self._peak_inflight = max(self._peak_inflight, len(self._live))
             return handle
+
+    def _keep_promise(self, need: int, now: float) -> None:
+        # A request of the promised size arriving once its time has come is taken to be the
+        # client coming back: its promise is kept, so it is not counted twice.
+        for i, promise in enumerate(self._promises):
+            if promise.tokens == need and promise.start <= now + self.release_margin:
+                del self._promises[i]
+                return
 
     def record_rejection(self) -> None:
         """Count one rejection decided outside :meth:`try_admit` (a queued request timed out)."""
@@ -247,34 +266,64 @@ class KVAdmissionController:
 
     # --- back-pressure -----------------------------------------------------------------------
 
-    def retry_after(self, need: int, now: float) -> float:
-        """Seconds until enough in-flight reservations are due to be released for ``need`` to fit.
+    def _usage_at(self, t: float, live: list[Handle]) -> tuple[int, int]:
+        """Tokens and request slots held at time ``t`` by live handles and promised returns."""
+        tokens = slots = 0
+        for handle in live:
+            if handle.due_at > t:
+                tokens += handle.reserved_tokens
+                slots += 1
+        for promise in self._promises:
+            if promise.start <= t < promise.end:
+                tokens += promise.tokens
+                slots += 1
+        return tokens, slots
 
-        Walks the live handles in order of their worst-case end and accumulates what each would
-        free, until ``need`` fits (tokens and, if capped, a request slot). The answer is an upper
-        bound for the current load: requests that stop early free their share sooner. Returns 0.0
-        when it fits now, and the time of the last due release when it would never fit fully.
-        Callers clamp it for the header (whole seconds, at least 1).
+    def _fits_at(self, need: int, t: float, live: list[Handle]) -> bool:
+        tokens, slots = self._usage_at(t, live)
+        if self.max_concurrency is not None and slots >= self.max_concurrency:
+            return False
+        return tokens + need <= self.usable_tokens
+
+    def retry_after(
+        self, need: int, now: float, *, duration: float = 0.0, promise: bool = False
+    ) -> float:
+        """Seconds until ``need`` tokens fit, from when in-flight reservations are due to end.
+
+        Each live handle frees its reservation at its worst-case end (``due_at``). The answer is
+        the earliest of those moments at which ``need`` fits, so it is an upper bound for the
+        current load: requests that stop early free their share sooner.
+
+        With ``promise=True`` the answer is also remembered as a promise: a client told to come
+        back at ``t`` is expected to hold ``need`` tokens from ``t`` for ``duration`` seconds
+        (its own worst case). Later estimates count promised returns as load, so clients turned
+        away together are told staggered times that each fit, instead of one time that fits
+        only the first of them back. Promises only shape estimates; admission ignores them.
+
+        Returns 0.0 when it fits now; callers clamp it for the header (whole seconds, >= 1).
         """
         with self._lock:
-            live = sorted(self._live.values(), key=lambda h: h.due_at)
-            free = self.usable_tokens - self._reserved
-            slots_free = None if self.max_concurrency is None else self.max_concurrency - len(live)
-
-            def fits() -> bool:
-                return need <= free and (slots_free is None or slots_free >= 1)
-
-            if fits():
-                return 0.0
-            due = now
-            for handle in live:
-                free += handle.reserved_tokens
-                if slots_free is not None:
-                    slots_free += 1
-                due = handle.due_at
-                if fits():
+            self._promises = [p for p in self._promises if p.end > now]
+            live = list(self._live.values())
+            candidates = sorted(
+                {now} | {h.due_at for h in live if h.due_at > now} | {p.end for p in self._promises}
+            )
+            chosen = candidates[-1]  # by then everything in sight is released
+            for t in candidates:
+                # It must fit when it starts and whenever a promised return starts after that.
+                checkpoints = [t] + [p.start for p in self._promises if t < p.start < t + duration]
+                if all(self._fits_at(need, c, live) for c in checkpoints):
+                    chosen = t
                     break
-            return max(0.0, due - now)
+            if promise and chosen > now:
+                end = chosen + duration + self.release_margin
+                self._promises.append(_Promise(start=chosen, end=end, tokens=need))
+            return max(0.0, chosen - now)
+
+    def outstanding_promises(self) -> int:
+        """Clients told to come back whose promised time has not run out."""
+        with self._lock:
+            return len(self._promises)
 
     # --- observation -------------------------------------------------------------------------
 

@@ -177,6 +177,43 @@ def test_retry_after_includes_the_release_margin() -> None:
     assert ledger.retry_after(16, now=0.0) == pytest.approx(89.92 + 0.25)
 
 
+def test_clients_turned_away_together_are_told_staggered_times() -> None:
+    # usable 9000 with blocks of 1; one holder of 8000 due at 80 s (100 tok/s).
+    ledger = make(block_size=1)
+    assert ledger.try_admit(0, 8000, now=0.0) is not None
+    first = ledger.retry_after(5000, 0.0, duration=50.0, promise=True)
+    second = ledger.retry_after(5000, 0.0, duration=50.0, promise=True)
+    third = ledger.retry_after(3000, 0.0, duration=10.0, promise=True)
+    assert first == pytest.approx(80.0)  # when the holder is due
+    assert second == pytest.approx(130.0)  # when the first one back is due to be done
+    assert third == pytest.approx(80.0)  # fits beside the first one back
+    assert ledger.outstanding_promises() == 3
+    # Without promise=True nothing is remembered.
+    assert ledger.retry_after(5000, 0.0, duration=50.0) == pytest.approx(180.0)
+    assert ledger.outstanding_promises() == 3
+
+
+def test_a_returning_client_keeps_its_promise_and_promises_expire() -> None:
+    ledger = make(block_size=1)
+    holder = ledger.try_admit(0, 8000, now=0.0)
+    assert holder is not None
+    assert ledger.retry_after(5000, 0.0, duration=50.0, promise=True) == pytest.approx(80.0)
+    ledger.release(holder)
+    assert ledger.try_admit(0, 5000, now=80.0) is not None  # the client came back
+    assert ledger.outstanding_promises() == 0
+    assert ledger.retry_after(5000, 80.0, duration=1.0, promise=True) == pytest.approx(50.0)
+    assert ledger.outstanding_promises() == 1
+    ledger.retry_after(1, 1000.0)  # long after: the unused promise has run out
+    assert ledger.outstanding_promises() == 0
+
+
+def test_promises_do_not_block_admission() -> None:
+    ledger = make(block_size=1)
+    assert ledger.try_admit(0, 8000, now=0.0) is not None
+    ledger.retry_after(5000, 0.0, duration=50.0, promise=True)
+    assert ledger.try_admit(0, 1000, now=1.0) is not None  # fits now: admitted
+
+
 # --- concurrency and invariants -----------------------------------------------------------------
 
 
@@ -314,6 +351,17 @@ class LedgerMachine(RuleBasedStateMachine):
             assert stats.reserved_tokens + need <= stats.usable_tokens or any(
                 h.due_at <= self.now for h in self.live
             )
+
+    @rule(need=st.integers(1, 6000), duration=st.floats(0, 50))
+    def turn_away_with_a_promise(self, need: int, duration: float) -> None:
+        if self.ledger.never_fits(need):
+            return
+        before = self.ledger.stats()
+        plain = self.ledger.retry_after(need, self.now, duration=duration)
+        promised = self.ledger.retry_after(need, self.now, duration=duration, promise=True)
+        # Remembering the promise does not change this client's answer, nor the reservations.
+        assert promised == plain >= 0.0
+        assert self.ledger.stats().reserved_tokens == before.reserved_tokens
 
     @invariant()
     def reserved_is_the_sum_of_live_handles(self) -> None:
