@@ -34,7 +34,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 FAST = ServerConfig(context_window=1024, kv_tokens=4096, decode_rate=2000.0, mean_output_tokens=1e6)
-OPTIONS: dict[str, Any] = {"burst": 16, "timeout": 15.0, "capacity_wait": 2.0}
+OPTIONS: dict[str, Any] = {"burst": 8, "timeout": 15.0, "capacity_wait": 2.0}
 
 
 @contextmanager
@@ -192,7 +192,7 @@ async def test_reference_server_in_reserve_mode_passes_every_check() -> None:
 
 def test_cli_table_json_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "report.json"
-    args = ["--burst", "16", "--timeout", "15", "--json", str(out), "--plain"]
+    args = ["--burst", "8", "--timeout", "15", "--json", str(out), "--plain"]
     with serve() as (url, _):
         assert kvclient_main(["contract", url + "/v1", *args, "--only", "saturation"]) == 0
     table = capsys.readouterr().out

@@ -12,7 +12,7 @@ reference_server = pytest.importorskip("reference_server")
 from reference_server import running_server  # noqa: E402
 
 FAST = {"context_window": 1024, "kv_tokens": 4096, "decode_rate": 2000.0, "mean_output_tokens": 1e6}
-ARGS = ("--kv-contract-burst", "16", "--kv-contract-timeout", "15", "-p", "no:cacheprovider")
+ARGS = ("--kv-contract-burst", "8", "--kv-contract-timeout", "15", "-p", "no:cacheprovider")
 
 USES_FIXTURE = """
 def test_custom(kv_contract_report):
