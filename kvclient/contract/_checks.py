@@ -165,7 +165,7 @@ class Session:
         cached = self._counts.get(prompt)
         if cached is not None:
             return cached
-        result = await self._tokenize(prompt)
+        result = await self.tokenize(prompt)
         if result is None:
             answer, _ = await self.admitted(self.body(prompt, max_tokens=1), attempts=3)
             prompt_tokens, _ = usage_tokens(answer.json()) if answer.status == 200 else (None, 0)
@@ -177,7 +177,7 @@ class Session:
         self._counts[prompt] = result
         return result
 
-    async def _tokenize(self, prompt: str) -> tuple[int, str] | None:
+    async def tokenize(self, prompt: str) -> tuple[int, str] | None:
         if self._tokenize_works is False:
             return None
         # vLLM and SGLang read "prompt", llama.cpp reads "content"; TGI wants "inputs" (and
@@ -483,7 +483,7 @@ async def _overlong_prompt(s: Session) -> tuple[str, str]:
     words = math.ceil(s.context_window * OVERLONG_FACTOR) + 64
     for _ in range(3):
         prompt = "hello " * words
-        counted = await s._tokenize(prompt)
+        counted = await s.tokenize(prompt)
         if counted is None:
             return prompt, f"~{words} tokens (estimated) > {s.context_window}"
         if counted[0] > s.context_window:
