@@ -22,6 +22,7 @@ from kvclient.contract import (
     ContractReport,
     arun_contract,
 )
+from kvclient.contract._checks import _has_text
 from kvclient.contract._judge import (
     BurstOutcome,
     classify_error_body,
@@ -167,6 +168,19 @@ def test_prometheus_value() -> None:
     assert prometheus_value("kv_reserved_tokens NaN\n", "kv_reserved_tokens") is None
 
 
+def test_stream_events_that_carry_text() -> None:
+    def event(**choice: Any) -> str:
+        return json.dumps({"choices": [{"index": 0, **choice}]})
+
+    assert not _has_text(event(delta={"role": "assistant", "content": ""}, finish_reason=None))
+    assert not _has_text(event(text="", finish_reason=None))
+    assert _has_text(event(delta={"content": " the"}, finish_reason=None))
+    assert _has_text(event(text=" the", finish_reason=None))
+    assert _has_text(event(text="", finish_reason="stop"))
+    assert _has_text("[DONE]")
+    assert _has_text(json.dumps({"error": {"message": "oom"}}))
+
+
 # --- the burst verdict ----------------------------------------------------------------------------
 
 
@@ -227,6 +241,7 @@ def test_saturation_without_refusals_or_retry_after_is_unsupported() -> None:
         {"context_window": -1},
         {"only": ("nope",)},
         {"retry_tries": 0},
+        {"api": "responses"},
     ],
 )
 def test_options_are_validated(kwargs: dict[str, Any]) -> None:

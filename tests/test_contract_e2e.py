@@ -190,6 +190,15 @@ async def test_reference_server_in_reserve_mode_passes_every_check() -> None:
     assert "429" in report["saturation"].evidence
 
 
+def test_reference_server_passes_over_chat_completions() -> None:
+    with serve() as (url, app):
+        report = run_contract(url, **OPTIONS, api="chat")
+    failed = {r.name: r.evidence for r in report.results if r.status is not CheckStatus.PASS}
+    assert not failed, failed
+    assert "messages as an object 400" in report["bad_input"].evidence
+    assert state(app).ledger.stats().reserved_tokens == 0
+
+
 def test_cli_table_json_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "report.json"
     args = ["--burst", "8", "--timeout", "15", "--json", str(out), "--plain"]
@@ -306,10 +315,11 @@ def test_retry_after_that_understates_the_wait() -> None:
     assert_caught(report, "retry_after_honest", "still refused after 3 retries")
 
 
-def test_reservation_leaked_on_disconnect(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_reservation_leaked_on_disconnect(api: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with serve() as (url, app):
         leak_on_disconnect(app, monkeypatch)
-        report = run_contract(url, **OPTIONS, only=("capacity_returns",))
+        report = run_contract(url, **OPTIONS, api=api, only=("capacity_returns",))
         leaked = state(app).ledger.stats().reserved_tokens
     assert_caught(report, "capacity_returns", "still refused", "kv_reserved_tokens")
     assert leaked > 0

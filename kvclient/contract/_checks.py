@@ -41,7 +41,7 @@ from ._results import CheckStatus, ContractOptions
 
 __all__ = ["CHECKS", "Session"]
 
-COMPLETIONS = "/v1/completions"
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 #: Asks for a short answer: burst requests should finish quickly even on a real model.
 SHORT_PROMPT = "Reply with the single word OK."
 #: Asks for a long answer, so that a small max_tokens really has to cut it.
@@ -100,6 +100,9 @@ class Session:
         self.deadline = math.inf
         self._counts: dict[str, tuple[int, str]] = {}
         self._tokenize_works: bool | None = None
+        self.chat = options.api == "chat"
+        #: Where generation requests go.
+        self.path = ENDPOINTS[options.api]
 
     # --- time ---------------------------------------------------------------------------------
 
@@ -114,7 +117,10 @@ class Session:
         body: dict[str, Any] = {}
         if self.model is not None:
             body["model"] = self.model
-        body["prompt"] = prompt
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
         if max_tokens is not _Unset:
             body["max_tokens"] = max_tokens
         if stream:
@@ -145,7 +151,7 @@ class Session:
         """POST a completion, waiting out 429/503 as advised; ``(last answer, attempts made)``."""
         answer = Answer(None, httpx.Headers(), error="not sent")
         for attempt in range(1, attempts + 1):
-            answer = await self.request("POST", COMPLETIONS, json_body=body)
+            answer = await self.request("POST", self.path, json_body=body)
             if answer.status not in (429, 503):
                 return answer, attempt
             advice = judge_retry_after(
@@ -180,9 +186,12 @@ class Session:
     async def tokenize(self, prompt: str) -> tuple[int, str] | None:
         if self._tokenize_works is False:
             return None
-        # vLLM and SGLang read "prompt", llama.cpp reads "content"; TGI wants "inputs" (and
-        # answers 422 here: then usage or the estimate counts instead).
+        # vLLM and SGLang read "prompt" (or "messages", applying the chat template), llama.cpp
+        # reads "content"; TGI wants "inputs" (and answers 422 here: then usage or the estimate
+        # counts instead).
         body: dict[str, Any] = {"prompt": prompt, "content": prompt}
+        if self.chat:
+            body = {"messages": [{"role": "user", "content": prompt}]}
         if self.model is not None:
             body["model"] = self.model
         answer = await self.request("POST", "/tokenize", json_body=body)
@@ -226,9 +235,7 @@ class Session:
         outcome.unfinished = True  # until proven otherwise: the deadline may cut us here
         try:
             if outcome.streamed:
-                async with self.http.stream(
-                    "POST", COMPLETIONS, json={**body, "stream": True}
-                ) as r:
+                async with self.http.stream("POST", self.path, json={**body, "stream": True}) as r:
                     outcome.status = r.status_code
                     if on_answer is not None:
                         on_answer()
@@ -241,7 +248,7 @@ class Session:
                     else:
                         outcome.completed, outcome.problem, outcome.error_code = await _consume(r)
             else:
-                response = await self.http.post(COMPLETIONS, json=body)
+                response = await self.http.post(self.path, json=body)
                 outcome.status = response.status_code
                 if response.status_code >= 300:
                     self._refusal(outcome, response.status_code, response.headers, response.content)
@@ -343,12 +350,34 @@ def _unix_now() -> float:
 
 
 async def _first_event(response: httpx.Response) -> None:
-    """Read up to the first event, then walk away: close the connection mid-stream."""
+    """Read up to the first generated text, then walk away: close the connection mid-stream.
+
+    (A chat stream opens with a role-only event: generation has not started yet.)
+    """
     lines = response.aiter_lines()
     async for line in lines:
-        if line.startswith("data:"):
+        if line.startswith("data:") and _has_text(line[5:].strip()):
             break
     await _abandon(response, lines)
+
+
+def _has_text(data: str) -> bool:
+    """Whether an SSE event carries generated text, or ends the stream (then stop reading)."""
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return True
+    choices = event.get("choices") if isinstance(event, dict) else None
+    if not isinstance(choices, list):
+        return True  # [DONE], an error event, a usage-only event: nothing more to wait for
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        text = choice.get("text") or (delta.get("content") if isinstance(delta, dict) else None)
+        if text or choice.get("finish_reason"):
+            return True
+    return False
 
 
 async def _abandon(response: httpx.Response, lines: AsyncIterator[str]) -> None:
@@ -456,14 +485,16 @@ async def check_bad_input(s: Session) -> Verdict:
     cases: list[tuple[str, Any, bytes | None]] = [
         ("malformed JSON", _Unset, json.dumps(base).encode()[:-1]),
         ("max_tokens 'ten'", {**base, "max_tokens": "ten"}, None),
-        ("prompt as an object", {**base, "prompt": {"text": 1}}, None),
+        ("messages as an object", {**base, "messages": {"text": 1}}, None)
+        if s.chat
+        else ("prompt as an object", {**base, "prompt": {"text": 1}}, None),
         ("max_tokens -1", {**base, "max_tokens": -1}, None),
         ("max_tokens 0", {**base, "max_tokens": 0}, None),
     ]
     seen: list[str] = []
     problems: list[str] = []
     for case, body, raw in cases:
-        answer = await s.request("POST", COMPLETIONS, json_body=body, content=raw)
+        answer = await s.request("POST", s.path, json_body=body, content=raw)
         seen.append(f"{case} {answer.status if answer.status is not None else 'dropped'}")
         problem = judge_bad_input(case, answer.status, answer.error_body())
         if problem is not None:
@@ -494,7 +525,7 @@ async def _overlong_prompt(s: Session) -> tuple[str, str]:
 
 async def check_prompt_too_long(s: Session) -> Verdict:
     prompt, described = await _overlong_prompt(s)
-    answer = await s.request("POST", COMPLETIONS, json_body=s.body(prompt, max_tokens=16))
+    answer = await s.request("POST", s.path, json_body=s.body(prompt, max_tokens=16))
     verdict = judge_overlong_prompt(answer.status, answer.error_body(), prompt_tokens=described)
     if answer.status is None:
         return Verdict(verdict.status, f"{verdict.evidence} ({answer.error})")

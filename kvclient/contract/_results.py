@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "CHECK_NAMES",
@@ -71,7 +71,8 @@ class ContractOptions:
     ``context_window`` and ``model`` override what ``/v1/models`` says (or stand in when it says
     nothing). ``burst_max_tokens`` caps the burst's requests (default: the whole context, the
     largest promise); lower it for slow real models. ``require_retry_after=False`` reports a 429
-    without Retry-After as unsupported instead of failed (TGI, llama.cpp).
+    without Retry-After as unsupported instead of failed (TGI, llama.cpp). ``api="chat"`` sends
+    ``/v1/chat/completions`` requests instead of ``/v1/completions``.
     """
 
     model: str | None = None
@@ -83,6 +84,7 @@ class ContractOptions:
     capacity_wait: float = DEFAULT_CAPACITY_WAIT
     burst_max_tokens: int | None = None
     require_retry_after: bool = True
+    api: Literal["completions", "chat"] = "completions"
     only: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -107,6 +109,8 @@ class ContractOptions:
             positive_int("context_window", self.context_window)
         if self.burst_max_tokens is not None:
             positive_int("burst_max_tokens", self.burst_max_tokens)
+        if self.api not in ("completions", "chat"):
+            raise ValueError(f"api must be 'completions' or 'chat', got {self.api!r}")
         if self.only is not None:
             unknown = [name for name in self.only if name not in CHECK_TITLES]
             if unknown:

@@ -96,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_CAPACITY_WAIT:g})",
     )
     parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send /v1/chat/completions requests (default: /v1/completions)",
+    )
+    parser.add_argument(
         "--allow-missing-retry-after",
         action="store_true",
         help="report 429s without Retry-After as unsupported instead of failed",
@@ -169,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             retry_tries=args.retry_tries,
             capacity_wait=args.capacity_wait,
             require_retry_after=not args.allow_missing_retry_after,
+            api="chat" if args.chat else "completions",
             only=only,
         )
     except ValueError as exc:

@@ -52,6 +52,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kv-contract-timeout", type=float, metavar="SECONDS", help="time budget per check"
     )
     group.addoption(
+        "--kv-contract-chat",
+        action="store_true",
+        help="send /v1/chat/completions requests (default: /v1/completions)",
+    )
+    group.addoption(
         "--kv-contract-allow-missing-retry-after",
         action="store_true",
         help="report 429s without Retry-After as unsupported instead of failed",
@@ -86,6 +91,7 @@ def _run(config: pytest.Config, only: tuple[str, ...] | None) -> ContractReport:
         options = ContractOptions(
             **{k: v for k, v in overrides.items() if v is not None},
             require_retry_after=not config.getoption("kv_contract_allow_missing_retry_after"),
+            api="chat" if config.getoption("kv_contract_chat") else "completions",
             only=only,
         )
         reports[only] = run_contract(config.getoption("kv_contract_url"), options=options)
