@@ -13,8 +13,7 @@ given, so custom tests can assert more::
     def test_no_5xx_under_saturation(kv_contract_report):
         assert kv_contract_report["saturation"].status.value == "pass"
 
-Without ``--kv-contract-url`` the plugin adds no test and does no work; the suite's own modules
-load only when a check first runs.
+Without ``--kv-contract-url`` the plugin adds no test and sends nothing, and the fixture skips.
 """
 
 from __future__ import annotations
