@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds a request may wait in FIFO order for budget before the 429 (0: at once)",
     )
+    add(
+        "--stagger-retry-after",
+        action="store_true",
+        help="tell clients turned away together staggered Retry-After times that each fit",
+    )
     add("--api-key", help="require 'Authorization: Bearer KEY' (except /health and /metrics)")
     add("--seed", type=int, default=0, help="seed of output lengths and words")
     add("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit")
@@ -101,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         admission=args.admission,
         max_concurrency=args.max_concurrency,
         max_queue_wait=args.max_queue_wait,
+        stagger_retry_after=args.stagger_retry_after,
         api_key=args.api_key,
         seed=args.seed,
         max_body_bytes=args.max_body_bytes,

@@ -45,10 +45,12 @@ class AdmissionQueue:
         ledger: KVAdmissionController,
         *,
         max_wait: float,
+        stagger: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ledger = ledger
         self.max_wait = max_wait
+        self.stagger = stagger
         self._clock = clock
         self._waiters: deque[_Waiter] = deque()
 
@@ -58,13 +60,13 @@ class AdmissionQueue:
 
     def _reject(self, need: int, output_cap: int, ahead: int, extra_need: int) -> Rejected:
         self.ledger.record_rejection()
-        # Unqueued rejections become promises, so clients turned away together get staggered
-        # times; a queued request's estimate already counts those ahead of it instead.
+        # With staggering, unqueued rejections become promises, so clients turned away together
+        # get times that each fit; a queued request's estimate counts those ahead of it instead.
         wait = self.ledger.retry_after(
             need + extra_need,
             self._clock(),
             duration=output_cap / self.ledger.decode_rate,
-            promise=ahead == 0,
+            promise=self.stagger and ahead == 0,
         )
         return Rejected(need=need, retry_after=wait, queued_ahead=ahead)
 

@@ -94,7 +94,9 @@ class ServerState:
             # A sequence finishes within a few ticks of cap / rate; the estimate says so.
             release_margin=3 * config.tick_seconds + 0.02,
         )
-        self.queue = AdmissionQueue(self.ledger, max_wait=config.max_queue_wait)
+        self.queue = AdmissionQueue(
+            self.ledger, max_wait=config.max_queue_wait, stagger=config.stagger_retry_after
+        )
         self.created = int(time.time())
         self._lock = threading.Lock()
         self._requests = 0

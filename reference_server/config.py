@@ -52,6 +52,10 @@ class ServerConfig:
     admission: Strategy = "reserve"
     max_concurrency: int | None = None
     max_queue_wait: float = 0.0
+    #: Remember each 429's advice as a promise so clients turned away together are told staggered
+    #: times (helps clients that follow Retry-After exactly, without jitter; costs waiting time
+    #: when outputs stop well before their caps). Off: the plain estimate from in-flight requests.
+    stagger_retry_after: bool = False
     api_key: str | None = None
     seed: int = 0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

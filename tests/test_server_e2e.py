@@ -257,10 +257,18 @@ def test_client_timeout_on_a_plain_request_releases_the_reservation() -> None:
 BURST = {"kv_tokens": 2048, "context_window": 1024, "decode_rate": 4000.0, "tick_seconds": 0.005}
 
 
-def run_burst(admission: str, *, requests: int = 16, retries: int = 40) -> dict[str, Any]:
+def run_burst(
+    admission: str, *, stagger: bool = False, requests: int = 16, retries: int = 40
+) -> dict[str, Any]:
     """Short prompts, large caps, all at once; rejected requests retry after the server's advice
     (exactly, no jitter: the server's staggering alone must keep them from colliding)."""
-    config = {**BURST, "admission": admission, "mean_output_tokens": 100_000.0, "seed": 7}
+    config = {
+        **BURST,
+        "admission": admission,
+        "stagger_retry_after": stagger,
+        "mean_output_tokens": 100_000.0,
+        "seed": 7,
+    }
     with running_server(**config) as srv:
         statuses: list[int] = []
         retried_then: list[int] = []  # status of each request sent after waiting as advised
@@ -299,15 +307,18 @@ def run_burst(admission: str, *, requests: int = 16, retries: int = 40) -> dict[
 
 def test_same_burst_never_ooms_in_reserve_mode_and_does_in_prompt_mode() -> None:
     reserve = run_burst("reserve")
+    staggered = run_burst("reserve", stagger=True)
     prompt = run_burst("prompt")
-    print(f"\nburst reserve: {reserve}\nburst prompt:  {prompt}")
+    print(f"\nburst reserve: {reserve}\nstaggered:     {staggered}\nburst prompt:  {prompt}")
     assert reserve["oom_events"] == 0
     assert reserve["oom_500"] == 0
     assert reserve["ok"] == 16  # everyone got through, paced by Retry-After
     assert reserve["rejected_429"] >= 1
     assert reserve["peak_used"] <= reserve["capacity"]
+    assert staggered["oom_events"] == 0
+    assert staggered["ok"] == 16
     # Clients turned away together were told staggered times: most fit when they came back.
-    admitted, returned = map(int, reserve["admitted_on_return"].split("/"))
+    admitted, returned = map(int, staggered["admitted_on_return"].split("/"))
     assert admitted >= 0.8 * returned
     assert prompt["oom_events"] >= 1
     assert prompt["oom_500"] >= 1
