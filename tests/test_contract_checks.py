@@ -446,6 +446,8 @@ async def test_token_counting_falls_back_from_tokenize_to_usage() -> None:
     report = await _run(handler, only=("capacity_returns",))
     assert report["capacity_returns"].status is CheckStatus.PASS
     assert "prompt (usage)" in report["capacity_returns"].evidence
+    # The fake never refuses, and the evidence says what that means for this check.
+    assert "leaks would not show" in report["capacity_returns"].evidence
     assert seen.count("/tokenize") == 1  # learnt once, not asked again
 
 
