@@ -423,7 +423,7 @@ async def test_queue_wait_admits_in_arrival_order_without_starving_large_request
     # usable 3686. A holds 1008; B needs 3008 and queues; C needs 112 and would fit beside A,
     # but arrived after B, so it waits behind B.
     app = app_with(
-        context_window=4096, decode_rate=4000.0, mean_output_tokens=100_000.0, max_queue_wait=5.0
+        context_window=4096, decode_rate=8000.0, mean_output_tokens=100_000.0, max_queue_wait=5.0
     )
     state = state_of(app)
     admitted: list[int] = []

@@ -335,7 +335,7 @@ def test_waiting_as_advised_gets_admitted() -> None:
         **FAST,
         "kv_tokens": 4096,
         "context_window": 2048,
-        "decode_rate": 5000.0,
+        "decode_rate": 10_000.0,
         "mean_output_tokens": 600.0,
     }
     admitted = 0
