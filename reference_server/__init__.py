@@ -6,9 +6,12 @@ Retry-After measured from when in-flight reservations are due to be released. A 
 generates real tokens at a set rate over a physical KV pool that can overflow, so the admission
 strategies (``reserve``, ``prompt``, ``concurrency``) can be compared by measurement.
 
->>> from reference_server import running_server              # doctest: +SKIP
->>> with running_server(kv_tokens=8192) as server:
-...     print(server.base_url, server.metrics()["kv_reserved_tokens"])
+Run it embedded (a real uvicorn server on a free loopback port, in a background thread)::
+
+    from reference_server import running_server
+
+    with running_server(kv_tokens=8192, admission="reserve") as server:
+        print(server.base_url, server.metrics()["kv_reserved_tokens"])
 """
 
 from ._runner import RunningServer, running_server, serve_in_thread
