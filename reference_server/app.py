@@ -196,8 +196,9 @@ class APIKeyMiddleware:
         scheme, _, token = supplied.partition(" ")
         if scheme.lower() != "bearer":
             token = headers.get("api-key", "")
-        # Compare bytes: compare_digest refuses non-ASCII str; always compare, even when empty.
-        return hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), self._key)
+        # Compare the raw header bytes (Starlette decodes headers as latin-1) with the key's UTF-8
+        # bytes: compare_digest refuses non-ASCII str. Always compare, even when empty.
+        return hmac.compare_digest(token.strip().encode("latin-1"), self._key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.exempt:

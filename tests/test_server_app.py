@@ -381,6 +381,17 @@ async def test_api_key_is_required_when_set() -> None:
     assert state_of(app).ledger.stats().admitted_total == 0
 
 
+async def test_a_non_ascii_api_key_works() -> None:
+    app = app_with(api_key="clé-ü")
+    async with client_for(app) as client:
+        good = await client.get("/v1/models", headers={"Authorization": "Bearer clé-ü".encode()})
+        latin = await client.get(
+            "/v1/models", headers={"Authorization": "Bearer clé-ü".encode("latin-1")}
+        )
+    assert good.status_code == 200
+    assert latin.status_code == 401
+
+
 # --- back-pressure -------------------------------------------------------------------------------
 
 
