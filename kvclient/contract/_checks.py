@@ -155,7 +155,9 @@ class Session:
             if answer.status not in (429, 503):
                 return answer, attempt
             advice = judge_retry_after(
-                answer.headers.get("retry-after"), millis=answer.headers.get("retry-after-ms")
+                answer.headers.get("retry-after"),
+                millis=answer.headers.get("retry-after-ms"),
+                now=_unix_now(),
             )
             wait = advice.seconds if advice.seconds is not None else POLL_INTERVAL * attempt
             if attempt == attempts or wait >= self.remaining():
