@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import math
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -340,14 +341,14 @@ class Session:
 
 
 def _estimate_tokens(prompt: str) -> int:
-    from kvclient import TiktokenCounter
+    # Last resort only (no /tokenize, no usage): loading the encoding takes a moment.
+    from .._tokens import TiktokenCounter
 
     return TiktokenCounter().count(prompt)
 
 
 def _unix_now() -> float:
-    import time
-
+    # Wall-clock time: an HTTP-date Retry-After is judged against it (the loop's clock is not).
     return time.time()
 
 
