@@ -303,6 +303,7 @@ def fake_server(
     models: Any = None,
     unset_output: int = 10,
     overlong_status: int = 413,
+    usage: bool = True,
 ) -> Handler:
     """A tiny in-memory server that keeps the contract, except where told otherwise.
 
@@ -332,7 +333,7 @@ def fake_server(
         if prompt_tokens >= context:
             return _error(overlong_status, "prompt too long")
         completion = unset_output if cap is None else min(cap, 3)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion}
+        counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion}
         if body.get("stream"):
             events = [
                 {"choices": [{"index": 0, "text": " ok", "finish_reason": None}]},
@@ -343,7 +344,10 @@ def fake_server(
                 200, content=text.encode(), headers={"content-type": "text/event-stream"}
             )
         choice = {"index": 0, "text": " ok" * completion, "finish_reason": "length"}
-        return httpx.Response(200, json={"choices": [choice], "usage": usage})
+        answer: dict[str, Any] = {"choices": [choice]}
+        if usage:
+            answer["usage"] = counts
+        return httpx.Response(200, json=answer)
 
     return handler
 
@@ -469,3 +473,15 @@ def test_cli_prints_a_rich_table_and_fails_on_a_failed_check(
     out = capsys.readouterr().out
     assert "500 x3" in out
     assert "FAILED" in out
+
+
+@pytest.mark.anyio
+async def test_without_usage_or_tokenize_counts_are_estimated() -> None:
+    report = await _run(fake_server(usage=False))
+    # Output lengths cannot be judged without usage: unsupported, not failed.
+    assert report["unset_max_tokens"].status is CheckStatus.UNSUPPORTED
+    assert report["explicit_max_tokens"].status is CheckStatus.UNSUPPORTED
+    capacity = report["capacity_returns"]
+    assert capacity.status is CheckStatus.PASS
+    assert "prompt (estimate)" in capacity.evidence
+    assert report.ok
