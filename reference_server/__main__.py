@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="tell clients turned away together staggered Retry-After times that each fit",
     )
+    add(
+        "--retry-after-quantile",
+        type=float,
+        metavar="Q",
+        help="estimate Retry-After from the Q quantile of recent output lengths (e.g. 0.9) "
+        "instead of every request's cap (the default: an upper bound)",
+    )
     add("--api-key", help="require 'Authorization: Bearer KEY' (except /health and /metrics)")
     add("--seed", type=int, default=0, help="seed of output lengths and words")
     add("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit")
@@ -107,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_concurrency=args.max_concurrency,
         max_queue_wait=args.max_queue_wait,
         stagger_retry_after=args.stagger_retry_after,
+        retry_after_quantile=args.retry_after_quantile,
         api_key=args.api_key,
         seed=args.seed,
         max_body_bytes=args.max_body_bytes,

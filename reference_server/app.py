@@ -93,6 +93,7 @@ class ServerState:
             max_concurrency=config.max_concurrency,
             # A sequence finishes within a few ticks of cap / rate; the estimate says so.
             release_margin=3 * config.tick_seconds + 0.02,
+            output_quantile=config.retry_after_quantile,
         )
         self.queue = AdmissionQueue(
             self.ledger, max_wait=config.max_queue_wait, stagger=config.stagger_retry_after
@@ -401,6 +402,7 @@ class GenerationEndpoint:
         except EngineOOMError as oom:
             response: Response = error_response(500, str(oom), type=_OOM_TYPE, code=_OOM_CODE)
         else:
+            state.ledger.record_output(completion.completion_tokens)
             response = JSONResponse(self._body(state, completion, prompt_tokens))
         await response(scope, receive, send)
 
@@ -507,6 +509,7 @@ class GenerationEndpoint:
             await body(_sse(error))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
+        state.ledger.record_output(completion.completion_tokens)
         await body(chunk(None if chat else "", completion.finish_reason))
         if request.include_usage:
             usage = _usage(prompt_tokens, completion.completion_tokens)

@@ -59,6 +59,9 @@ class ServerConfig:
     #: times (helps clients that follow Retry-After exactly, without jitter; costs waiting time
     #: when outputs stop well before their caps). Off: the plain estimate from in-flight requests.
     stagger_retry_after: bool = False
+    #: Estimate Retry-After from this quantile of recent output lengths (when shorter than the
+    #: caps) instead of every request's worst case: None (worst case, an upper bound) or e.g. 0.9.
+    retry_after_quantile: float | None = None
     api_key: str | None = None
     seed: int = 0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -102,6 +105,10 @@ class ServerConfig:
             positive_int("max_concurrency", self.max_concurrency)
         if not (math.isfinite(self.max_queue_wait) and self.max_queue_wait >= 0):
             raise ValueError(f"max_queue_wait must be >= 0 seconds, got {self.max_queue_wait!r}")
+        if self.retry_after_quantile is not None and not 0.0 < self.retry_after_quantile <= 1.0:
+            raise ValueError(
+                f"retry_after_quantile must be in (0, 1] or None, got {self.retry_after_quantile!r}"
+            )
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string or None")
 

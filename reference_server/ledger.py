@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -48,6 +49,9 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 DEFAULT_SAFETY_FRACTION = 0.9
 #: The request cap in ``concurrency`` mode when none is given: a typical hand-tuned value.
 DEFAULT_MAX_CONCURRENCY = 16
+#: Output lengths remembered for ``output_quantile``, and how many are needed before use.
+_OUTPUT_WINDOW = 256
+_MIN_OUTPUTS = 20
 
 
 @dataclass(slots=True, kw_only=True)
@@ -140,6 +144,7 @@ class KVAdmissionController:
         strategy: Strategy = "reserve",
         max_concurrency: int | None = None,
         release_margin: float = 0.0,
+        output_quantile: float | None = None,
     ) -> None:
         if total_kv_tokens < 1:
             raise ValueError(f"total_kv_tokens must be >= 1, got {total_kv_tokens}")
@@ -153,6 +158,8 @@ class KVAdmissionController:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if output_quantile is not None and not 0.0 < output_quantile <= 1.0:
+            raise ValueError(f"output_quantile must be in (0, 1], got {output_quantile}")
         if kv_bytes_per_token < 1:
             raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
         self.total_kv_tokens = total_kv_tokens
@@ -166,6 +173,7 @@ class KVAdmissionController:
             max_concurrency = DEFAULT_MAX_CONCURRENCY
         self.max_concurrency = max_concurrency
         self.release_margin = release_margin
+        self.output_quantile = output_quantile
         self.usable_tokens = max(1, math.floor(total_kv_tokens * safety_fraction))
 
         self._lock = threading.Lock()
@@ -178,6 +186,7 @@ class KVAdmissionController:
         self._peak_reserved = 0
         self._peak_inflight = 0
         self._promises: list[_Promise] = []
+        self._outputs: deque[int] = deque(maxlen=_OUTPUT_WINDOW)
 
     # --- pure pricing ------------------------------------------------------------------------
 
@@ -266,11 +275,30 @@ class KVAdmissionController:
 
     # --- back-pressure -----------------------------------------------------------------------
 
-    def _usage_at(self, t: float, live: list[Handle]) -> tuple[int, int]:
+    def record_output(self, completion_tokens: int) -> None:
+        """Remember how long a finished request's output was (for ``output_quantile``)."""
+        with self._lock:
+            self._outputs.append(max(0, completion_tokens))
+
+    def _output_horizon(self) -> int | None:
+        """The ``output_quantile`` of recent output lengths, once enough were seen."""
+        if self.output_quantile is None or len(self._outputs) < _MIN_OUTPUTS:
+            return None
+        ordered = sorted(self._outputs)
+        index = min(len(ordered) - 1, math.ceil(self.output_quantile * len(ordered)) - 1)
+        return ordered[max(0, index)]
+
+    def _expected_end(self, handle: Handle, horizon: int | None) -> float:
+        if horizon is None:
+            return handle.due_at
+        likely = handle.admitted_at + horizon / self.decode_rate + self.release_margin
+        return min(handle.due_at, likely)
+
+    def _usage_at(self, t: float, live: list[tuple[float, Handle]]) -> tuple[int, int]:
         """Tokens and request slots held at time ``t`` by live handles and promised returns."""
         tokens = slots = 0
-        for handle in live:
-            if handle.due_at > t:
+        for end, handle in live:
+            if end > t:
                 tokens += handle.reserved_tokens
                 slots += 1
         for promise in self._promises:
@@ -279,7 +307,7 @@ class KVAdmissionController:
                 slots += 1
         return tokens, slots
 
-    def _fits_at(self, need: int, t: float, live: list[Handle]) -> bool:
+    def _fits_at(self, need: int, t: float, live: list[tuple[float, Handle]]) -> bool:
         tokens, slots = self._usage_at(t, live)
         if self.max_concurrency is not None and slots >= self.max_concurrency:
             return False
@@ -292,7 +320,11 @@ class KVAdmissionController:
 
         Each live handle frees its reservation at its worst-case end (``due_at``). The answer is
         the earliest of those moments at which ``need`` fits, so it is an upper bound for the
-        current load: requests that stop early free their share sooner.
+        current load: requests that stop early free their share sooner. With
+        ``output_quantile`` (say 0.9) and enough finished requests seen, a handle is expected to
+        end by the time that quantile of recent output lengths takes to decode, if that is
+        sooner than its cap: an estimate that holds in most cases rather than in all, and is
+        much closer when outputs stop well before their caps.
 
         With ``promise=True`` the answer is also remembered as a promise: a client told to come
         back at ``t`` is expected to hold ``need`` tokens from ``t`` for ``duration`` seconds
@@ -304,9 +336,12 @@ class KVAdmissionController:
         """
         with self._lock:
             self._promises = [p for p in self._promises if p.end > now]
-            live = list(self._live.values())
+            horizon = self._output_horizon()
+            live = [(self._expected_end(h, horizon), h) for h in self._live.values()]
+            if horizon is not None:
+                duration = min(duration, horizon / self.decode_rate)
             candidates = sorted(
-                {now} | {h.due_at for h in live if h.due_at > now} | {p.end for p in self._promises}
+                {now} | {end for end, _ in live if end > now} | {p.end for p in self._promises}
             )
             chosen = candidates[-1]  # by then everything in sight is released
             for t in candidates:

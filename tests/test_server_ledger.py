@@ -378,3 +378,30 @@ class LedgerMachine(RuleBasedStateMachine):
 
 TestLedgerMachine = LedgerMachine.TestCase
 TestLedgerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_output_quantile_tightens_the_estimate_once_enough_outputs_were_seen() -> None:
+    # usable 9000, blocks of 1, 100 tok/s: a holder capped at 8000 is due at 80 s.
+    ledger = make(block_size=1, output_quantile=0.9)
+    assert ledger.try_admit(0, 8000, now=0.0) is not None
+    assert ledger.retry_after(2000, 0.0) == pytest.approx(80.0)  # no history yet: worst case
+    for length in range(1, 101):  # outputs of 1..100 tokens: the 90th percentile is 90
+        ledger.record_output(length)
+    assert ledger.retry_after(2000, 0.0) == pytest.approx(0.9)  # 90 tokens at 100 tok/s
+    # A handle whose cap is below the quantile keeps its own (earlier) worst case.
+    small = make(block_size=1, output_quantile=0.9)
+    for length in range(1, 101):
+        small.record_output(length)
+    assert small.try_admit(0, 8950, now=0.0) is not None
+    assert small.try_admit(0, 40, now=0.0) is not None
+    assert small.retry_after(40, 0.0) == pytest.approx(0.4)
+
+
+def test_output_quantile_is_off_by_default_and_validated() -> None:
+    ledger = make(block_size=1)
+    assert ledger.try_admit(0, 8000, now=0.0) is not None
+    for _ in range(100):
+        ledger.record_output(1)
+    assert ledger.retry_after(2000, 0.0) == pytest.approx(80.0)
+    with pytest.raises(ValueError, match="output_quantile"):
+        make(output_quantile=1.5)
