@@ -112,3 +112,98 @@ def instant_server_process(*, cpu: int | None = None) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def pin_to_cpu(cpu: int) -> bool:
+    """Pin this process to ``cpu`` when the machine has two cores or more; whether it did."""
+    import os
+
+    if not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
+        return False
+    os.sched_setaffinity(0, {cpu})
+    return True
+
+
+def _wait_for(url: str, proc: Any, what: str, timeout: float = 20.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"{what} did not start") from None
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def reference_server_process(*args: str, cpu: int | None = None) -> Iterator[str]:
+    """``python -m reference_server ARGS`` in its own process (own core when ``cpu`` is given).
+
+    Yields its URL; the server is terminated on exit.
+    """
+    import subprocess
+    import sys
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "reference_server", "--port", str(port), "--log-level", "error"]
+    cmd += list(args)
+    proc = subprocess.Popen(cmd, preexec_fn=_pinner(cpu), stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for(url + "/health", proc, "the reference server")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _pinner(cpu: int | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` pinning the child to ``cpu`` (None when it cannot or need not)."""
+    import os
+
+    if cpu is None or not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
+        return None
+    return lambda: os.sched_setaffinity(0, {cpu})
+
+
+class MetricsSampler:
+    """Scrapes a server's ``/metrics`` every ``interval`` seconds while :meth:`run` runs.
+
+    ``samples`` holds ``(monotonic time, {metric: value})``; start :meth:`run` in a task group
+    and cancel it (or set ``stop``) when the load is done.
+    """
+
+    def __init__(self, url: str, *, interval: float = 0.05) -> None:
+        self.url = url.rstrip("/") + "/metrics"
+        self.interval = interval
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.stop = False
+
+    async def run(self) -> None:
+        import anyio
+        import httpx
+
+        from kvclient.loadgen._report import parse_prometheus_text
+
+        async with httpx.AsyncClient(timeout=5) as http:
+            while not self.stop:
+                started = time.monotonic()
+                try:
+                    response = await http.get(self.url)
+                    self.samples.append((started, parse_prometheus_text(response.text)))
+                except httpx.HTTPError:
+                    pass  # a missed scrape is a missing sample, not a failed run
+                await anyio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def between(self, start: float, end: float) -> list[dict[str, float]]:
+        return [m for t, m in self.samples if start <= t <= end]
+
+    def last(self) -> dict[str, float]:
+        return self.samples[-1][1] if self.samples else {}
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
