@@ -1,0 +1,350 @@
+"""Retry storm at about 3x overload: the same workload, the same server, four clients.
+
+First the server's capacity for the workload is measured: a closed loop through a server whose
+FIFO queue keeps it full without a single 429 (completed requests per second). Then a burst of
+arrivals at ``--overload`` (3x) that capacity is sent, open loop, from one seeded trace of the
+seed's mix, to a fresh reference server per client (reservation admission, no queue: every
+shortage is a 429 with Retry-After):
+
+- a naive client that retries 429s at once, ignoring Retry-After (``kvclient.loadgen.NaiveSender``);
+- the official ``openai`` SDK, default ``max_retries=2``, and with ``max_retries=10`` (it honours
+  Retry-After up to 60 s, else backs off 0.5 s x 2^n);
+- ``kvclient.AsyncClient`` with its defaults (cooldown on 429, Retry-After + jitter).
+
+Every request has the same deadline. Attempts are counted by the server (admitted + rejected);
+429s are the server's ``kv_rejected_total``; utilisation is the time average of reserved / usable
+KV tokens from ``/metrics`` scraped every 50 ms, from the first send to the last answer.
+
+Goal for kvclient: at most 1.5 attempts per completed request, every request completed within its
+deadline, and at least 85 % utilisation of the usable budget.
+
+    python bench/retry_storm.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import anyio
+import httpx
+from _common import (
+    MetricsSampler,
+    mean,
+    pin_to_cpu,
+    print_table,
+    reference_server_process,
+    write_json,
+)
+
+from kvclient import AsyncClient, RetryPolicy, TiktokenCounter
+from kvclient.loadgen import (
+    NaiveSender,
+    RecordTimer,
+    RequestRecord,
+    Sender,
+    SyntheticWorkload,
+    WorkItem,
+    arrival_offsets,
+    percentile,
+    run_load,
+)
+from kvclient.loadgen._kvsender import KVClientSender
+
+KV_TOKENS = 32_768
+CONTEXT = 8192
+DECODE_RATE = 1000.0
+MEAN_OUTPUT = 1500.0
+MODEL = "kvclient-sim"
+SEED = 11
+GOAL_ATTEMPTS = 1.5
+GOAL_UTILISATION = 0.85
+
+SERVER_ARGS = (
+    "--kv-tokens",
+    str(KV_TOKENS),
+    "--context-window",
+    str(CONTEXT),
+    "--decode-rate",
+    str(DECODE_RATE),
+    "--mean-output-tokens",
+    str(MEAN_OUTPUT),
+    "--seed",
+    str(SEED),
+)
+
+
+class OpenAISender:
+    """Sends a work item through the official SDK, bounded by the deadline."""
+
+    def __init__(self, client: Any, *, deadline: float) -> None:
+        self._client = client
+        self._deadline = deadline
+
+    async def send(self, item: WorkItem, timer: RecordTimer) -> None:
+        import openai
+
+        r = timer.record
+        timer.mark_sent()
+        params: dict[str, Any] = {"model": MODEL, "prompt": item.prompt}
+        if item.max_tokens is not None:
+            params["max_tokens"] = item.max_tokens
+        with anyio.move_on_after(self._deadline) as scope:
+            try:
+                completion = await self._client.completions.create(**params)
+            except openai.RateLimitError:
+                r.error = "http_429"
+            except openai.APIStatusError as exc:
+                r.error = f"http_{exc.status_code}"
+            except openai.APIError as exc:
+                r.error = type(exc).__name__
+            else:
+                r.ok = True
+                r.output_tokens = completion.usage.completion_tokens if completion.usage else 0
+        if scope.cancelled_caught:
+            r.error = "deadline"
+        timer.mark_end()
+
+
+def limits() -> httpx.Limits:
+    return httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+
+
+async def run_client(
+    name: str,
+    url: str,
+    items: list[WorkItem],
+    offsets: list[float] | None,
+    deadline: float,
+    *,
+    concurrency: int | None = None,
+) -> dict[str, Any]:
+    sampler = MetricsSampler(url, interval=0.05)
+    sent_by_hook = 0
+
+    async def count(request: httpx.Request) -> None:
+        nonlocal sent_by_hook
+        if request.url.path.endswith("/completions"):
+            sent_by_hook += 1
+
+    http = httpx.AsyncClient(limits=limits(), timeout=deadline, event_hooks={"request": [count]})
+    sender: Sender
+    if name == "naive":
+        http.base_url = httpx.URL(url)
+        sender = NaiveSender(http, max_attempts=50, deadline=deadline)
+    elif name.startswith("openai"):
+        import openai
+
+        retries = 2 if name == "openai" else int(name.rsplit("=", 1)[1])
+        sdk = openai.AsyncOpenAI(
+            base_url=url + "/v1",
+            api_key="x",
+            http_client=http,
+            max_retries=retries,
+            timeout=deadline,
+        )
+        sender = OpenAISender(sdk, deadline=deadline)
+    else:
+        client = AsyncClient(
+            base_url=url,
+            model=MODEL,
+            context_window=CONTEXT,
+            http_client=http,
+            retry=RetryPolicy(deadline=deadline),
+        )
+        sender = KVClientSender(client, stream=False)
+    async with http, anyio.create_task_group() as tg:
+        tg.start_soon(sampler.run)
+        start = anyio.current_time()
+        records, wall = await run_load(
+            items, sender, offsets=offsets, concurrency=concurrency, grace=deadline + 5
+        )
+        end = anyio.current_time()
+        await anyio.sleep(0.1)
+        sampler.stop = True
+        tg.cancel_scope.cancel()
+    return summarize_run(name, records, wall, sampler, (start, end), deadline, sent_by_hook)
+
+
+def summarize_run(
+    name: str,
+    records: list[RequestRecord],
+    wall: float,
+    sampler: MetricsSampler,
+    span: tuple[float, float],
+    deadline: float,
+    sent_by_hook: int,
+) -> dict[str, Any]:
+    final = sampler.last()
+    during = sampler.between(*span)
+    completed = [r for r in records if r.ok]
+    in_time = [r for r in completed if r.latency is not None and r.latency <= deadline]
+    latencies = [r.latency for r in completed if r.latency is not None]
+    admitted = final.get("kv_admitted_total", 0)
+    rejected = final.get("kv_rejected_total", 0)
+    attempts = admitted + rejected
+    causes: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            causes[r.error or "unknown"] = causes.get(r.error or "unknown", 0) + 1
+    return {
+        "client": name,
+        "requests": len(records),
+        "completed": len(completed),
+        "completed_within_deadline": len(in_time),
+        "share_within_deadline": len(in_time) / len(records) if records else 0.0,
+        "failed_by_cause": causes,
+        "attempts_server": attempts,
+        "attempts_client": sent_by_hook,
+        "attempts_per_completed": attempts / len(completed) if completed else None,
+        "http_429_server": rejected,
+        "latency_p50": percentile(latencies, 50),
+        "latency_p99": percentile(latencies, 99),
+        "utilisation_reserved_over_usable": mean(
+            [m["kv_reserved_tokens"] / m["kv_usable_tokens"] for m in during]
+        ),
+        "physical_utilisation": mean(
+            [m["kv_used_tokens"] / m["kv_physical_capacity_tokens"] for m in during]
+        ),
+        "oom_events": final.get("kv_oom_events_total", 0),
+        "completed_per_second": len(completed) / wall if wall else 0.0,
+        "wall_seconds": wall,
+        "metric_samples": len(during),
+    }
+
+
+def measure_capacity(
+    items: list[WorkItem], cpu: int | None, deadline: float, extra: list[str]
+) -> dict[str, Any]:
+    """Completed requests per second of a server kept full by its FIFO queue (no 429s)."""
+    args = (*SERVER_ARGS, *extra, "--max-queue-wait", "600")
+    with reference_server_process(*args, cpu=cpu) as url:
+        return anyio.run(_capacity, url, items, deadline)
+
+
+async def _capacity(url: str, items: list[WorkItem], deadline: float) -> dict[str, Any]:
+    return await run_client("kvclient", url, items, None, deadline * 4, concurrency=32)
+
+
+def one_client(
+    name: str,
+    items: list[WorkItem],
+    offsets: list[float],
+    deadline: float,
+    cpu: int | None,
+    extra: list[str],
+) -> dict[str, Any]:
+    with reference_server_process(*SERVER_ARGS, *extra, cpu=cpu) as url:
+        return anyio.run(run_client, name, url, items, offsets, deadline)
+
+
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--overload", type=float, default=3.0, help="x measured capacity")
+    parser.add_argument("--burst", type=float, help="seconds of arrivals (default 12, --quick 3)")
+    parser.add_argument("--deadline", type=float, help="per request (default 60 s, --quick 12 s)")
+    parser.add_argument(
+        "--clients",
+        default="naive,openai,openai max_retries=10,kvclient",
+        help="comma-separated subset to run",
+    )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every reference server (repeat), e.g. "
+        "--server-arg=--retry-after-quantile --server-arg=0.9",
+    )
+    args = parser.parse_args()
+    burst = args.burst or (3.0 if args.quick else 12.0)
+    deadline = args.deadline or (12.0 if args.quick else 60.0)
+    pinned = pin_to_cpu(0)
+    cpu = 1 if pinned else None
+    counter = TiktokenCounter()
+
+    capacity_items = SyntheticWorkload(seed=SEED + 1).items(32 if args.quick else 120, counter)
+    print("… measuring capacity (closed loop, FIFO-queued server)", flush=True)
+    capacity = measure_capacity(capacity_items, cpu, deadline, args.server_arg)
+    rate = args.overload * capacity["completed_per_second"]
+    n = max(1, round(rate * burst))
+    items = SyntheticWorkload(seed=SEED).items(n, counter)
+    offsets = arrival_offsets(rate=rate, num_requests=n, seed=SEED)
+    print(
+        f"capacity {capacity['completed_per_second']:.2f} req/s -> {n} requests at "
+        f"{rate:.1f}/s over {burst:g} s, deadline {deadline:g} s",
+        flush=True,
+    )
+
+    results = []
+    for name in [c.strip() for c in args.clients.split(",") if c.strip()]:
+        print(f"… {name}", flush=True)
+        results.append(one_client(name, items, offsets, deadline, cpu, args.server_arg))
+
+    rows = []
+    for r in results:
+        rows.append(
+            [
+                r["client"],
+                fmt(r["attempts_per_completed"], ".2f"),
+                f"{r['share_within_deadline']:.0%} ({r['completed_within_deadline']}/"
+                f"{r['requests']})",
+                fmt(r["latency_p50"], ".1f", " s"),
+                fmt(r["latency_p99"], ".1f", " s"),
+                f"{r['http_429_server']:,.0f}",
+                fmt(r["utilisation_reserved_over_usable"], ".0%"),
+            ]
+        )
+    print_table(
+        f"Retry storm: {n} requests of the seed's mix at {rate:.1f}/s ({args.overload:g}x the "
+        f"measured capacity of {capacity['completed_per_second']:.2f} req/s) for {burst:g} s, "
+        f"deadline {deadline:g} s each, reference server in reserve mode, one per client"
+        + (f" ({' '.join(args.server_arg)})" if args.server_arg else ""),
+        [
+            "client",
+            "attempts / completed",
+            "completed within deadline",
+            "p50 latency",
+            "p99 latency",
+            "429s sent",
+            "server KV utilisation",
+        ],
+        rows,
+    )
+    kv = next((r for r in results if r["client"] == "kvclient"), None)
+    goals: dict[str, Any] = {}
+    if kv is not None:
+        goals = {
+            "attempts_per_completed": (kv["attempts_per_completed"] or 99) <= GOAL_ATTEMPTS,
+            "all_within_deadline": kv["completed_within_deadline"] == kv["requests"],
+            "utilisation": (kv["utilisation_reserved_over_usable"] or 0) >= GOAL_UTILISATION,
+        }
+        print(
+            f"\nkvclient goals: attempts/completed <= {GOAL_ATTEMPTS}: "
+            f"{'met' if goals['attempts_per_completed'] else 'NOT met'}; every request within "
+            f"its deadline: {'met' if goals['all_within_deadline'] else 'NOT met'}; utilisation "
+            f">= {GOAL_UTILISATION:.0%}: {'met' if goals['utilisation'] else 'NOT met'}"
+        )
+    write_json(
+        "retry_storm",
+        {
+            "pinned": pinned,
+            "capacity": capacity,
+            "rate": rate,
+            "requests": n,
+            "burst_seconds": burst,
+            "deadline": deadline,
+            "server_args": [*SERVER_ARGS, *args.server_arg],
+            "goals_met": goals,
+            "results": results,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
