@@ -9,9 +9,11 @@ send, read and sleep.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -28,12 +30,13 @@ from ._exceptions import (
     APIResponseError,
     APIStatusError,
     APITimeoutError,
+    InsufficientQuotaError,
     KVClientError,
     PromptTooLongError,
     ServerBusyError,
 )
 from ._models import Completion, CompletionChunk, RetryEvent, Usage
-from ._retry import Cooldown, RetryCall, RetryPolicy, parse_retry_after
+from ._retry import Cooldown, RetryCall, RetryPolicy, SendWindow, parse_retry_after
 from ._streaming import StreamAccumulator, aiter_events, iter_events
 from ._tokens import Message, TiktokenCounter, TokenCounter
 from ._version import __version__
@@ -60,6 +63,19 @@ _MIN_ATTEMPT_TIMEOUT = 0.001
 # Bounds on finishing an abandoned async stream (see _finish_generators).
 _DRAIN_EVENTS = 10_000
 _DRAIN_SECONDS = 1.0
+# How often a send waiting for a window slot re-checks (the window may reopen with time).
+_WINDOW_POLL = 0.1
+
+
+def _slot_outcome(error: BaseException) -> str:
+    """How a failed attempt counts for the send window: a refusal narrows it."""
+    if (
+        isinstance(error, APIStatusError)
+        and error.status_code in (429, 503)
+        and not isinstance(error, InsufficientQuotaError)
+    ):
+        return "refused"
+    return "other"
 
 
 class _Prepared:
@@ -124,6 +140,7 @@ class BaseClient:
         self.on_retry = on_retry
         self._extra_headers = dict(headers or {})
         self._cooldown = Cooldown()
+        self._window = SendWindow(reset=self.retry.window_reset)
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -380,6 +397,15 @@ class BaseClient:
     def _new_call(self) -> RetryCall:
         return RetryCall(self.retry, self._cooldown, on_retry=self.on_retry)
 
+    def _window_busy(self, call: RetryCall) -> ServerBusyError:
+        return ServerBusyError(
+            f"the server refused requests and this client already has "
+            f"{self._window.in_flight} in flight (window {self._window.limit:.3g}); no slot freed "
+            f"before the {self.retry.deadline:g}s deadline",
+            retry_after=call.cooldown.advice,
+            attempts=call.attempts,
+        )
+
     @staticmethod
     def _stuck(call: RetryCall) -> ServerBusyError:
         return ServerBusyError(
@@ -398,6 +424,8 @@ class _StreamBase:
         self._pending: deque[CompletionChunk] = deque()
         self._call: RetryCall | None = None
         self._completion: Completion | None = None
+        # True while this stream holds one of its client's send-window slots.
+        self._holds_slot = False
 
     def _feed(self, payload: dict[str, Any] | None) -> None:
         if payload is None:
@@ -496,7 +524,8 @@ class Stream(_StreamBase):
                 raise
             return response, events, first
 
-        self._response, self._events, first = client._run(self._call, attempt)
+        self._response, self._events, first = client._run(self._call, attempt, keep_slot=True)
+        self._holds_slot = True
         self._feed(first)
 
     def __iter__(self) -> Stream:
@@ -524,10 +553,15 @@ class Stream(_StreamBase):
         return self._pending.popleft()
 
     def close(self) -> None:
-        if self._response is not None:
-            self._response.close()
-        if self._events is not None:
-            self._events.close()
+        try:
+            if self._response is not None:
+                self._response.close()
+            if self._events is not None:
+                self._events.close()
+        finally:
+            if self._holds_slot:
+                self._holds_slot = False
+                self._client._release_slot("ok")
 
 
 async def _finish_generators(events: Any) -> None:
@@ -598,7 +632,8 @@ class AsyncStream(_StreamBase):
                 raise
             return response, events, first
 
-        self._response, self._events, first = await client._run(self._call, attempt)
+        self._response, self._events, first = await client._run(self._call, attempt, keep_slot=True)
+        self._holds_slot = True
         self._feed(first)
 
     def __aiter__(self) -> AsyncStream:
@@ -633,6 +668,9 @@ class AsyncStream(_StreamBase):
             if events is not None:
                 await _finish_generators(events)
         finally:
+            if self._holds_slot:
+                self._holds_slot = False
+                self._client._release_slot("ok")
             if events is not None:
                 await events.aclose()
 
@@ -677,6 +715,7 @@ class Client(BaseClient):
         self._owns_http = http_client is None
         self._http = http_client or httpx.Client(transport=transport, timeout=timeout)
         self._discovery_lock = threading.Lock()
+        self._window_changed = threading.Condition()
 
     def __enter__(self) -> Client:
         return self
@@ -705,13 +744,46 @@ class Client(BaseClient):
             call.held(wait)
         raise self._stuck(call)
 
-    def _run(self, call: RetryCall, attempt: Callable[[RetryCall], T]) -> T:
+    def _acquire_slot(self, call: RetryCall) -> None:
+        clock = self.retry.clock
+        if not self.retry.window or self._window.try_acquire(clock()):
+            return
+        started = time.monotonic()
+        with self._window_changed:
+            while not self._window.try_acquire(clock()):
+                left = call.time_left()
+                if left <= 0:
+                    raise self._window_busy(call)
+                self._window_changed.wait(timeout=min(left, _WINDOW_POLL))
+        call.held(time.monotonic() - started)
+
+    def _release_slot(self, outcome: str) -> None:
+        if not self.retry.window:
+            return
+        with self._window_changed:
+            self._window.release(outcome, self.retry.clock())
+            self._window_changed.notify_all()
+
+    def _run(
+        self, call: RetryCall, attempt: Callable[[RetryCall], T], *, keep_slot: bool = False
+    ) -> T:
+        """Attempts until one succeeds or the policy gives up. Each attempt holds out the
+        cooldown, then takes a send-window slot, kept past success when ``keep_slot`` (a stream
+        gives it back when it closes)."""
         results: list[T] = []
         for manager in call.attempts_iter():
             with manager:
                 self._hold(call)
+                self._acquire_slot(call)
                 call.begin_attempt()
-                results.append(attempt(call))
+                try:
+                    result = attempt(call)
+                except BaseException as exc:
+                    self._release_slot(_slot_outcome(exc))
+                    raise
+                if not keep_slot:
+                    self._release_slot("ok")
+                results.append(result)
         return results[-1]
 
     def _send_request(self, request: httpx.Request, *, stream: bool) -> httpx.Response:
@@ -823,6 +895,8 @@ class AsyncClient(BaseClient):
         self._http = http_client or httpx.AsyncClient(transport=transport, timeout=timeout)
         # anyio locks bind to the event loop that first uses them: create it inside one.
         self._discovery_lock: anyio.Lock | None = None
+        # Tasks waiting for a send-window slot; every release wakes them all to re-check.
+        self._slot_waiters: list[anyio.Event] = []
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -851,13 +925,51 @@ class AsyncClient(BaseClient):
             call.held(wait)
         raise self._stuck(call)
 
-    async def _run(self, call: RetryCall, attempt: Callable[[RetryCall], Any]) -> Any:
+    async def _acquire_slot(self, call: RetryCall) -> None:
+        clock = self.retry.clock
+        if not self.retry.window or self._window.try_acquire(clock()):
+            return
+        started = time.monotonic()
+        while not self._window.try_acquire(clock()):
+            left = call.time_left()
+            if left <= 0:
+                raise self._window_busy(call)
+            event = anyio.Event()
+            self._slot_waiters.append(event)
+            try:
+                with anyio.move_on_after(min(left, _WINDOW_POLL)):
+                    await event.wait()
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._slot_waiters.remove(event)
+        call.held(time.monotonic() - started)
+
+    def _release_slot(self, outcome: str) -> None:
+        if not self.retry.window:
+            return
+        self._window.release(outcome, self.retry.clock())
+        waiters, self._slot_waiters = self._slot_waiters, []
+        for event in waiters:
+            event.set()
+
+    async def _run(
+        self, call: RetryCall, attempt: Callable[[RetryCall], Any], *, keep_slot: bool = False
+    ) -> Any:
+        """As :meth:`Client._run`."""
         results: list[Any] = []
         async for manager in call.async_attempts():
             with manager:
                 await self._hold(call)
+                await self._acquire_slot(call)
                 call.begin_attempt()
-                results.append(await attempt(call))
+                try:
+                    result = await attempt(call)
+                except BaseException as exc:
+                    self._release_slot(_slot_outcome(exc))
+                    raise
+                if not keep_slot:
+                    self._release_slot("ok")
+                results.append(result)
         return results[-1]
 
     async def _send_request(self, request: httpx.Request, *, stream: bool) -> httpx.Response:

@@ -48,10 +48,12 @@ __all__ = [
     "DEFAULT_JITTER_RATIO",
     "DEFAULT_MAX_ATTEMPTS",
     "DEFAULT_MAX_WAIT",
+    "DEFAULT_WINDOW_RESET",
     "Cooldown",
     "RetryBudget",
     "RetryCall",
     "RetryPolicy",
+    "SendWindow",
     "backoff_wait",
     "is_retryable",
     "parse_retry_after",
@@ -75,6 +77,8 @@ DEFAULT_BACKOFF_MIN = 0.05
 #: Jitter added *above* the server's advice: up to 10% of it plus up to 0.1 s.
 DEFAULT_JITTER_RATIO = 0.1
 DEFAULT_JITTER_ABSOLUTE = 0.1
+#: Seconds without a refusal after which the send window opens fully again.
+DEFAULT_WINDOW_RESET = 10.0
 
 # A header longer than this is garbage (or hostile); never feed megabytes to float() or a parser.
 _MAX_HEADER_LENGTH = 64
@@ -201,6 +205,9 @@ class RetryPolicy:
     full-jitter exponential backoff: uniform in [``backoff_min``, min(``backoff_max``,
     ``backoff_initial`` x ``backoff_multiplier`` ** (attempt - 1))].
 
+    ``window`` (on by default) paces the client after a refusal: see :class:`SendWindow`;
+    ``window_reset`` is how long without a refusal before it opens fully again.
+
     ``clock`` (monotonic seconds), ``wall_clock`` (Unix time, for HTTP-dates), ``sleep``,
     ``async_sleep`` and ``random`` are injectable, so tests never sleep for real; see
     :mod:`kvclient.testing`.
@@ -216,6 +223,8 @@ class RetryPolicy:
     jitter_ratio: float = DEFAULT_JITTER_RATIO
     jitter_absolute: float = DEFAULT_JITTER_ABSOLUTE
     retry_budget: RetryBudget | None = None
+    window: bool = True
+    window_reset: float = DEFAULT_WINDOW_RESET
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     wall_clock: Callable[[], float] = field(default=time.time, repr=False)
     sleep: Callable[[float], None] = field(default=_default_sleep, repr=False)
@@ -229,7 +238,7 @@ class RetryPolicy:
             raise ValueError(f"max_attempts must be an integer, got {self.max_attempts!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        for name in ("deadline", "max_wait", "backoff_initial", "backoff_max"):
+        for name in ("deadline", "max_wait", "backoff_initial", "backoff_max", "window_reset"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0 and not math.isnan(value)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -290,6 +299,49 @@ class Cooldown:
 
     def remaining(self, now: float) -> float:
         return max(0.0, self._not_before - now)
+
+
+class SendWindow:
+    """How many requests one client keeps in flight once the server has refused one (pure).
+
+    The cooldown says *when* the server may have room again; this says *how much*. Without it,
+    every request held during a cooldown is sent the moment it ends, and most of them are refused
+    again: a herd, once per cooldown. A refusal (429/503) closes the window to the number of other
+    requests still in flight, which is what the server is holding now; from then on a new send
+    waits until one of those finishes. Each success widens it a little (+1 per window's worth of
+    successes, TCP's additive increase), and ``reset`` seconds without a refusal open it fully.
+    Until the first refusal the window is open and costs one uncontended lock per send.
+    """
+
+    __slots__ = ("_last_refusal", "_lock", "in_flight", "limit", "reset")
+
+    def __init__(self, *, reset: float = DEFAULT_WINDOW_RESET) -> None:
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.limit = math.inf
+        self.reset = reset
+        self._last_refusal = -math.inf
+
+    def try_acquire(self, now: float) -> bool:
+        """Take a slot for one send if the window allows it."""
+        with self._lock:
+            if self.limit != math.inf and now - self._last_refusal >= self.reset:
+                self.limit = math.inf
+            if self.in_flight + 1 <= self.limit:
+                self.in_flight += 1
+                return True
+            return False
+
+    def release(self, outcome: str, now: float) -> None:
+        """Give back a slot: ``outcome`` is "ok", "refused" (429/503) or "other"."""
+        with self._lock:
+            if outcome == "refused":
+                # The others in flight are what the server holds now: keep to that.
+                self.limit = max(1.0, min(self.limit, self.in_flight - 1.0))
+                self._last_refusal = now
+            elif outcome == "ok" and self.limit != math.inf:
+                self.limit += 1.0 / self.limit
+            self.in_flight = max(0, self.in_flight - 1)
 
 
 @dataclass(frozen=True, slots=True)

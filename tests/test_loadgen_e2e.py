@@ -85,7 +85,7 @@ def test_demo_shows_the_contract(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 def test_demo_prompt_admission_shows_ooms(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
-    assert demo.main(["--admission", "prompt", "--requests", "60", "--json", str(out)]) == 0
+    assert demo.main(["--admission", "prompt", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["kvclient"]["server"]["kv_oom_events_total"] >= 1
     assert data["kvclient"]["summary"]["failed_by_cause"]["oom"] >= 1

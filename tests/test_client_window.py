@@ -1,0 +1,190 @@
+"""The send window: after a refusal, one client keeps no more in flight than the server held."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import anyio
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvclient import AsyncClient, Client, RetryPolicy
+from kvclient._retry import SendWindow
+from kvclient.testing import FakeClock
+from tests.client_helpers import BASE_URL, CONTEXT, COUNTER, MODEL, busy, ok_completion
+
+PROMPT = "hello world"
+
+
+# --- the pure window ---------------------------------------------------------------------------
+
+
+def test_open_until_the_first_refusal() -> None:
+    window = SendWindow()
+    assert all(window.try_acquire(0.0) for _ in range(1000))
+    assert window.limit == math.inf
+
+
+def test_a_refusal_narrows_to_the_others_in_flight() -> None:
+    window = SendWindow()
+    for _ in range(5):
+        assert window.try_acquire(0.0)
+    window.release("refused", 0.0)  # 4 others still in flight: the server holds 4
+    assert window.limit == 4
+    assert window.in_flight == 4
+    assert not window.try_acquire(0.1)
+    window.release("ok", 0.2)  # one finished: room for one more, and a little wider
+    assert window.limit == pytest.approx(4.25)
+    assert window.try_acquire(0.3)
+    assert not window.try_acquire(0.3)
+
+
+def test_never_below_one_and_reopens_after_quiet_time() -> None:
+    window = SendWindow(reset=10.0)
+    assert window.try_acquire(0.0)
+    window.release("refused", 0.0)
+    assert window.limit == 1
+    assert window.try_acquire(1.0)
+    assert not window.try_acquire(1.0)
+    window.release("other", 2.0)  # neither refusal nor success: unchanged
+    assert window.limit == 1
+    assert window.try_acquire(10.5)
+    assert window.limit == math.inf  # ten seconds without a refusal
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["acquire", "ok", "refused", "other"]), st.floats(0, 0.5)),
+        max_size=200,
+    )
+)
+def test_window_invariants(ops: list[tuple[str, float]]) -> None:
+    window = SendWindow(reset=5.0)
+    now, held = 0.0, 0
+    for op, step in ops:
+        now += step
+        if op == "acquire":
+            if window.try_acquire(now):
+                held += 1
+        elif held:
+            window.release(op, now)
+            held -= 1
+        assert window.in_flight == held
+        assert window.limit >= 1
+
+
+# --- through the clients -----------------------------------------------------------------------
+
+
+class Gate:
+    """A scripted server: the first ``hold`` requests stay open until released, the next one
+    is refused with 429, and any later request is answered at once and recorded."""
+
+    def __init__(self, hold: int) -> None:
+        self.hold = hold
+        self.arrivals = 0
+        self.order: list[str] = []
+
+
+def policy() -> RetryPolicy:
+    # A tiny Retry-After so the cooldown is over at once and only the window holds sends.
+    return FakeClock().policy(window_reset=60.0)
+
+
+@pytest.mark.anyio
+async def test_async_requests_wait_for_a_slot_after_a_refusal() -> None:
+    released = anyio.Event()
+    gate = Gate(hold=3)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        gate.arrivals += 1
+        n = gate.arrivals
+        if n <= gate.hold:
+            await released.wait()
+            return ok_completion()
+        if n == gate.hold + 1:
+            return busy(None, ms="1")
+        gate.order.append(f"request {n} after release: {released.is_set()}")
+        return ok_completion()
+
+    transport = httpx.MockTransport(handler)
+    client = AsyncClient(
+        base_url=BASE_URL, model=MODEL, context_window=CONTEXT, counter=COUNTER,
+        retry=policy(), transport=transport,
+    )  # fmt: skip
+    async with client, anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(client.complete, PROMPT)
+        while gate.arrivals < 3:  # noqa: ASYNC110 - polling a plain counter
+            await anyio.sleep(0.001)
+        # The fourth is refused: 3 others in flight, so the window closes at 3.
+        tg.start_soon(client.complete, PROMPT)
+        tg.start_soon(client.complete, PROMPT)
+        await anyio.sleep(0.2)
+        # Nothing else reached the server while the three held their slots.
+        assert gate.arrivals == 4
+        assert client._window.limit == 3
+        released.set()
+    assert gate.order == ["request 5 after release: True", "request 6 after release: True"]
+    assert gate.arrivals == 6  # the refused one retried, and the waiting one went
+    assert client._window.in_flight == 0
+
+
+def test_sync_threads_wait_for_a_slot_after_a_refusal() -> None:
+    released = threading.Event()
+    lock = threading.Lock()
+    gate = Gate(hold=2)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        with lock:
+            gate.arrivals += 1
+            n = gate.arrivals
+        if n <= gate.hold:
+            released.wait(5)
+            return ok_completion()
+        if n == gate.hold + 1:
+            return busy(None, ms="1")
+        return ok_completion()
+
+    client = Client(
+        base_url=BASE_URL, model=MODEL, context_window=CONTEXT, counter=COUNTER,
+        retry=policy(), transport=httpx.MockTransport(handler),
+    )  # fmt: skip
+    threads = [threading.Thread(target=client.complete, args=(PROMPT,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    while gate.arrivals < 2:
+        threading.Event().wait(0.001)
+    late = [threading.Thread(target=client.complete, args=(PROMPT,)) for _ in range(2)]
+    for t in late:
+        t.start()
+    threading.Event().wait(0.2)
+    assert gate.arrivals == 3  # the refused one; the other waits for a slot
+    assert client._window.limit == 2
+    released.set()
+    for t in threads + late:
+        t.join(5)
+    assert gate.arrivals == 5
+    assert client._window.in_flight == 0
+    client.close()
+
+
+@pytest.mark.anyio
+async def test_window_off_sends_everything() -> None:
+    arrivals = 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal arrivals
+        arrivals += 1
+        return busy(None, ms="1") if arrivals == 1 else ok_completion()
+
+    async with AsyncClient(
+        base_url=BASE_URL, model=MODEL, context_window=CONTEXT, counter=COUNTER,
+        retry=FakeClock().policy(window=False), transport=httpx.MockTransport(handler),
+    ) as client:  # fmt: skip
+        await client.complete(PROMPT)
+        assert client._window.in_flight == 0
+        assert client._window.limit == math.inf
