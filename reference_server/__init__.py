@@ -17,11 +17,12 @@ Run it embedded (a real uvicorn server on a free loopback port, in a background 
 from ._runner import RunningServer, running_server, serve_in_thread
 from .app import ServerState, create_app
 from .config import ServerConfig
-from .engine import Completion, EngineOOMError, EngineStats, SimulatedEngine
+from .engine import Completion, EngineFaultError, EngineOOMError, EngineStats, SimulatedEngine
 from .ledger import Handle, KVAdmissionController, LedgerStats, Strategy
 
 __all__ = [
     "Completion",
+    "EngineFaultError",
     "EngineOOMError",
     "EngineStats",
     "Handle",

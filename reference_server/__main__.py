@@ -93,7 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of every request's cap (the default: an upper bound)",
     )
     add("--api-key", help="require 'Authorization: Bearer KEY' (except /health and /metrics)")
-    add("--seed", type=int, default=0, help="seed of output lengths and words")
+    add("--seed", type=int, default=0, help="seed of output lengths, words and faults")
+    add(
+        "--fault-rate",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="fail this share of requests on purpose at a random token, as 500 injected_fault "
+        "(chaos testing; default: %(default)s)",
+    )
     add("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit")
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
@@ -117,6 +125,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         retry_after_quantile=args.retry_after_quantile,
         api_key=args.api_key,
         seed=args.seed,
+        fault_rate=args.fault_rate,
         max_body_bytes=args.max_body_bytes,
     )
 

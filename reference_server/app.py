@@ -45,7 +45,7 @@ from ._requests import (
     parse_json_object,
 )
 from .config import ServerConfig
-from .engine import Completion, EngineOOMError, SimulatedEngine
+from .engine import Completion, EngineFaultError, EngineOOMError, SimulatedEngine
 from .ledger import KVAdmissionController
 
 __all__ = ["APIKeyMiddleware", "ServerState", "create_app"]
@@ -81,6 +81,7 @@ class ServerState:
             seed=config.seed,
             block_size=config.block_size,
             tick_seconds=config.tick_seconds,
+            fault_rate=config.fault_rate,
         )
         self.ledger = KVAdmissionController(
             total_kv_tokens=config.total_kv_tokens,
@@ -141,6 +142,7 @@ class ServerState:
             "kv_rejected_total": ledger.rejected_total,
             "kv_oom_events_total": engine.oom_events_total,
             "kv_oom_failed_requests_total": engine.oom_failed_sequences_total,
+            "kv_injected_faults_total": engine.faults_total,
             "kv_generated_tokens_total": engine.generated_tokens_total,
             "kv_http_requests_total": requests,
             "kv_generation_requests_total": generation,
@@ -288,8 +290,17 @@ def _sse(payload: object) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-_OOM_TYPE = "server_error"
+_ENGINE_ERROR_TYPE = "server_error"
 _OOM_CODE = "kv_cache_oom"
+_FAULT_CODE = "injected_fault"
+_FAULT_MESSAGE = "injected fault"
+
+
+def _engine_failure(error: EngineOOMError | EngineFaultError) -> tuple[str, str]:
+    """The message and code an engine failure is answered with."""
+    if isinstance(error, EngineFaultError):
+        return _FAULT_MESSAGE, _FAULT_CODE
+    return str(error), _OOM_CODE
 
 
 class GenerationEndpoint:
@@ -399,8 +410,9 @@ class GenerationEndpoint:
     ) -> None:
         try:
             completion = await state.engine.generate(prompt_tokens, cap)
-        except EngineOOMError as oom:
-            response: Response = error_response(500, str(oom), type=_OOM_TYPE, code=_OOM_CODE)
+        except (EngineOOMError, EngineFaultError) as failure:
+            message, code = _engine_failure(failure)
+            response: Response = error_response(500, message, type=_ENGINE_ERROR_TYPE, code=code)
         else:
             state.ledger.record_output(completion.completion_tokens)
             response = JSONResponse(self._body(state, completion, prompt_tokens))
@@ -502,11 +514,11 @@ class GenerationEndpoint:
 
         try:
             completion = await state.engine.generate(prompt_tokens, cap, on_text)
-        except EngineOOMError as oom:
+        except (EngineOOMError, EngineFaultError) as failure:
             # Headers are gone already: the error travels in the stream, as vLLM does.
-            error = {"error": {"message": str(oom), "type": _OOM_TYPE, "param": None}}
-            error["error"]["code"] = _OOM_CODE
-            await body(_sse(error))
+            message, code = _engine_failure(failure)
+            error = {"message": message, "type": _ENGINE_ERROR_TYPE, "param": None, "code": code}
+            await body(_sse({"error": error}))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         state.ledger.record_output(completion.completion_tokens)

@@ -64,6 +64,9 @@ class ServerConfig:
     retry_after_quantile: float | None = None
     api_key: str | None = None
     seed: int = 0
+    #: Share of requests the engine fails on purpose at a random token (chaos tests, the soak);
+    #: seeded by ``seed``. Answered as 500 ``injected_fault`` (in a stream: an error event).
+    fault_rate: float = 0.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     tick_seconds: float = DEFAULT_TICK_SECONDS
     tokenizer: Tokenizer = field(default_factory=TiktokenCounter)
@@ -109,6 +112,8 @@ class ServerConfig:
             raise ValueError(
                 f"retry_after_quantile must be in (0, 1] or None, got {self.retry_after_quantile!r}"
             )
+        if not (isinstance(self.fault_rate, (int, float)) and 0.0 <= self.fault_rate <= 1.0):
+            raise ValueError(f"fault_rate must be within 0..1, got {self.fault_rate!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string or None")
 

@@ -6,8 +6,13 @@ pool holds, per live sequence, its prompt plus what it has generated so far, in 
 that ever exceeds the pool's capacity, every live sequence fails with :class:`EngineOOMError` and
 the pool is emptied: the mid-decode crash that reserving only for the prompt leads to.
 
+With ``fault_rate`` > 0 the engine also fails that share of sequences on purpose, at a random
+token (:class:`EngineFaultError`), so tests and the soak can check that every failure path gives
+the reservation back.
+
 Output is reproducible: natural output lengths and words are drawn from one ``random.Random(seed)``
-in the order sequences start. Runs under asyncio and trio (anyio only).
+in the order sequences start; faults from a second generator of the same seed, so turning them on
+changes no output. Runs under asyncio and trio (anyio only).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import anyio
 
 from kvclient import DEFAULT_BLOCK_SIZE, Tokenizer, round_up_to_blocks
 
-__all__ = ["Completion", "EngineOOMError", "EngineStats", "SimulatedEngine"]
+__all__ = ["Completion", "EngineFaultError", "EngineOOMError", "EngineStats", "SimulatedEngine"]
 
 FinishReason = Literal["stop", "length"]
 OnText = Callable[[str], Awaitable[None]]
@@ -56,6 +61,14 @@ class EngineOOMError(Exception):
         self.capacity_tokens = capacity_tokens
 
 
+class EngineFaultError(Exception):
+    """A sequence failed on purpose (``fault_rate``): a stand-in for any engine error."""
+
+    def __init__(self, generated_tokens: int) -> None:
+        super().__init__(f"injected fault after {generated_tokens} generated tokens")
+        self.generated_tokens = generated_tokens
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Completion:
     """What a finished sequence produced."""
@@ -75,6 +88,7 @@ class EngineStats:
     finished_total: int
     oom_events_total: int
     oom_failed_sequences_total: int
+    faults_total: int
     generated_tokens_total: int
 
 
@@ -115,6 +129,7 @@ class SimulatedEngine:
         seed: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
         tick_seconds: float = 0.01,
+        fault_rate: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity_tokens < 1:
@@ -125,14 +140,18 @@ class SimulatedEngine:
             raise ValueError(f"mean_output_tokens must be >= 1, got {mean_output_tokens}")
         if not tick_seconds > 0:
             raise ValueError(f"tick_seconds must be > 0, got {tick_seconds}")
+        if not 0.0 <= fault_rate <= 1.0:
+            raise ValueError(f"fault_rate must be within 0..1, got {fault_rate}")
         self.tokenizer = tokenizer
         self.capacity_tokens = capacity_tokens
         self.decode_rate = float(decode_rate)
         self.mean_output_tokens = float(mean_output_tokens)
         self.block_size = block_size
         self.tick_seconds = tick_seconds
+        self.fault_rate = float(fault_rate)
         self._clock = clock
         self._rng = random.Random(seed)
+        self._fault_rng = random.Random(f"faults-{seed}")
         self._vocab: list[int] | None = None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -143,6 +162,7 @@ class SimulatedEngine:
         self._finished = 0
         self._oom_events = 0
         self._oom_failed = 0
+        self._faults = 0
         self._generated_total = 0
 
     @property
@@ -162,6 +182,7 @@ class SimulatedEngine:
                 finished_total=self._finished,
                 oom_events_total=self._oom_events,
                 oom_failed_sequences_total=self._oom_failed,
+                faults_total=self._faults,
                 generated_tokens_total=self._generated_total,
             )
 
@@ -199,7 +220,8 @@ class SimulatedEngine:
         """Decode up to ``max_tokens`` tokens after a prompt of ``prompt_tokens`` tokens.
 
         ``on_text`` receives each tick's new text as it is produced (for streaming). Raises
-        :class:`EngineOOMError` when the pool overflows while this sequence is live. Cancellation
+        :class:`EngineOOMError` when the pool overflows while this sequence is live, and
+        :class:`EngineFaultError` when it was picked to fail (``fault_rate``). Cancellation
         (client gone) frees the sequence's blocks.
         """
         vocab = self.vocabulary
@@ -210,16 +232,22 @@ class SimulatedEngine:
             self._running[seq.id] = seq
             self._started += 1
         target = min(natural, max_tokens)
+        fault_at: int | None = None
+        if self.fault_rate > 0:
+            with self._lock:
+                if self._fault_rng.random() < self.fault_rate:
+                    fault_at = self._fault_rng.randrange(target)  # tokens delivered before it
+        stop = target if fault_at is None else fault_at
         pieces: list[str] = []
         try:
             with self._lock:
                 self._charge(seq)  # prefill: the prompt's blocks
             start = self._clock()
-            while seq.generated < target:
+            while seq.generated < stop:
                 await anyio.sleep(self.tick_seconds)
                 if seq.failure is not None:
                     raise seq.failure
-                due = min(target, math.floor((self._clock() - start) * self.decode_rate))
+                due = min(stop, math.floor((self._clock() - start) * self.decode_rate))
                 if due <= seq.generated:
                     continue
                 new_ids = [vocab[words.randrange(len(vocab))] for _ in range(due - seq.generated)]
@@ -231,6 +259,10 @@ class SimulatedEngine:
                 pieces.append(text)
                 if on_text is not None:
                     await on_text(text)
+            if fault_at is not None:
+                with self._lock:
+                    self._faults += 1
+                raise EngineFaultError(seq.generated)
             with self._lock:
                 self._finished += 1
         finally:
