@@ -49,8 +49,12 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]
 
 
 def write_json(name: str, data: dict[str, Any]) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    """Write ``bench/results/NAME.json`` (or under ``$KVCLIENT_BENCH_RESULTS``, for tests)."""
+    import os
+
+    results = Path(os.environ.get("KVCLIENT_BENCH_RESULTS") or RESULTS)
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **data}, indent=2))
     print(f"\nwrote {path}")
     return path

@@ -54,6 +54,7 @@ SEED = 7
 
 @dataclass(frozen=True)
 class Strategy:
+    key: str
     name: str
     args: tuple[str, ...]
 
@@ -75,18 +76,21 @@ def strategies(items: list[Any], *, quick: bool = False) -> list[Strategy]:
     tuned = max(1, int(KV_TOKENS // avg_seq))
     safe = max(1, KV_TOKENS // CONTEXT)
     worst_case_safe = Strategy(
+        "cap-safe",
         f"concurrency cap {safe} (safe for the worst case)",
         ("--admission", "concurrency", "--max-concurrency", str(safe)),
     )
     return [
         Strategy(
+            "cap-mean",
             f"concurrency cap {tuned} (sized for the mean request)",
             ("--admission", "concurrency", "--max-concurrency", str(tuned)),
         ),
         *([] if quick else [worst_case_safe]),
-        Strategy("prompt-only admission", ("--admission", "prompt")),
-        Strategy("prompt + output reservation", ("--admission", "reserve")),
+        Strategy("prompt", "prompt-only admission", ("--admission", "prompt")),
+        Strategy("reserve", "prompt + output reservation", ("--admission", "reserve")),
         Strategy(
+            "fifo",
             f"reservation + FIFO queue ({MAX_QUEUE_WAIT:g} s)",
             ("--admission", "reserve", "--max-queue-wait", str(MAX_QUEUE_WAIT)),
         ),
@@ -202,6 +206,10 @@ def main() -> None:
     parser.add_argument(
         "--deadline", type=float, help=f"per request, seconds (default {DEADLINE:g}, --quick 8)"
     )
+    parser.add_argument(
+        "--strategies",
+        help="comma-separated subset: cap-mean, cap-safe, prompt, reserve, fifo (default: all)",
+    )
     args = parser.parse_args()
     n = args.requests or (50 if args.quick else 240)
     deadline = args.deadline or (8.0 if args.quick else DEADLINE)
@@ -209,7 +217,11 @@ def main() -> None:
     items = SyntheticWorkload(seed=SEED).items(n, TiktokenCounter())
     offsets = arrival_offsets(rate=args.rate, num_requests=n, seed=SEED)
     results = []
-    for strategy in strategies(items, quick=args.quick):
+    chosen = strategies(items, quick=args.quick)
+    if args.strategies:
+        keys = {k.strip() for k in args.strategies.split(",")}
+        chosen = [s for s in strategies(items) if s.key in keys]
+    for strategy in chosen:
         print(f"… {strategy.name}", flush=True)
         results.append(measure(strategy, items, offsets, deadline, 1 if pinned else None))
     rows = []

@@ -254,6 +254,11 @@ def main() -> None:
         help="comma-separated subset to run",
     )
     parser.add_argument(
+        "--capacity",
+        type=float,
+        help="the server's capacity in req/s, instead of measuring it (for quick checks)",
+    )
+    parser.add_argument(
         "--server-arg",
         action="append",
         default=[],
@@ -268,9 +273,13 @@ def main() -> None:
     cpu = 1 if pinned else None
     counter = TiktokenCounter()
 
-    capacity_items = SyntheticWorkload(seed=SEED + 1).items(32 if args.quick else 120, counter)
-    print("… measuring capacity (closed loop, FIFO-queued server)", flush=True)
-    capacity = measure_capacity(capacity_items, cpu, deadline, args.server_arg)
+    if args.capacity:
+        capacity: dict[str, Any] = {"completed_per_second": args.capacity, "given": True}
+    else:
+        size = 32 if args.quick else 120
+        capacity_items = SyntheticWorkload(seed=SEED + 1).items(size, counter)
+        print("… measuring capacity (closed loop, FIFO-queued server)", flush=True)
+        capacity = measure_capacity(capacity_items, cpu, deadline, args.server_arg)
     rate = args.overload * capacity["completed_per_second"]
     n = max(1, round(rate * burst))
     items = SyntheticWorkload(seed=SEED).items(n, counter)

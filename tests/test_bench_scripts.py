@@ -1,0 +1,91 @@
+"""Smoke tests of the bench/ scripts: each runs with the smallest settings, prints its table and
+writes its JSON (into a temporary directory, never bench/results/). No timing is asserted: the
+figures are the scripts' business, whether they run is ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+pytestmark = pytest.mark.slow
+
+
+def run_script(tmp_path: Path, script: str, *args: str) -> tuple[str, dict[str, Any]]:
+    env = {**os.environ, "KVCLIENT_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=BENCH,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = list(tmp_path.glob("*.json"))
+    assert len(written) == 1, written
+    data = json.loads(written[0].read_text())
+    assert data["machine"]["cpus"] >= 1
+    return proc.stdout, data
+
+
+def test_admission_strategies(tmp_path: Path) -> None:
+    out, data = run_script(
+        tmp_path,
+        "admission_strategies.py",
+        *("--requests", "6", "--rate", "50", "--deadline", "2", "--strategies", "prompt,fifo"),
+    )
+    assert "| strategy" in out
+    assert "reservation + FIFO queue" in out
+    assert next(r["strategy"] for r in data["results"]) == "prompt-only admission"
+    for r in data["results"]:
+        assert r["sent"] == 6
+        assert r["metric_samples"] > 0
+        assert 0 <= r["mean_physical_kv_utilisation"] <= 1
+
+
+def test_retry_storm(tmp_path: Path) -> None:
+    out, data = run_script(
+        tmp_path,
+        "retry_storm.py",
+        *("--capacity", "5", "--burst", "0.6", "--deadline", "2", "--clients", "naive,kvclient"),
+    )
+    assert "| client" in out
+    assert "kvclient goals" in out
+    by_client = {r["client"]: r for r in data["results"]}
+    assert set(by_client) == {"naive", "kvclient"}
+    for r in by_client.values():
+        # The server's count of attempts and the client-side hook's agree.
+        assert r["attempts_server"] == r["attempts_client"]
+        assert r["requests"] == data["requests"]
+
+
+def test_client_overhead(tmp_path: Path) -> None:
+    out, data = run_script(tmp_path, "client_overhead.py", "--calls", "10")
+    assert "| mode" in out
+    assert "openai SDK" in out
+    for mode in ("sync", "async"):
+        for size in ("tiny", "1k"):
+            assert set(data[mode][size]) == {"raw httpx", "openai SDK", "kvclient"}
+    assert data["count_1k_seconds"] > 0
+
+
+def test_ledger_server(tmp_path: Path) -> None:
+    out, data = run_script(
+        tmp_path, "ledger_server.py", "--quick", "--requests", "200", "--concurrency", "8"
+    )
+    assert "| threads" in out
+    assert "| connections" in out
+    assert [r["threads"] for r in data["ledger"]] == [1, 2, 4, 8]
+    (server,) = data["server"]["results"]
+    assert server["non_200"] == {"reference": 0, "bare": 0}
+    assert server["reference_rps"] > 0
+    assert server["bare_rps"] > 0
