@@ -6,7 +6,7 @@ its ``finally`` releases the reservation whatever happens: success, error, OOM, 
 disconnects mid-stream, cancellation.
 
 Prompts are never logged; an unexpected exception becomes a generic 500 JSON error with no
-traceback text.
+traceback text, and only its type is logged (no traceback: it could quote a prompt).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from .config import ServerConfig
 from .engine import Completion, EngineFaultError, EngineOOMError, SimulatedEngine
 from .ledger import KVAdmissionController
 
-__all__ = ["APIKeyMiddleware", "ServerState", "create_app"]
+__all__ = ["APIKeyMiddleware", "ServerState", "UnexpectedErrorMiddleware", "create_app"]
 
 logger = logging.getLogger("reference_server")
 
@@ -626,12 +626,58 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return error_response(exc.status_code, message, code=code, headers=exc.headers)
 
 
-async def _unexpected(request: Request, exc: Exception) -> Response:
-    # Log the type only: the traceback could quote a prompt. Never echo internals to the client.
-    logger.error("unexpected %s while serving %s", type(exc).__name__, request.url.path)
+def _internal_error() -> JSONResponse:
     return error_response(
         500, "The server had an internal error.", type="server_error", code="internal_error"
     )
+
+
+def _kinds(exc: BaseException) -> str:
+    """The type names of an exception, those inside a group (from a task group) unwrapped."""
+    inner = getattr(exc, "exceptions", None)
+    if isinstance(inner, tuple) and inner:
+        return ", ".join(_kinds(e) for e in inner)
+    return type(exc).__name__
+
+
+def _log_unexpected(exc: BaseException, path: str) -> None:
+    # The types only: the message or the traceback could quote a prompt.
+    logger.error("unexpected %s while serving %s", _kinds(exc), path)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    _log_unexpected(exc, request.url.path)
+    return _internal_error()
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an unexpected exception with a generic 500 and logs only its type, then stops it.
+
+    Starlette's own handler (:func:`_unexpected`, for the outer middleware) re-raises after
+    answering so that the ASGI server can log the traceback, and a traceback can quote a prompt.
+    When the response has started (a stream), the connection is closed instead: a cut stream.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            _log_unexpected(exc, scope["path"])
+            if not started:
+                await _internal_error()(scope, receive, send)
 
 
 def create_app(config: ServerConfig | None = None) -> Starlette:
@@ -652,6 +698,7 @@ def create_app(config: ServerConfig | None = None) -> Starlette:
         Exception: _unexpected,
     }
     app = Starlette(routes=routes, exception_handlers=handlers)
+    app.add_middleware(UnexpectedErrorMiddleware)  # the innermost: 500s are counted
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.add_middleware(CountingMiddleware, state=state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -321,3 +322,35 @@ def test_sync_client_against_the_real_server() -> None:
         assert server.metrics()["kv_injected_faults_total"] == 2
         assert server.ledger.stats().admitted_total == 2
         assert_released(server.state)
+
+
+# --- unexpected errors: generic 500, the type logged, nothing re-raised to uvicorn ---------------
+
+
+def test_an_unexpected_error_is_logged_by_type_only_and_cuts_a_started_stream(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = "the-prompt-says-swordfish"
+
+    async def broken(prompt_tokens: int, max_tokens: int, on_text: Any = None) -> None:
+        if on_text is not None:
+            await on_text(" partial")
+        raise RuntimeError(f"engine choked on {secret}")
+
+    with running_server(**FAST) as server, httpx.Client(base_url=server.base_url) as http:
+        monkeypatch.setattr(server.engine, "generate", broken)
+        with caplog.at_level(logging.DEBUG):
+            response = http.post("/v1/completions", json={"prompt": secret, "max_tokens": 5})
+            assert response.status_code == 500
+            assert response.json()["error"]["code"] == "internal_error"
+            body = {"prompt": secret, "max_tokens": 5, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as stream:
+                assert stream.status_code == 200
+                with pytest.raises(httpx.RemoteProtocolError):
+                    stream.read()  # the connection closes before the end of the body
+        assert secret not in response.text
+        assert_released(server.state)
+        assert server.state.responses()[("/v1/completions", 500)] == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "unexpected RuntimeError while serving /v1/completions" in errors
+    assert all(secret not in r.getMessage() and not r.exc_info for r in caplog.records)
