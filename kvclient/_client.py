@@ -579,6 +579,19 @@ async def _finish_generators(events: Any) -> None:
             return
 
 
+async def _close_chain(response: httpx.Response, events: Any, lines: Any) -> None:
+    """Close a streamed response and finish both generators reading it (ours, then httpx's)."""
+    try:
+        await response.aclose()
+        for generator in (events, lines):
+            if generator is not None:
+                await _finish_generators(generator)
+    finally:
+        for generator in (events, lines):
+            if generator is not None:
+                await generator.aclose()
+
+
 class AsyncStream(_StreamBase):
     """Async :class:`Stream`: ``async with`` and ``async for``."""
 
@@ -590,6 +603,9 @@ class AsyncStream(_StreamBase):
         self._client = client
         self._response: httpx.Response | None = None
         self._events: Any = None
+        # httpx's line iterator under our event parser: when the parser ends on an error (a
+        # server's error event), the iterator is left suspended and must be finished too.
+        self._lines: Any = None
 
     async def __aenter__(self) -> AsyncStream:
         await self._open()
@@ -612,27 +628,29 @@ class AsyncStream(_StreamBase):
             self._prepared_value = await self._prepare()
         self._call = client._new_call()
 
-        async def attempt(call: RetryCall) -> tuple[httpx.Response, Any, dict[str, Any] | None]:
+        async def attempt(
+            call: RetryCall,
+        ) -> tuple[httpx.Response, Any, Any, dict[str, Any] | None]:
             response = await client._send(self._prepared, call, stream=True)
-            events = aiter_events(response.aiter_lines())
+            lines = response.aiter_lines()
+            events = aiter_events(lines)
             try:
                 first = await events.__anext__()
             except StopAsyncIteration:
-                await response.aclose()
+                await _close_chain(response, events, lines)
                 raise APIResponseError(
                     "the stream ended before its first event", response=response
                 ) from None
             except httpx.HTTPError as exc:
-                await events.aclose()
-                await response.aclose()
+                await _close_chain(response, events, lines)
                 raise client._transport_error(exc, response.request, answered=False) from exc
             except BaseException:
-                await events.aclose()
-                await response.aclose()
+                await _close_chain(response, events, lines)
                 raise
-            return response, events, first
+            return response, events, lines, first
 
-        self._response, self._events, first = await client._run(self._call, attempt, keep_slot=True)
+        opened = await client._run(self._call, attempt, keep_slot=True)
+        self._response, self._events, self._lines, first = opened
         self._holds_slot = True
         self._feed(first)
 
@@ -662,17 +680,14 @@ class AsyncStream(_StreamBase):
 
     async def aclose(self) -> None:
         events, self._events = self._events, None
+        lines, self._lines = self._lines, None
         try:
             if self._response is not None:
-                await self._response.aclose()
-            if events is not None:
-                await _finish_generators(events)
+                await _close_chain(self._response, events, lines)
         finally:
             if self._holds_slot:
                 self._holds_slot = False
                 self._client._release_slot("ok")
-            if events is not None:
-                await events.aclose()
 
 
 class Client(BaseClient):

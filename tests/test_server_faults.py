@@ -260,13 +260,6 @@ async def test_kvclient_raises_internal_server_error_and_does_not_retry() -> Non
     assert_released(state)
 
 
-KNOWN_TRIO_STREAM_LEAK = (
-    "kvclient bug: on trio, an error event mid-stream leaves httpx's Response.aiter_lines and "
-    "aiter_text generators unfinished (AsyncStream closes its own generator only); trio warns "
-    "when they are collected"
-)
-
-
 async def read_to_the_end(stream: AsyncStream) -> None:
     async with stream:
         async for _ in stream:
@@ -282,11 +275,9 @@ def unfinished_generators(caught: list[warnings.WarningMessage]) -> list[str]:
 
 
 @pytest.mark.anyio
-async def test_kvclient_stream_error_event_is_an_api_response_error_and_leaks_nothing(
-    anyio_backend: str, request: pytest.FixtureRequest
-) -> None:
-    if anyio_backend == "trio":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_TRIO_STREAM_LEAK))
+async def test_kvclient_stream_error_event_is_an_api_response_error_and_leaks_nothing() -> None:
+    # On trio this once left httpx's line and text generators unfinished (trio warns when it
+    # collects them): the stream now finishes the whole generator chain under it.
     app = faulty_app()
     state = state_of(app)
     with warnings.catch_warnings(record=True) as caught:
