@@ -1,0 +1,542 @@
+"""Soak: a bounded mixed load with random hang-ups and injected faults; nothing may pile up.
+
+The reference server runs in its own process (``python -m reference_server --fault-rate ...``,
+reserve admission, the default budget) so its memory can be read from ``/proc/PID/status``. One
+seeded open-loop trace of the seed's mix (short prompts with large or unset caps, long prompts with
+small caps) arrives at ``--load`` (1.75x) the capacity estimated from the server's budget and the
+workload (Little's law: usable tokens / mean reservation / mean duration) for ``--duration``
+seconds, through:
+
+- ``kvclient.AsyncClient``, streamed and not (cooldown, Retry-After, retries);
+- raw ``httpx`` streams (``--hang-up-share``) that hang up at a random moment, mid-stream.
+
+The engine fails ``--fault-rate`` of the requests on purpose (500 ``injected_fault``, or an error
+event mid-stream). Every ``--sample-every`` seconds the server's RSS and ledger are sampled.
+
+Criteria (exit code 1 if any fails): no KV-cache OOM; no 5xx other than the injected ones (none
+seen by a client, as a status or as a broken stream, none logged by the server on its stderr, and
+no 5xx status in its own count beyond the injected faults no client reported); the ledger at zero
+at the end (no reservation, no request in flight); RSS growth after warm-up (the first
+``--warm-up`` of the run) at most ``--max-rss-growth-mb``. The table and
+``bench/results/soak.json`` give the figures, the JSON also the samples.
+
+    python bench/soak.py                 # the full soak: 60 s of load, about 80 s in all
+    python bench/soak.py --quick         # 10 s
+    python bench/soak.py --duration 5    # the shortened form the test suite runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+from _common import free_port, pin_to_cpu, print_table, write_json
+
+from kvclient import (
+    APIResponseError,
+    AsyncClient,
+    RetryPolicy,
+    TiktokenCounter,
+    effective_output_cap,
+    reservation_tokens,
+)
+from kvclient.loadgen import (
+    MIXED,
+    RecordTimer,
+    RequestRecord,
+    SyntheticWorkload,
+    WorkItem,
+    arrival_offsets,
+    run_load,
+    summarize,
+)
+from kvclient.loadgen._kvsender import KVClientSender
+from kvclient.loadgen._report import parse_prometheus_text
+from reference_server.config import (
+    DEFAULT_CONTEXT_WINDOW,
+    DEFAULT_DECODE_RATE,
+    DEFAULT_KV_TOKENS,
+    DEFAULT_MEAN_OUTPUT_TOKENS,
+)
+from reference_server.ledger import DEFAULT_SAFETY_FRACTION
+
+SEED = 2026
+MEGABYTE = 1024 * 1024
+#: How long the server may take to notice every hang-up once the load is over.
+SETTLE_SECONDS = 10.0
+_RESPONSES = re.compile(r'^kv_http_responses_total\{route="([^"]*)",status="(\d+)"\} (\S+)$', re.M)
+
+
+# --- the server in its own process ---------------------------------------------------------------
+
+
+def rss_bytes(pid: int) -> int | None:
+    """VmRSS of a process (Linux ``/proc``); None where there is no such file."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    pid: int
+    log: Any  # the server's stderr, a temporary file
+
+    def internal_errors(self) -> list[str]:
+        """Log lines of unexpected exceptions (the generic 500 path), ours or uvicorn's."""
+        self.log.flush()
+        self.log.seek(0)
+        text = self.log.read().decode("utf-8", "replace")
+        return [
+            line
+            for line in text.splitlines()
+            if "unexpected " in line or "Exception in ASGI application" in line
+        ]
+
+
+@contextlib.contextmanager
+def server_process(args: Sequence[str], cpu: int | None) -> Iterator[ServerProcess]:
+    """``python -m reference_server ARGS`` on a free loopback port, its stderr kept."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "reference_server", "--port", str(port), "--log-level", "warning"]
+
+    def pin() -> None:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            [*cmd, *args], stderr=log, preexec_fn=pin if cpu is not None else None
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=1):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise RuntimeError("the reference server did not start") from None
+                    time.sleep(0.05)
+            yield ServerProcess(url, proc.pid, log)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def server_5xx(metrics_text: str) -> int:
+    """5xx answers the server sent, all routes (its own count, by status)."""
+    return sum(
+        round(float(n)) for _, status, n in _RESPONSES.findall(metrics_text) if status >= "500"
+    )
+
+
+# --- the load ------------------------------------------------------------------------------------
+
+
+def estimated_capacity(items: Sequence[WorkItem]) -> float:
+    """Requests per second the default server completes for this workload (Little's law).
+
+    Concurrency is bounded by usable tokens / mean reservation; each request lasts, on average,
+    E[min(natural length, cap)] / decode rate, natural lengths being exponential.
+    """
+    usable = math.floor(DEFAULT_KV_TOKENS * DEFAULT_SAFETY_FRACTION)
+    mean = DEFAULT_MEAN_OUTPUT_TOKENS
+    needs, durations = [], []
+    for item in items:
+        cap = effective_output_cap(item.max_tokens, item.prompt_tokens, DEFAULT_CONTEXT_WINDOW)
+        assert cap is not None
+        needs.append(reservation_tokens(item.prompt_tokens, cap))
+        durations.append(mean * (1 - math.exp(-cap / mean)) / DEFAULT_DECODE_RATE)
+    concurrency = usable / (sum(needs) / len(needs))
+    return concurrency / (sum(durations) / len(durations))
+
+
+class _FaultAwareSender(KVClientSender):
+    """kvclient's sender, remembering which requests an injected fault ended mid-stream."""
+
+    def __init__(self, client: AsyncClient, *, stream: bool, faulted: set[int]) -> None:
+        super().__init__(client, stream=stream)
+        self._faulted = faulted
+
+    async def _call(self, item: WorkItem, timer: RecordTimer) -> Any:
+        try:
+            return await super()._call(item, timer)
+        except APIResponseError as exc:
+            if "injected fault" in str(exc):
+                self._faulted.add(timer.record.index)
+            raise
+
+
+@dataclass
+class SoakSender:
+    """One in ``hang_up_share`` requests is a raw httpx stream that hangs up at a random moment;
+    the others go through kvclient, half of them streamed. Choices are seeded."""
+
+    client: AsyncClient
+    raw: httpx.AsyncClient
+    hang_up_share: float
+    seed: int
+    faulted: set[int] = field(default_factory=set)
+    kinds: Counter[str] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._stream = _FaultAwareSender(self.client, stream=True, faulted=self.faulted)
+        self._plain = _FaultAwareSender(self.client, stream=False, faulted=self.faulted)
+
+    async def send(self, item: WorkItem, timer: RecordTimer) -> None:
+        roll = self._rng.random()
+        hang_up_after = self._rng.uniform(0.0, 0.6)
+        if roll < self.hang_up_share:
+            self.kinds["raw stream, hangs up"] += 1
+            await self._hang_up(item, timer, hang_up_after)
+            return
+        streamed = roll < self.hang_up_share + (1 - self.hang_up_share) / 2
+        self.kinds["kvclient, streamed" if streamed else "kvclient"] += 1
+        await (self._stream if streamed else self._plain).send(item, timer)
+        record = timer.record
+        if record.error == "http_500:injected_fault":
+            record.error = "injected_fault"
+        elif record.error == "bad_response" and record.index in self.faulted:
+            record.error = "injected_fault (mid-stream)"
+
+    async def _hang_up(self, item: WorkItem, timer: RecordTimer, after: float) -> None:
+        """A client that goes away: it reads the answer for ``after`` seconds, then hangs up."""
+        record = timer.record
+        body: dict[str, Any] = {"prompt": item.prompt, "stream": True}
+        if item.max_tokens is not None:
+            body["max_tokens"] = item.max_tokens
+        timer.mark_sent()
+        record.attempts = 1
+        try:
+            async with self.raw.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    payload = await response.aread()
+                    record.http_429 += response.status_code == 429
+                    code = re.search(rb'"code":\s*"([^"]+)"', payload)
+                    record.error = f"http_{response.status_code}" + (
+                        f":{code.group(1).decode()}" if code else ""
+                    )
+                    if record.error == "http_500:injected_fault":
+                        record.error = "injected_fault"
+                    elif response.status_code == 429:
+                        record.error = "raw: 429 (not retried)"
+                else:
+                    received = bytearray()
+                    with anyio.move_on_after(after) as scope:
+                        async for chunk in response.aiter_raw():
+                            received += chunk
+                            if not record.token_times:
+                                timer.mark_token()
+                    if scope.cancelled_caught:
+                        record.error = "hung up (on purpose)"
+                    elif b'"code":"injected_fault"' in received:
+                        record.error = "injected_fault (mid-stream)"
+                    elif received.rstrip().endswith(b"data: [DONE]"):
+                        record.ok = True
+                    else:
+                        record.error = "raw: stream cut"
+        except httpx.HTTPError as exc:
+            record.error = f"raw: {type(exc).__name__}"
+        timer.mark_end()
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sampler:
+    url: str
+    pid: int
+    interval: float
+    samples: list[dict[str, float]] = field(default_factory=list)
+
+    async def sample(self, http: httpx.AsyncClient, start: float) -> dict[str, float]:
+        row: dict[str, float] = {"t": round(time.monotonic() - start, 2)}
+        rss = rss_bytes(self.pid)
+        if rss is not None:
+            row["rss_mb"] = round(rss / MEGABYTE, 2)
+        with contextlib.suppress(httpx.HTTPError):
+            metrics = parse_prometheus_text((await http.get(self.url + "/metrics")).text)
+            for name in ("kv_reserved_tokens", "kv_inflight_requests", "kv_used_tokens"):
+                row[name] = metrics.get(name, math.nan)
+        self.samples.append(row)
+        return row
+
+    async def run(self, start: float) -> None:
+        async with httpx.AsyncClient(timeout=5) as http:
+            while True:
+                await self.sample(http, start)
+                await anyio.sleep(self.interval)
+
+
+async def settle(url: str) -> dict[str, float]:
+    """The server's metrics once nothing is in flight (or after SETTLE_SECONDS)."""
+    async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while True:
+            metrics = parse_prometheus_text((await http.get("/metrics")).text)
+            if metrics["kv_inflight_requests"] == 0 or time.monotonic() > deadline:
+                return metrics
+            await anyio.sleep(0.05)
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any]:
+    url, pid = server.url, server.pid
+    counter = TiktokenCounter()
+    probe = SyntheticWorkload(MIXED, seed=SEED + 1).items(400, counter)
+    capacity = estimated_capacity(probe)
+    rate = args.load * capacity
+    offsets = arrival_offsets(rate=rate, duration=args.duration, seed=args.seed)
+    items = SyntheticWorkload(MIXED, seed=args.seed).items(len(offsets), counter)
+    deadline = min(20.0, max(3.0, args.duration / 4))
+    print(
+        f"soak: {len(offsets)} requests at {rate:.1f}/s ({args.load:g}x the estimated capacity "
+        f"of {capacity:.1f}/s) for {args.duration:g} s, fault rate {args.fault_rate:g}, "
+        f"{args.hang_up_share:.0%} raw hang-ups, kvclient deadline {deadline:g} s",
+        flush=True,
+    )
+    sampler = Sampler(url, pid, args.sample_every)
+    rss_start = rss_bytes(pid)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    start = time.monotonic()
+    async with (
+        AsyncClient(
+            base_url=url,
+            retry=RetryPolicy(deadline=deadline),
+            http_client=httpx.AsyncClient(limits=limits, timeout=60),
+        ) as client,
+        httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as raw,
+        anyio.create_task_group() as group,
+    ):
+        group.start_soon(sampler.run, start)
+        sender = SoakSender(client, raw, args.hang_up_share, args.seed)
+        records, wall = await run_load(
+            items, sender, offsets=offsets, duration=args.duration, grace=deadline + 10
+        )
+        group.cancel_scope.cancel()
+    final = await settle(url)
+    async with httpx.AsyncClient(timeout=5) as http:
+        text = (await http.get(url + "/metrics")).text
+        await sampler.sample(http, start)
+    await client._http.aclose()  # passed in, so not closed by the client
+    rss_end = rss_bytes(pid)
+    return report(
+        args,
+        records,
+        wall,
+        sender,
+        sampler,
+        final,
+        text,
+        server.internal_errors(),
+        rss_start,
+        rss_end,
+        rate,
+    )
+
+
+def report(
+    args: argparse.Namespace,
+    records: list[RequestRecord],
+    wall: float,
+    sender: SoakSender,
+    sampler: Sampler,
+    final: dict[str, float],
+    metrics_text: str,
+    internal_errors: list[str],
+    rss_start: int | None,
+    rss_end: int | None,
+    rate: float,
+) -> dict[str, Any]:
+    summary = summarize(records, duration=wall)
+    causes = summary.failed_by_cause
+    injected_500 = causes.get("injected_fault", 0)
+    # What clients saw: a 5xx status that was not an injected fault, a stream broken by a server
+    # error event that was not one (an OOM, say) or cut short by the server.
+    unexpected_seen = {
+        cause: n
+        for cause, n in causes.items()
+        if cause.startswith("http_5") or cause in ("bad_response", "raw: stream cut")
+    }
+    seen_5xx_status = injected_500 + sum(
+        n for cause, n in unexpected_seen.items() if cause.startswith("http_5")
+    )
+    answered_5xx = server_5xx(metrics_text)
+    # What the server says: its own count of 5xx statuses beyond those the clients read (a
+    # client that timed out may miss one), and every unexpected exception it logged.
+    unseen_5xx = max(0, answered_5xx - seen_5xx_status)
+    unexpected_5xx = sum(unexpected_seen.values()) + len(internal_errors)
+    rss = [s["rss_mb"] for s in sampler.samples if "rss_mb" in s]
+    warm = [s["rss_mb"] for s in sampler.samples if "rss_mb" in s and s["t"] >= args.warm_up]
+    rss_warm = warm[0] if warm else (rss[0] if rss else None)
+    rss_end_mb = None if rss_end is None else rss_end / MEGABYTE
+    growth = None if rss_end_mb is None or rss_warm is None else rss_end_mb - rss_warm
+    criteria = {
+        "no OOM": final["kv_oom_events_total"] == 0,
+        "no unexpected 5xx": unexpected_5xx == 0
+        and unseen_5xx <= injected_unseen_allowance(final, injected_500, causes),
+        "ledger at zero": final["kv_reserved_tokens"] == 0 and final["kv_inflight_requests"] == 0,
+        f"RSS growth <= {args.max_rss_growth_mb:g} MB": growth is None
+        or growth <= args.max_rss_growth_mb,
+    }
+    return {
+        "duration": args.duration,
+        "wall_seconds": round(wall, 1),
+        "seed": args.seed,
+        "rate": round(rate, 2),
+        "load": args.load,
+        "fault_rate": args.fault_rate,
+        "requests": len(records),
+        "sent": summary.sent,
+        "by_kind": dict(sender.kinds),
+        "completed": summary.completed,
+        "completed_per_second": round(summary.request_throughput, 2),
+        "failed": summary.failed,
+        "failed_by_cause": causes,
+        "http_429_seen": summary.http_429,
+        "server_rejected_429": final["kv_rejected_total"],
+        "server_admitted": final["kv_admitted_total"],
+        "injected_faults": final["kv_injected_faults_total"],
+        "oom_events": final["kv_oom_events_total"],
+        "server_5xx": answered_5xx,
+        "injected_500_seen": injected_500,
+        "server_5xx_unseen": unseen_5xx,
+        "unexpected_5xx": unexpected_5xx,
+        "unexpected_5xx_seen_by_clients": unexpected_seen,
+        "server_internal_errors": internal_errors[:20],
+        "reserved_tokens_end": final["kv_reserved_tokens"],
+        "inflight_end": final["kv_inflight_requests"],
+        "rss_mb": {
+            "start": None if rss_start is None else round(rss_start / MEGABYTE, 1),
+            "after_warm_up": rss_warm,
+            "end": None if rss_end_mb is None else round(rss_end_mb, 1),
+            "max": max(rss) if rss else None,
+            "growth_after_warm_up": None if growth is None else round(growth, 1) + 0.0,
+        },
+        "samples": sampler.samples,
+        "criteria": criteria,
+        "passed": all(criteria.values()),
+    }
+
+
+def injected_unseen_allowance(
+    final: dict[str, float], injected_500: int, causes: dict[str, int]
+) -> int:
+    """5xx statuses no client read can only be injected faults no client reported."""
+    reported = injected_500 + causes.get("injected_fault (mid-stream)", 0)
+    return max(0, round(final["kv_injected_faults_total"]) - reported)
+
+
+def print_report(data: dict[str, Any]) -> None:
+    rss = data["rss_mb"]
+
+    def mb(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.1f} MB"
+
+    causes = ", ".join(f"{cause} {n}" for cause, n in data["failed_by_cause"].items()) or "none"
+    rows = [
+        ["requests (sent)", f"{data['requests']} ({data['sent']})"],
+        ["  by kind", ", ".join(f"{k} {n}" for k, n in sorted(data["by_kind"].items()))],
+        ["completed", f"{data['completed']} ({data['completed_per_second']}/s)"],
+        ["failed, by cause", f"{data['failed']}: {causes}"],
+        [
+            "429s seen by clients / sent by the server",
+            f"{data['http_429_seen']} / {data['server_rejected_429']:.0f}",
+        ],
+        ["injected faults (server)", f"{data['injected_faults']:.0f}"],
+        ["OOM events", f"{data['oom_events']:.0f}"],
+        ["5xx other than injected", f"{data['unexpected_5xx']}"],
+        [
+            "ledger at the end",
+            f"{data['reserved_tokens_end']:.0f} tokens reserved, "
+            f"{data['inflight_end']:.0f} in flight",
+        ],
+        [
+            "server RSS start / after warm-up / end / max",
+            f"{mb(rss['start'])} / "
+            f"{mb(rss['after_warm_up'])} / {mb(rss['end'])} / {mb(rss['max'])}",
+        ],
+        ["RSS growth after warm-up", mb(rss["growth_after_warm_up"])],
+    ]
+    print_table(
+        f"Soak: {data['duration']:g} s of the seed's mix at {data['rate']}/s "
+        f"({data['load']:g}x the estimated capacity), fault rate {data['fault_rate']:g}, "
+        f"seed {data['seed']}",
+        ["", "value"],
+        rows,
+    )
+    verdicts = "; ".join(
+        f"{name}: {'ok' if ok else 'FAILED'}" for name, ok in data["criteria"].items()
+    )
+    print(f"\ncriteria: {verdicts}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--duration", type=float, help="seconds of arrivals (default: 60, --quick 10)")
+    add("--quick", action="store_true", help="a 10 s soak")
+    add("--load", type=float, default=1.75, help="x the estimated capacity (default: %(default)s)")
+    add("--fault-rate", type=float, default=0.02, help="injected faults (default: %(default)s)")
+    add("--hang-up-share", type=float, default=0.15, help="raw clients that hang up")
+    add("--seed", type=int, default=SEED)
+    add("--sample-every", type=float, help="seconds between samples (default: duration / 30)")
+    add("--warm-up", type=float, help="seconds before the RSS baseline (default: duration / 4)")
+    add("--max-rss-growth-mb", type=float, default=20.0, help="after warm-up (default: 20)")
+    add(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for the server (repeat), e.g. --server-arg=--admission "
+        "--server-arg=prompt to watch the soak fail",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.duration = args.duration or (10.0 if args.quick else 60.0)
+    args.sample_every = args.sample_every or max(0.25, args.duration / 30)
+    args.warm_up = args.duration / 4 if args.warm_up is None else args.warm_up
+    pinned = pin_to_cpu(0)
+    server_args = ["--fault-rate", str(args.fault_rate), "--seed", str(args.seed)]
+    server_args += args.server_arg
+    with server_process(server_args, 1 if pinned else None) as server:
+        data = anyio.run(soak, args, server)
+    data["pinned"] = pinned
+    data["server_args"] = server_args
+    print_report(data)
+    write_json("soak", data)
+    return 0 if data["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
