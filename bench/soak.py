@@ -435,9 +435,9 @@ def report(
         "inflight_end": final["kv_inflight_requests"],
         "rss_mb": {
             "start": None if rss_start is None else round(rss_start / MEGABYTE, 1),
-            "after_warm_up": rss_warm,
+            "after_warm_up": None if rss_warm is None else round(rss_warm, 1),
             "end": None if rss_end_mb is None else round(rss_end_mb, 1),
-            "max": max(rss) if rss else None,
+            "max": round(max([*rss, rss_end_mb or 0.0]), 1) if rss else None,
             "growth_after_warm_up": None if growth is None else round(growth, 1) + 0.0,
         },
         "samples": sampler.samples,
