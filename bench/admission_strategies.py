@@ -1,8 +1,9 @@
 """Admission strategies on one seeded trace: the seed post's comparison table, measured.
 
 The same open-loop trace (seeded Poisson arrivals of the seed's adversarial mix: short prompts with
-large or unset caps, long prompts with small caps) is sent through kvclient's AsyncClient to a
-fresh reference server per strategy:
+large or unset caps, long prompts with small caps) is sent through kvclient's AsyncClient (which
+honours 429 Retry-After, up to 100 attempts within a 60 s deadline per request, so that a request
+fails only by OOM or by running out of time) to a fresh reference server per strategy:
 
 - ``concurrency``: a request cap sized for the *average* request (physical pool / mean of prompt +
   expected output), the way a hand-tuned ``max_num_seqs`` is; and the cap that is safe for the

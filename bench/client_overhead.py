@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, help="calls per variant (default 2000, --quick 300)")
     args = parser.parse_args()
     calls = args.calls or (300 if args.quick else 2000)
-    rounds = 5 if args.quick else 10
+    rounds = 5 if args.quick else 20
     pinned = pin_to_cpu(0)
     count_1k = count_seconds(prompts()["1k"], 5 if args.quick else 20)
     with instant_server_process(cpu=1 if pinned else None) as url:

@@ -141,7 +141,7 @@ def main() -> None:
     cpu = 1 if pinned else None
     pairs = 20_000 if args.quick else 200_000
     requests = args.requests or (1500 if args.quick else 10_000)
-    rounds = 2 if args.quick else 3
+    rounds = 2 if args.quick else 5
 
     ledger_rows, ledger_results = [], []
     single = 0.0

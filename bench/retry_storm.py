@@ -309,6 +309,20 @@ def main() -> None:
                 fmt(r["utilisation_reserved_over_usable"], ".0%"),
             ]
         )
+    if "utilisation_reserved_over_usable" in capacity:
+        # What the server reaches with no 429 at all: the utilisation a perfect client could get
+        # from this mix (a large request at the head of the queue leaves a gap behind it).
+        rows.append(
+            [
+                "(ceiling: capacity run, FIFO-queued server, closed loop, no 429s)",
+                "1.00",
+                "-",
+                "-",
+                "-",
+                "0",
+                fmt(capacity["utilisation_reserved_over_usable"], ".0%"),
+            ]
+        )
     print_table(
         f"Retry storm: {n} requests of the seed's mix at {rate:.1f}/s ({args.overload:g}x the "
         f"measured capacity of {capacity['completed_per_second']:.2f} req/s) for {burst:g} s, "

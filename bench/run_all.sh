@@ -1,13 +1,13 @@
 #!/bin/sh
 # Run every benchmark, one after the other (they pin themselves to cores; never run two at once).
-#   sh bench/run_all.sh            # the full runs, about 15 minutes on 2 cores
+#   sh bench/run_all.sh            # the full runs, about 20 minutes on 2 cores
 #   sh bench/run_all.sh --quick    # the quick runs, about 3 minutes
 # Tables go to stdout; JSON to bench/results/.
 set -eu
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python}"
 echo "== $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc 2>/dev/null || echo '?') CPUs, load:$(uptime | sed 's/.*load average://')"
-for script in token_counting.py client_overhead.py ledger_server.py admission_strategies.py retry_storm.py loadgen_capacity.py; do
+for script in token_counting.py client_overhead.py ledger_server.py admission_strategies.py retry_storm.py loadgen_capacity.py soak.py; do
     echo
     echo "== $PYTHON bench/$script $*"
     "$PYTHON" "$script" "$@"
