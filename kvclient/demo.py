@@ -37,7 +37,6 @@ DEMO_MEAN_OUTPUT = 1500.0
 DEMO_REQUESTS = 120
 DEMO_RATE = 70.0
 DEMO_DEADLINE = 45.0
-DEMO_RETRY_AFTER_QUANTILE = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +79,6 @@ def _server_config(args: argparse.Namespace) -> Any:
         admission=args.admission,
         max_concurrency=args.max_concurrency if args.admission == "concurrency" else None,
         seed=args.seed,
-        # Retry-After from recent output lengths rather than every cap: requests mostly stop
-        # early, and the worst case would keep well-behaved clients waiting for nothing.
-        retry_after_quantile=DEMO_RETRY_AFTER_QUANTILE,
     )
 
 

@@ -16,6 +16,7 @@ from .config import (
     DEFAULT_MEAN_OUTPUT_TOKENS,
     DEFAULT_MODEL_ID,
     DEFAULT_PROFILE,
+    DEFAULT_RETRY_AFTER_QUANTILE,
     ServerConfig,
 )
 from .ledger import DEFAULT_SAFETY_FRACTION, STRATEGIES
@@ -35,6 +36,20 @@ worker and binds 127.0.0.1 only. Several workers would each believe they own the
 
 Default KV budget: {DEFAULT_KV_TOKENS} tokens; usable = total x --safety-fraction.
 """
+
+
+def _quantile(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number in (0, 1] or 'none', got {text!r}"
+        ) from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"the quantile must be in (0, 1], got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,10 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--retry-after-quantile",
-        type=float,
+        type=_quantile,
         metavar="Q",
-        help="estimate Retry-After from the Q quantile of recent output lengths (e.g. 0.9) "
-        "instead of every request's cap (the default: an upper bound)",
+        default=DEFAULT_RETRY_AFTER_QUANTILE,
+        help="estimate Retry-After from the Q quantile of recent output lengths "
+        f"(default {DEFAULT_RETRY_AFTER_QUANTILE}); 'none': from every request's cap, an upper "
+        "bound",
     )
     add("--api-key", help="require 'Authorization: Bearer KEY' (except /health and /metrics)")
     add("--seed", type=int, default=0, help="seed of output lengths, words and faults")

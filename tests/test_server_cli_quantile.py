@@ -1,0 +1,26 @@
+"""The Retry-After estimate's command-line switch."""
+
+from __future__ import annotations
+
+import pytest
+
+from reference_server.__main__ import build_parser, config_from_args
+from reference_server.config import DEFAULT_RETRY_AFTER_QUANTILE, ServerConfig
+
+
+def test_default_estimates_from_recent_outputs() -> None:
+    config = config_from_args(build_parser().parse_args([]))
+    assert config.retry_after_quantile == DEFAULT_RETRY_AFTER_QUANTILE == 0.9
+    assert ServerConfig().retry_after_quantile == 0.9
+
+
+@pytest.mark.parametrize(("arg", "value"), [("none", None), ("NONE", None), ("0.5", 0.5)])
+def test_quantile_or_worst_case(arg: str, value: float | None) -> None:
+    config = config_from_args(build_parser().parse_args(["--retry-after-quantile", arg]))
+    assert config.retry_after_quantile == value
+
+
+@pytest.mark.parametrize("arg", ["0", "1.5", "soon"])
+def test_bad_quantile_is_a_usage_error(arg: str) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--retry-after-quantile", arg])
