@@ -58,6 +58,12 @@ MEAN_OUTPUT = 1500.0
 MODEL = "kvclient-sim"
 SEED = 11
 GOAL_ATTEMPTS = 1.5
+LABELS = {
+    "naive": "naive (retries at once, up to 50 attempts)",
+    "openai": "openai SDK, max_retries=2 (default)",
+    "openai max_retries=10": "openai SDK, max_retries=10",
+    "kvclient": "kvclient (defaults)",
+}
 GOAL_UTILISATION = 0.85
 
 SERVER_ARGS = (
@@ -299,7 +305,7 @@ def main() -> None:
     for r in results:
         rows.append(
             [
-                r["client"],
+                LABELS.get(r["client"], r["client"]),
                 fmt(r["attempts_per_completed"], ".2f"),
                 f"{r['share_within_deadline']:.0%} ({r['completed_within_deadline']}/"
                 f"{r['requests']})",
