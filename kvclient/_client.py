@@ -141,17 +141,24 @@ class BaseClient:
         self._extra_headers = dict(headers or {})
         self._cooldown = Cooldown()
         self._window = SendWindow(reset=self.retry.window_reset)
+        self._base_timeout = httpx.Timeout(timeout)
+        # Built once: the headers every request carries.
+        self._base_headers = self._constant_headers()
 
     # --- requests ----------------------------------------------------------------------------
 
     def _url(self, path: str) -> str:
         return self.base_url + path
 
-    def _headers(self, prepared: _Prepared | None, attempt: int) -> dict[str, str]:
+    def _constant_headers(self) -> dict[str, str]:
         headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         headers.update(self._extra_headers)
+        return headers
+
+    def _headers(self, prepared: _Prepared | None, attempt: int) -> dict[str, str]:
+        headers = self._base_headers.copy()
         if prepared is not None:
             headers[IDEMPOTENCY_HEADER] = prepared.idempotency_key
             if prepared.body.get("stream"):
@@ -175,7 +182,7 @@ class BaseClient:
 
         For a stream the read timeout bounds each wait for the next chunk, not the whole stream.
         """
-        base = httpx.Timeout(self.timeout)
+        base = self._base_timeout
         left = max(call.time_left(), _MIN_ATTEMPT_TIMEOUT)
 
         def cap(value: float | None) -> float:
@@ -779,26 +786,44 @@ class Client(BaseClient):
             self._window.release(outcome, self.retry.clock())
             self._window_changed.notify_all()
 
+    def _attempt(self, call: RetryCall, attempt: Callable[[RetryCall], T], keep_slot: bool) -> T:
+        """One attempt: hold out the cooldown, take a send-window slot (kept past success when
+        ``keep_slot``: a stream gives it back when it closes), send."""
+        self._hold(call)
+        self._acquire_slot(call)
+        call.begin_attempt()
+        try:
+            result = attempt(call)
+        except BaseException as exc:
+            self._release_slot(_slot_outcome(exc))
+            raise
+        if not keep_slot:
+            self._release_slot("ok")
+        return result
+
     def _run(
         self, call: RetryCall, attempt: Callable[[RetryCall], T], *, keep_slot: bool = False
     ) -> T:
-        """Attempts until one succeeds or the policy gives up. Each attempt holds out the
-        cooldown, then takes a send-window slot, kept past success when ``keep_slot`` (a stream
-        gives it back when it closes)."""
+        """Attempts until one succeeds or the policy gives up.
+
+        The first attempt runs outside tenacity: most calls succeed at once, and entering the
+        retry loop costs more than the rest of the client's work. A failure is replayed as the
+        loop's first outcome, so every decision is still the policy's.
+        """
+        try:
+            result = self._attempt(call, attempt, keep_slot)
+        except Exception as exc:
+            first: Exception | None = exc
+        else:
+            call.decide(None)
+            return result
         results: list[T] = []
         for manager in call.attempts_iter():
             with manager:
-                self._hold(call)
-                self._acquire_slot(call)
-                call.begin_attempt()
-                try:
-                    result = attempt(call)
-                except BaseException as exc:
-                    self._release_slot(_slot_outcome(exc))
-                    raise
-                if not keep_slot:
-                    self._release_slot("ok")
-                results.append(result)
+                if first is not None:
+                    error, first = first, None
+                    raise error
+                results.append(self._attempt(call, attempt, keep_slot))
         return results[-1]
 
     def _send_request(self, request: httpx.Request, *, stream: bool) -> httpx.Response:
@@ -967,24 +992,40 @@ class AsyncClient(BaseClient):
         for event in waiters:
             event.set()
 
+    async def _attempt(
+        self, call: RetryCall, attempt: Callable[[RetryCall], Any], keep_slot: bool
+    ) -> Any:
+        """As :meth:`Client._attempt`."""
+        await self._hold(call)
+        await self._acquire_slot(call)
+        call.begin_attempt()
+        try:
+            result = await attempt(call)
+        except BaseException as exc:
+            self._release_slot(_slot_outcome(exc))
+            raise
+        if not keep_slot:
+            self._release_slot("ok")
+        return result
+
     async def _run(
         self, call: RetryCall, attempt: Callable[[RetryCall], Any], *, keep_slot: bool = False
     ) -> Any:
-        """As :meth:`Client._run`."""
+        """As :meth:`Client._run`: the first attempt outside tenacity, a failure replayed."""
+        try:
+            result = await self._attempt(call, attempt, keep_slot)
+        except Exception as exc:
+            first: Exception | None = exc
+        else:
+            call.decide(None)
+            return result
         results: list[Any] = []
         async for manager in call.async_attempts():
             with manager:
-                await self._hold(call)
-                await self._acquire_slot(call)
-                call.begin_attempt()
-                try:
-                    result = await attempt(call)
-                except BaseException as exc:
-                    self._release_slot(_slot_outcome(exc))
-                    raise
-                if not keep_slot:
-                    self._release_slot("ok")
-                results.append(result)
+                if first is not None:
+                    error, first = first, None
+                    raise error
+                results.append(await self._attempt(call, attempt, keep_slot))
         return results[-1]
 
     async def _send_request(self, request: httpx.Request, *, stream: bool) -> httpx.Response:
