@@ -4,6 +4,7 @@ nothing (every 429, 503 and failure is counted, and latencies include the time s
 Used by ``kvclient bench`` and ``kvclient demo``; the pieces are public for scripts and benchmarks.
 """
 
+from ._kvsender import KVClientSender, failure_cause
 from ._metrics import SLO, Distribution, RecordTimer, RequestRecord, Summary, percentile, summarize
 from ._naive import NaiveSender
 from ._runner import Sender, run_load
@@ -15,6 +16,7 @@ __all__ = [
     "SLO",
     "ArrivalKind",
     "Distribution",
+    "KVClientSender",
     "NaiveSender",
     "RecordTimer",
     "RequestRecord",
@@ -24,6 +26,7 @@ __all__ = [
     "SyntheticWorkload",
     "WorkItem",
     "arrival_offsets",
+    "failure_cause",
     "load_jsonl",
     "make_prompt",
     "percentile",
