@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -65,6 +65,42 @@ _DRAIN_EVENTS = 10_000
 _DRAIN_SECONDS = 1.0
 # How often a send waiting for a window slot re-checks (the window may reopen with time).
 _WINDOW_POLL = 0.1
+
+
+class _Body(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A request body that iterates without a generator.
+
+    httpx's own body for ``content=bytes`` is an async generator; a call cancelled while
+    httpcore writes it leaves that generator suspended, and trio warns when it collects it.
+    This one has nothing to leave unfinished. (Content-Length stays as httpx computed it.)
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter((self._data,))
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _OneChunk(self._data)
+
+
+class _OneChunk:
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes | None) -> None:
+        self._data = data
+
+    def __aiter__(self) -> _OneChunk:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data, self._data = self._data, None
+        if data is None:
+            raise StopAsyncIteration
+        return data
 
 
 def _slot_outcome(error: BaseException) -> str:
@@ -169,13 +205,15 @@ class BaseClient:
     def _build_request(
         self, http: httpx.Client | httpx.AsyncClient, prepared: _Prepared, call: RetryCall
     ) -> httpx.Request:
-        return http.build_request(
+        request = http.build_request(
             "POST",
             self._url(prepared.path),
             content=json.dumps(prepared.body).encode(),
             headers={**self._headers(prepared, call.attempts), "Content-Type": "application/json"},
             timeout=self._attempt_timeout(call),
         )
+        request.stream = _Body(request.content)
+        return request
 
     def _attempt_timeout(self, call: RetryCall) -> httpx.Timeout:
         """The configured timeouts, none longer than the time left before the call's deadline.

@@ -41,6 +41,7 @@ from kvclient import (
     RetryPolicy,
     ServerBusyError,
 )
+from kvclient._client import _Body
 from kvclient.loadgen import make_prompt
 from reference_server import RunningServer, ServerConfig, create_app, serve_in_thread
 
@@ -306,11 +307,14 @@ async def one_async(
                 await impatient.complete(prompt, max_tokens=cap)
             elif action == "raw_stream_hang_up":
                 body = {"prompt": prompt, "max_tokens": cap, "stream": True}
-                async with raw.stream("POST", "/v1/completions", json=body) as response:
+                response = await raw.send(raw_request(raw, body), stream=True)
+                try:
                     await hang_up_after(response, k)
+                finally:
+                    await response.aclose()
             else:
                 scope.deadline = anyio.current_time() + delay
-                await raw.post("/v1/completions", json={"prompt": prompt, "max_tokens": cap})
+                await raw.send(raw_request(raw, {"prompt": prompt, "max_tokens": cap}))
         if scope.cancelled_caught:
             outcome = "cancelled"
     except KVClientError as error:
@@ -322,6 +326,15 @@ async def one_async(
     tally.outcomes[f"{action}:{outcome}"] += 1
     if outcome.startswith("UNEXPECTED"):
         tally.unexpected.append(f"{action}: {outcome}")
+
+
+def raw_request(raw: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Request:
+    """A raw POST whose body is not an async generator: httpx's own (for ``json=``) is left
+    suspended when a send is cancelled mid-write, and trio warns when it collects it; kvclient
+    avoids the same way (``kvclient._client._Body``)."""
+    request = raw.build_request("POST", "/v1/completions", json=body)
+    request.stream = _Body(request.content)
+    return request
 
 
 def chaos_policy(tally: Tally, **kw: Any) -> RetryPolicy:
