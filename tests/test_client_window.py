@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import anyio
 import httpx
@@ -122,8 +123,10 @@ async def test_async_requests_wait_for_a_slot_after_a_refusal() -> None:
             await anyio.sleep(0.001)
         # The fourth is refused: 3 others in flight, so the window closes at 3.
         tg.start_soon(client.complete, PROMPT)
+        while gate.arrivals < 4:  # noqa: ASYNC110 - polling a plain counter
+            await anyio.sleep(0.001)
         tg.start_soon(client.complete, PROMPT)
-        await anyio.sleep(0.2)
+        await anyio.sleep(0.01)  # an unheld send would arrive within microseconds
         # Nothing else reached the server while the three held their slots.
         assert gate.arrivals == 4
         assert client._window.limit == 3
@@ -159,9 +162,12 @@ def test_sync_threads_wait_for_a_slot_after_a_refusal() -> None:
     while gate.arrivals < 2:
         threading.Event().wait(0.001)
     late = [threading.Thread(target=client.complete, args=(PROMPT,)) for _ in range(2)]
-    for t in late:
-        t.start()
-    threading.Event().wait(0.2)
+    late[0].start()  # refused: the window closes at the 2 others in flight
+    deadline = time.monotonic() + 10
+    while gate.arrivals < 3 and time.monotonic() < deadline:
+        threading.Event().wait(0.001)
+    late[1].start()
+    threading.Event().wait(0.01)  # an unheld send would arrive within microseconds
     assert gate.arrivals == 3  # the refused one; the other waits for a slot
     assert client._window.limit == 2
     released.set()
