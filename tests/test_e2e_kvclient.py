@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -27,6 +27,7 @@ from kvclient import (
     TiktokenCounter,
 )
 from reference_server import RunningServer, running_server
+from tests.server_helpers import at_zero, wait_for
 
 COUNTER = TiktokenCounter()
 CONFIG: dict[str, Any] = {
@@ -36,19 +37,6 @@ CONFIG: dict[str, Any] = {
     "mean_output_tokens": 1e6,  # always run to the cap: timings are predictable
     "tick_seconds": 0.005,
 }
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.005)
-
-
-def at_zero(server: RunningServer) -> bool:
-    m = server.metrics()
-    return m["kv_reserved_tokens"] == 0 and m["kv_inflight_requests"] == 0
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,6 +17,7 @@ import pytest
 
 from kvclient import TiktokenCounter
 from reference_server import RunningServer, running_server
+from tests.server_helpers import at_zero, wait_for
 
 COUNTER = TiktokenCounter()
 FAST: dict[str, Any] = {
@@ -26,24 +27,6 @@ FAST: dict[str, Any] = {
     "mean_output_tokens": 50.0,
     "tick_seconds": 0.005,
 }
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.005)
-
-
-def at_zero(server: RunningServer) -> bool:
-    m = server.metrics()
-    return (
-        m["kv_reserved_tokens"] == 0
-        and m["kv_inflight_requests"] == 0
-        and m["kv_used_tokens"] == 0
-        and server.engine.stats().running == 0
-    )
 
 
 @pytest.fixture(scope="module")
