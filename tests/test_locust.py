@@ -40,8 +40,15 @@ def test_locust_reports_requests_rejections_and_ttft(tmp_path: Path) -> None:
         for key in rows
         if key[0] == "POST" and key[1].startswith("/v1/")
     )
-    assert calls >= 5
-    assert ("STREAM", "STREAM TTFT") in rows
+    # How many calls fit in the 4 s depends on the machine's load (CI once saw 3, an idle
+    # machine 13), so the checks below are counts that must agree, not a throughput.
+    assert calls >= 1
+    ttft = int(rows.get(("STREAM", "STREAM TTFT"), {"Request Count": "0"})["Request Count"])
+    chat = rows.get(("POST", "/v1/chat/completions"))
+    chat_ok = int(chat["Request Count"]) - int(chat["Failure Count"]) if chat else 0
+    # Every streamed chat call that completed reported its first token (a call cut off by the
+    # end of the run may have reported one and not completed).
+    assert ttft >= chat_ok
     rejected = int(rows.get(("RETRY", "REJECTED 429"), {"Request Count": "0"})["Request Count"])
     # Locust saw each 429 the server sent, unless a call was cut off by the end of the run.
     assert rejected <= metrics["kv_rejected_total"]
