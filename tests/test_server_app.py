@@ -646,6 +646,47 @@ async def test_client_disconnect_releases_the_reservation(stream: bool) -> None:
     assert_ledger_at_zero(app)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("wakes_receive", [True, False])
+async def test_request_ends_after_its_response_whatever_receive_does(
+    stream: bool, wakes_receive: bool
+) -> None:
+    """ASGI says receive() answers http.disconnect once the response is sent; the endpoint's
+    disconnect watcher relies on it to end by itself, and must not hang on a server that leaves
+    a pending receive() waiting (``wakes_receive=False``)."""
+    app = app_with()
+    body = json.dumps({"prompt": "hi", "max_tokens": 5, "stream": stream}).encode()
+    sent: list[dict[str, Any]] = []
+    complete = anyio.Event()
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if wakes_receive:
+            await complete.wait()
+            return {"type": "http.disconnect"}
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            complete.set()
+
+    with anyio.fail_after(10):
+        await app(_scope("/v1/completions", body), receive, send)
+    assert sent[0]["status"] == 200
+    assert complete.is_set()
+    if stream:
+        assert sent[-1]["body"] == b"data: [DONE]\n\n"
+    else:
+        assert json.loads(sent[-1]["body"])["usage"]["completion_tokens"] >= 1
+    assert_ledger_at_zero(app)
+
+
 async def test_concurrency_mode_ooms_under_short_prompt_large_cap_traffic() -> None:
     app = app_with(
         admission="concurrency",
