@@ -34,6 +34,8 @@ from tests.client_helpers import (
     new_server,
     ok_chat,
     ok_completion,
+    sse,
+    text_events,
 )
 
 PROMPT = "Write a haiku about KV caches."
@@ -229,6 +231,45 @@ def test_headers_user_agent_auth_extra_idempotency_and_retry_count(server: FakeS
     keys = {h["idempotency-key"] for h in (first, second, third)}
     assert len(keys) == 1  # one key reused by every retry of the call
     assert [h["x-retry-count"] for h in (first, second, third)] == ["0", "1", "2"]
+
+
+def test_an_injected_http_client_sends_the_same_headers(server: FakeServer) -> None:
+    # An httpx client kvclient creates carries the constant headers as its defaults; one passed
+    # in gets them with every request. The server must not see the difference.
+    options = {"api_key": "sk-test", "headers": {"X-Team": "kv", "Accept-Encoding": "identity"}}
+    events = text_events("hi")
+    server.add("/v1/completions", ok_completion(), sse(*events), ok_completion(), sse(*events))
+    with make_client(server, **options) as client:
+        client.complete(PROMPT)
+        with client.complete_stream(PROMPT) as stream:
+            list(stream)
+    http = httpx.Client(transport=httpx.MockTransport(server.handler))
+    with Client(
+        base_url=BASE_URL,
+        model=MODEL,
+        context_window=CONTEXT,
+        counter=COUNTER,
+        http_client=http,
+        retry=server.clock.policy(),
+        **options,
+    ) as client:
+        client.complete(PROMPT)
+        with client.complete_stream(PROMPT) as stream:
+            list(stream)
+    http.close()
+
+    def seen(index: int) -> dict[str, str]:
+        headers = dict(server.posts[index].headers)
+        assert headers.pop("idempotency-key")
+        return headers
+
+    owned_plain, owned_stream, injected_plain, injected_stream = map(seen, range(4))
+    assert owned_plain == injected_plain
+    assert owned_stream == injected_stream
+    assert owned_plain["accept"] == "application/json"
+    assert owned_stream["accept"] == "text/event-stream"
+    assert owned_plain["accept-encoding"] == "identity"
+    assert owned_plain["authorization"] == "Bearer sk-test"
 
 
 def test_each_call_has_its_own_idempotency_key(server: FakeServer) -> None:
