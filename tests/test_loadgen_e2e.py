@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,28 @@ def test_bench_closed_loop_and_naive_baseline(tmp_path: Path) -> None:
     assert isinstance(summary, dict)
     assert summary["completed"] + summary["failed"] == 40
     assert summary["http_429"] == metrics["kv_rejected_total"]
+
+
+def test_bench_plot_draws_latency_and_rejections(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mpl"))  # its font cache, not in $HOME
+    png = tmp_path / "run.png"
+    with running_server(kv_tokens=4096, decode_rate=5000, mean_output_tokens=200) as server:
+        _bench(server.base_url, tmp_path, "--concurrency", "8", "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000  # two panels with points, not an empty canvas
+
+
+def test_bench_plot_without_matplotlib_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    png = tmp_path / "run.png"
+    with running_server(kv_tokens=4096, decode_rate=5000, mean_output_tokens=50) as server:
+        _bench(server.base_url, tmp_path, "--concurrency", "2", "--plot", str(png))
+    assert "pip install 'kvclient[plot]'" in capsys.readouterr().err
+    assert not png.exists()
 
 
 def test_bench_needs_one_loop_kind(capsys: pytest.CaptureFixture[str]) -> None:
