@@ -472,14 +472,16 @@ class BaseClient:
             raw=payload,
         )
 
-    def _new_call(self) -> RetryCall:
-        return RetryCall(self.retry, self._cooldown, on_retry=self.on_retry)
+    def _new_call(self, prepared: _Prepared | None = None) -> RetryCall:
+        size = None if prepared is None else prepared.prompt_tokens + prepared.max_tokens
+        return RetryCall(self.retry, self._cooldown, size=size, on_retry=self.on_retry)
 
     def _window_busy(self, call: RetryCall) -> ServerBusyError:
         return ServerBusyError(
             f"the server refused requests and this client already has "
-            f"{self._window.in_flight} in flight (window {self._window.limit:.3g}); no slot freed "
-            f"before the {self.retry.deadline:g}s deadline",
+            f"{self._window.requests} in flight ({self._window.in_flight} KV tokens, window "
+            f"{self._window.limit:.0f}); no room freed before the {self.retry.deadline:g}s "
+            f"deadline",
             retry_after=call.cooldown.advice,
             attempts=call.attempts,
         )
@@ -581,7 +583,7 @@ class Stream(_StreamBase):
         if self._call is not None:
             return
         client = self._client
-        self._call = client._new_call()
+        self._call = client._new_call(self._prepared)
 
         def attempt(call: RetryCall) -> tuple[httpx.Response, Any, dict[str, Any] | None]:
             response = client._send(self._prepared, call, stream=True)
@@ -637,9 +639,9 @@ class Stream(_StreamBase):
             if self._events is not None:
                 self._events.close()
         finally:
-            if self._holds_slot:
+            if self._holds_slot and self._call is not None:
                 self._holds_slot = False
-                self._client._release_slot("ok")
+                self._client._release_slot("ok", self._call)
 
 
 async def _finish_generators(events: Any) -> None:
@@ -704,7 +706,7 @@ class AsyncStream(_StreamBase):
         if self._prepared_value is None:
             # Discovery and counting happen here, so `async with client.chat_stream(...)` works.
             self._prepared_value = await self._prepare()
-        self._call = client._new_call()
+        self._call = client._new_call(self._prepared_value)
 
         async def attempt(
             call: RetryCall,
@@ -763,9 +765,9 @@ class AsyncStream(_StreamBase):
             if self._response is not None:
                 await _close_chain(self._response, events, lines)
         finally:
-            if self._holds_slot:
+            if self._holds_slot and self._call is not None:
                 self._holds_slot = False
-                self._client._release_slot("ok")
+                self._client._release_slot("ok", self._call)
 
 
 class Client(BaseClient):
@@ -843,22 +845,23 @@ class Client(BaseClient):
 
     def _acquire_slot(self, call: RetryCall) -> None:
         clock = self.retry.clock
-        if not self.retry.window or self._window.try_acquire(clock()):
+        size = call.size or 1
+        if not self.retry.window or self._window.try_acquire(clock(), size):
             return
         started = time.monotonic()
         with self._window_changed:
-            while not self._window.try_acquire(clock()):
+            while not self._window.try_acquire(clock(), size):
                 left = call.time_left()
                 if left <= 0:
                     raise self._window_busy(call)
                 self._window_changed.wait(timeout=min(left, _WINDOW_POLL))
         call.held(time.monotonic() - started)
 
-    def _release_slot(self, outcome: str) -> None:
+    def _release_slot(self, outcome: str, call: RetryCall) -> None:
         if not self.retry.window:
             return
         with self._window_changed:
-            self._window.release(outcome, self.retry.clock())
+            self._window.release(outcome, self.retry.clock(), call.size or 1)
             self._window_changed.notify_all()
 
     def _attempt(self, call: RetryCall, attempt: Callable[[RetryCall], T], keep_slot: bool) -> T:
@@ -870,10 +873,10 @@ class Client(BaseClient):
         try:
             result = attempt(call)
         except BaseException as exc:
-            self._release_slot(_slot_outcome(exc))
+            self._release_slot(_slot_outcome(exc), call)
             raise
         if not keep_slot:
-            self._release_slot("ok")
+            self._release_slot("ok", call)
         return result
 
     def _run(
@@ -936,7 +939,7 @@ class Client(BaseClient):
             self._adopt_models(self._run(self._new_call(), attempt))
 
     def _call(self, prepared: _Prepared) -> Completion:
-        call = self._new_call()
+        call = self._new_call(prepared)
         payload = self._run(call, lambda call: self._json(self._send(prepared, call, stream=False)))
         return self._completion(payload, prepared, call)
 
@@ -1046,10 +1049,11 @@ class AsyncClient(BaseClient):
 
     async def _acquire_slot(self, call: RetryCall) -> None:
         clock = self.retry.clock
-        if not self.retry.window or self._window.try_acquire(clock()):
+        size = call.size or 1
+        if not self.retry.window or self._window.try_acquire(clock(), size):
             return
         started = time.monotonic()
-        while not self._window.try_acquire(clock()):
+        while not self._window.try_acquire(clock(), size):
             left = call.time_left()
             if left <= 0:
                 raise self._window_busy(call)
@@ -1063,10 +1067,10 @@ class AsyncClient(BaseClient):
                     self._slot_waiters.remove(event)
         call.held(time.monotonic() - started)
 
-    def _release_slot(self, outcome: str) -> None:
+    def _release_slot(self, outcome: str, call: RetryCall) -> None:
         if not self.retry.window:
             return
-        self._window.release(outcome, self.retry.clock())
+        self._window.release(outcome, self.retry.clock(), call.size or 1)
         waiters, self._slot_waiters = self._slot_waiters, []
         for event in waiters:
             event.set()
@@ -1081,10 +1085,10 @@ class AsyncClient(BaseClient):
         try:
             result = await attempt(call)
         except BaseException as exc:
-            self._release_slot(_slot_outcome(exc))
+            self._release_slot(_slot_outcome(exc), call)
             raise
         if not keep_slot:
-            self._release_slot("ok")
+            self._release_slot("ok", call)
         return result
 
     async def _run(
@@ -1144,7 +1148,7 @@ class AsyncClient(BaseClient):
             self._adopt_models(await self._run(self._new_call(), attempt))
 
     async def _call(self, prepared: _Prepared) -> Completion:
-        call = self._new_call()
+        call = self._new_call(prepared)
 
         async def attempt(call: RetryCall) -> dict[str, Any]:
             return self._json(await self._send(prepared, call, stream=False))

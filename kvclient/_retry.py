@@ -275,73 +275,96 @@ def is_retryable(error: BaseException) -> bool:
 
 
 class Cooldown:
-    """A client-wide "not before" time, shared by every request of one client.
+    """Client-wide "not before" times, by request size, shared by every request of one client.
 
-    One 429 with Retry-After T pushes it to now + T; other requests hold new sends until then
-    instead of each discovering the overload with a 429 of their own. Pure value logic over the
-    times it is given; a lock only keeps concurrent updates from losing the later time.
+    A 429 with Retry-After T for a request of ``size`` tokens (prompt + output cap) says that
+    the server cannot fit ``size`` tokens before now + T, so no request at least that large is
+    sent before then: they hold instead of each discovering the overload with a 429 of their
+    own. It says nothing about smaller requests, which may still fit in the room that is left,
+    so they are held only by refusals of requests no larger than themselves. A refusal of
+    unknown size holds every request. Value logic over the times it is given; a lock only keeps
+    concurrent updates consistent.
     """
 
-    __slots__ = ("_lock", "_not_before", "advice")
+    __slots__ = ("_entries", "_lock", "advice")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._not_before = -math.inf
+        # (size, until, advice), sorted: an entry that a smaller-or-equal size with a
+        # later-or-equal time already covers is dropped, so larger sizes have later times.
+        self._entries: list[tuple[float, float, float]] = []
         self.advice: float | None = None
 
-    def extend(self, now: float, advice: float) -> None:
-        """The server asked for ``advice`` seconds at monotonic time ``now``."""
+    def extend(self, now: float, advice: float, size: int | None = None) -> None:
+        """The server asked for ``advice`` seconds at monotonic time ``now`` for a request of
+        ``size`` tokens (None: unknown, holds every size)."""
+        bound = 0.0 if size is None else float(size)
+        until = now + advice
         with self._lock:
-            until = now + advice
-            if until > self._not_before:
-                self._not_before = until
-                self.advice = advice
+            live = [e for e in self._entries if e[1] > now]
+            if any(s <= bound and u >= until for s, u, _ in live):
+                self._entries = live
+                return  # already held at least that long
+            kept = [e for e in live if not (e[0] >= bound and e[1] <= until)]
+            kept.append((bound, until, advice))
+            kept.sort()
+            self._entries = kept
+            self.advice = advice
 
-    def remaining(self, now: float) -> float:
-        return max(0.0, self._not_before - now)
+    def remaining(self, now: float, size: int | None = None) -> float:
+        """Seconds a request of ``size`` tokens (None: any size) holds before sending."""
+        bound = math.inf if size is None else float(size)
+        until = max((u for s, u, _ in self._entries if s <= bound), default=-math.inf)
+        return max(0.0, until - now)
 
 
 class SendWindow:
-    """How many requests one client keeps in flight once the server has refused one (pure).
+    """How much one client keeps in flight once the server has refused a request (pure).
 
     The cooldown says *when* the server may have room again; this says *how much*. Without it,
     every request held during a cooldown is sent the moment it ends, and most of them are refused
-    again: a herd, once per cooldown. A refusal (429/503) closes the window to the number of other
-    requests still in flight, which is what the server is holding now; from then on a new send
-    waits until one of those finishes. Each success widens it a little (+1 per window's worth of
-    successes, TCP's additive increase), and ``reset`` seconds without a refusal open it fully.
-    Until the first refusal the window is open and costs one uncontended lock per send.
+    again: a herd, once per cooldown. The window counts KV tokens (each request's prompt + output
+    cap; 1 when unknown): a refusal (429/503) closes it to the tokens of the other requests still
+    in flight, which is what the server is holding for this client now; from then on a new send
+    waits until enough of those finish (a request alone in flight always goes). Counting tokens
+    rather than requests lets the room a large request leaves be taken by several small ones.
+    Each success widens it a little (about one request per window's worth of successes, TCP's
+    additive increase), and ``reset`` seconds without a refusal open it fully. Until the first
+    refusal the window is open and costs one uncontended lock per send.
     """
 
-    __slots__ = ("_last_refusal", "_lock", "in_flight", "limit", "reset")
+    __slots__ = ("_last_refusal", "_lock", "in_flight", "limit", "requests", "reset")
 
     def __init__(self, *, reset: float = DEFAULT_WINDOW_RESET) -> None:
         self._lock = threading.Lock()
-        self.in_flight = 0
+        self.in_flight = 0  # tokens
+        self.requests = 0
         self.limit = math.inf
         self.reset = reset
         self._last_refusal = -math.inf
 
-    def try_acquire(self, now: float) -> bool:
-        """Take a slot for one send if the window allows it."""
+    def try_acquire(self, now: float, size: int = 1) -> bool:
+        """Take room for one send of ``size`` tokens if the window allows it."""
         with self._lock:
             if self.limit != math.inf and now - self._last_refusal >= self.reset:
                 self.limit = math.inf
-            if self.in_flight + 1 <= self.limit:
-                self.in_flight += 1
+            if self.requests == 0 or self.in_flight + size <= self.limit:
+                self.in_flight += size
+                self.requests += 1
                 return True
             return False
 
-    def release(self, outcome: str, now: float) -> None:
-        """Give back a slot: ``outcome`` is "ok", "refused" (429/503) or "other"."""
+    def release(self, outcome: str, now: float, size: int = 1) -> None:
+        """Give back a send's room: ``outcome`` is "ok", "refused" (429/503) or "other"."""
         with self._lock:
             if outcome == "refused":
                 # The others in flight are what the server holds now: keep to that.
-                self.limit = max(1.0, min(self.limit, self.in_flight - 1.0))
+                self.limit = max(float(size), min(self.limit, self.in_flight - float(size)))
                 self._last_refusal = now
             elif outcome == "ok" and self.limit != math.inf:
-                self.limit += 1.0 / self.limit
-            self.in_flight = max(0, self.in_flight - 1)
+                self.limit += size * size / self.limit
+            self.in_flight = max(0, self.in_flight - size)
+            self.requests = max(0, self.requests - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,10 +386,12 @@ class RetryCall:
         policy: RetryPolicy,
         cooldown: Cooldown,
         *,
+        size: int | None = None,
         on_retry: Callable[[RetryEvent], None] | None = None,
     ) -> None:
         self.policy = policy
         self.cooldown = cooldown
+        self.size = size  # KV tokens the request reserves (prompt + output cap), if known
         self.on_retry = on_retry
         self.started = policy.clock()
         self.attempts = 0
@@ -397,7 +422,7 @@ class RetryCall:
 
         Raises ServerBusyError when the cooldown outlasts the wait cap or the deadline.
         """
-        remaining = self.cooldown.remaining(self.policy.clock())
+        remaining = self.cooldown.remaining(self.policy.clock(), self.size)
         if remaining <= 0:
             return 0.0
         if remaining > self.policy.max_wait or remaining >= self.time_left():
@@ -427,7 +452,7 @@ class RetryCall:
         advice = error.retry_after if isinstance(error, APIStatusError) else None
         if advice is not None and advice > 0 and isinstance(error, APIStatusError):
             # The server said when it will have room: the whole client waits for that moment.
-            self.cooldown.extend(self.policy.clock(), advice)
+            self.cooldown.extend(self.policy.clock(), advice, self.size)
         if budget is not None:
             budget.record_failure()
         if self.attempts >= self.policy.max_attempts:

@@ -1,4 +1,7 @@
-"""The send window: after a refusal, one client keeps no more in flight than the server held."""
+"""The send window: after a refusal, one client keeps no more in flight than the server held.
+
+It counts KV tokens (prompt + output cap); a request without a known size counts 1.
+"""
 
 from __future__ import annotations
 
@@ -54,6 +57,65 @@ def test_never_below_one_and_reopens_after_quiet_time() -> None:
     assert window.limit == 1
     assert window.try_acquire(10.5)
     assert window.limit == math.inf  # ten seconds without a refusal
+
+
+def test_counted_in_tokens_the_room_of_a_large_request_takes_several_small_ones() -> None:
+    window = SendWindow()
+    assert window.try_acquire(0.0, 4000)
+    assert window.try_acquire(0.0, 2000)
+    assert window.try_acquire(0.0, 1000)
+    window.release("refused", 0.1, 1000)  # the server holds the other 6,000 tokens
+    assert window.limit == 6000
+    assert (window.in_flight, window.requests) == (6000, 2)
+    assert not window.try_acquire(0.2, 500)
+    window.release("ok", 0.3, 4000)  # the large one finished
+    assert window.limit == pytest.approx(6000 + 4000 * 4000 / 6000)
+    assert all(window.try_acquire(0.4, 1000) for _ in range(4))  # four small ones in its room
+    assert window.in_flight == 6000
+    assert window.try_acquire(0.4, 2600)  # and the additive increase: one more of about its size
+    assert not window.try_acquire(0.4, 100)
+
+
+def test_a_request_alone_in_flight_always_goes() -> None:
+    window = SendWindow()
+    assert window.try_acquire(0.0, 500)
+    window.release("refused", 0.0, 500)  # nothing else in flight: the floor is its own size
+    assert window.limit == 500
+    assert window.try_acquire(0.1, 8000)  # larger than the window, but alone
+    assert not window.try_acquire(0.1, 1)
+    window.release("ok", 0.2, 8000)
+    assert (window.in_flight, window.requests) == (0, 0)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["acquire", "ok", "refused", "other"]),
+            st.floats(0, 0.5),
+            st.integers(1, 8192),
+        ),
+        max_size=200,
+    )
+)
+def test_window_invariants_in_tokens(ops: list[tuple[str, float, int]]) -> None:
+    window = SendWindow(reset=5.0)
+    now = 0.0
+    held: list[int] = []
+    for op, step, size in ops:
+        now += step
+        if op == "acquire":
+            alone = not held
+            fits = window.in_flight + size <= window.limit
+            reopens = now - window._last_refusal >= window.reset  # open again: fits anything
+            goes = window.try_acquire(now, size)
+            assert goes == (alone or fits or reopens)
+            if goes:
+                held.append(size)
+        elif held:
+            window.release(op, now, held.pop(0))
+        assert window.in_flight == sum(held)
+        assert window.requests == len(held)
+        assert window.limit >= 1
 
 
 @given(
@@ -121,7 +183,8 @@ async def test_async_requests_wait_for_a_slot_after_a_refusal() -> None:
             tg.start_soon(client.complete, PROMPT)
         while gate.arrivals < 3:  # noqa: ASYNC110 - polling a plain counter
             await anyio.sleep(0.001)
-        # The fourth is refused: 3 others in flight, so the window closes at 3.
+        # The fourth is refused: 3 others in flight, so the window closes at their tokens
+        # (each reserves the whole context: the cap is unset).
         tg.start_soon(client.complete, PROMPT)
         while gate.arrivals < 4:  # noqa: ASYNC110 - polling a plain counter
             await anyio.sleep(0.001)
@@ -129,7 +192,7 @@ async def test_async_requests_wait_for_a_slot_after_a_refusal() -> None:
         await anyio.sleep(0.01)  # an unheld send would arrive within microseconds
         # Nothing else reached the server while the three held their slots.
         assert gate.arrivals == 4
-        assert client._window.limit == 3
+        assert client._window.limit == 3 * CONTEXT
         released.set()
     assert gate.order == ["request 5 after release: True", "request 6 after release: True"]
     assert gate.arrivals == 6  # the refused one retried, and the waiting one went
@@ -169,7 +232,7 @@ def test_sync_threads_wait_for_a_slot_after_a_refusal() -> None:
     late[1].start()
     threading.Event().wait(0.01)  # an unheld send would arrive within microseconds
     assert gate.arrivals == 3  # the refused one; the other waits for a slot
-    assert client._window.limit == 2
+    assert client._window.limit == 2 * CONTEXT
     released.set()
     for t in threads + late:
         t.join(5)

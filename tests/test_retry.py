@@ -253,6 +253,56 @@ def test_cooldown_keeps_the_latest_not_before() -> None:
     assert cooldown.remaining(20.0) == 0
 
 
+def test_cooldown_holds_requests_at_least_as_large_as_the_refused_one() -> None:
+    cooldown = Cooldown()
+    cooldown.extend(0.0, 5.0, size=4000)  # 4,000 tokens do not fit before t=5
+    assert cooldown.remaining(1.0, 4000) == pytest.approx(4.0)
+    assert cooldown.remaining(1.0, 8000) == pytest.approx(4.0)
+    assert cooldown.remaining(1.0, 300) == 0  # a smaller request may fit in what is left
+    assert cooldown.remaining(1.0) == pytest.approx(4.0)  # unknown size: held
+    cooldown.extend(1.0, 2.0, size=300)  # then 300 did not fit either, until t=3
+    assert cooldown.remaining(2.0, 300) == pytest.approx(1.0)
+    assert cooldown.remaining(2.0, 5000) == pytest.approx(3.0)  # the later time still holds
+    assert cooldown.remaining(2.0, 100) == 0
+    cooldown.extend(2.0, 10.0)  # a refusal of unknown size (GET /v1/models) holds every size
+    assert cooldown.remaining(3.0, 1) == pytest.approx(9.0)
+    assert cooldown.remaining(3.0) == pytest.approx(9.0)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0, 2),  # time step
+            st.floats(0.01, 10),  # advice
+            st.one_of(st.none(), st.integers(1, 10_000)),  # size
+        ),
+        max_size=40,
+    ),
+    st.lists(st.one_of(st.none(), st.integers(1, 10_000)), min_size=1, max_size=5),
+)
+def test_cooldown_matches_the_rule_it_states(
+    refusals: list[tuple[float, float, int | None]], probes: list[int | None]
+) -> None:
+    """Whatever refusals came, a request waits for the latest of those no larger than itself
+    (a refusal of unknown size counts as the smallest, a request of unknown size as the
+    largest), and a larger request never waits less."""
+    cooldown = Cooldown()
+    now = 0.0
+    seen: list[tuple[float, float]] = []
+    for step, advice, size in refusals:
+        now += step
+        cooldown.extend(now, advice, size)
+        seen.append((0 if size is None else size, now + advice))
+        assert len(cooldown._entries) <= len(seen)
+    for probe in probes:
+        bound = math.inf if probe is None else probe
+        expected = max((u for s, u in seen if s <= bound), default=-math.inf)
+        assert cooldown.remaining(now, probe) == pytest.approx(max(0.0, expected - now))
+    sizes = sorted(p for p in probes if p is not None)
+    waits = [cooldown.remaining(now, p) for p in sizes]
+    assert waits == sorted(waits)
+
+
 # --- decisions -------------------------------------------------------------------------------
 
 
