@@ -606,6 +606,34 @@ def _scope(path: str, body: bytes) -> dict[str, Any]:
     }
 
 
+class _Peer:
+    """The ASGI server's side, by hand: ``receive()`` gives the body once, then waits until
+    ``gone`` is set and answers ``http.disconnect``. With ``disconnect_after_response`` the
+    end of the response sets ``gone`` (as uvicorn does); without it only the test does."""
+
+    def __init__(self, body: bytes, *, disconnect_after_response: bool) -> None:
+        self.body = body
+        self.disconnect_after_response = disconnect_after_response
+        self.sent: list[dict[str, Any]] = []
+        self.gone = anyio.Event()
+        self.responded = False
+        self._delivered = False
+
+    async def receive(self) -> dict[str, Any]:
+        if not self._delivered:
+            self._delivered = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.responded = True
+            if self.disconnect_after_response:
+                self.gone.set()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 async def test_client_disconnect_releases_the_reservation(stream: bool) -> None:
     """Drive the ASGI app by hand: the client goes away after the first streamed chunk."""
@@ -614,34 +642,22 @@ async def test_client_disconnect_releases_the_reservation(stream: bool) -> None:
     body = json.dumps(
         {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1500, "stream": stream}
     ).encode()
-    sent: list[dict[str, Any]] = []
-    gone = anyio.Event()
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
+    peer = _Peer(body, disconnect_after_response=True)
 
     async def hang_up() -> None:
         if stream:
-            await wait_until(lambda: len(sent) >= 3)  # start, role chunk, some text
+            await wait_until(lambda: len(peer.sent) >= 3)  # start, role chunk, some text
         else:
             await wait_until(lambda: state.engine.stats().generated_tokens_total > 0)
         assert state.ledger.stats().inflight == 1
-        gone.set()
+        peer.gone.set()
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as group:
             group.start_soon(hang_up)
-            await app(_scope("/v1/chat/completions", body), receive, send)
-    assert not any(m.get("body", b"").endswith(b"[DONE]\n\n") for m in sent)
+            await app(_scope("/v1/chat/completions", body), peer.receive, peer.send)
+    assert not any(m.get("body", b"").endswith(b"[DONE]\n\n") for m in peer.sent)
+    assert not peer.responded
     assert state.engine.stats().finished_total == 0
     assert_ledger_at_zero(app)
 
@@ -656,34 +672,15 @@ async def test_request_ends_after_its_response_whatever_receive_does(
     a pending receive() waiting (``wakes_receive=False``)."""
     app = app_with()
     body = json.dumps({"prompt": "hi", "max_tokens": 5, "stream": stream}).encode()
-    sent: list[dict[str, Any]] = []
-    complete = anyio.Event()
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        if wakes_receive:
-            await complete.wait()
-            return {"type": "http.disconnect"}
-        await anyio.sleep_forever()
-        raise AssertionError("unreachable")
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
-            complete.set()
-
+    peer = _Peer(body, disconnect_after_response=wakes_receive)
     with anyio.fail_after(10):
-        await app(_scope("/v1/completions", body), receive, send)
-    assert sent[0]["status"] == 200
-    assert complete.is_set()
+        await app(_scope("/v1/completions", body), peer.receive, peer.send)
+    assert peer.sent[0]["status"] == 200
+    assert peer.responded
     if stream:
-        assert sent[-1]["body"] == b"data: [DONE]\n\n"
+        assert peer.sent[-1]["body"] == b"data: [DONE]\n\n"
     else:
-        assert json.loads(sent[-1]["body"])["usage"]["completion_tokens"] >= 1
+        assert json.loads(peer.sent[-1]["body"])["usage"]["completion_tokens"] >= 1
     assert_ledger_at_zero(app)
 
 
