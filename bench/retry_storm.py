@@ -9,7 +9,8 @@ shortage is a 429 with Retry-After):
 - a naive client that retries 429s at once, ignoring Retry-After (``kvclient.loadgen.NaiveSender``);
 - the official ``openai`` SDK, default ``max_retries=2``, and with ``max_retries=10`` (it honours
   Retry-After up to 60 s, else backs off 0.5 s x 2^n);
-- ``kvclient.AsyncClient`` with its defaults (cooldown on 429, Retry-After + jitter).
+- ``kvclient.AsyncClient`` with its defaults (cooldown on 429, Retry-After + jitter), and with
+  ``RetryPolicy(cooldown_by_size=True)`` (a 429 holds only requests at least as large).
 
 Every request has the same deadline. Attempts are counted by the server (admitted + rejected);
 429s are the server's ``kv_rejected_total``; utilisation is the time average of reserved / usable
@@ -63,6 +64,7 @@ LABELS = {
     "openai": "openai SDK, max_retries=2 (default)",
     "openai max_retries=10": "openai SDK, max_retries=10",
     "kvclient": "kvclient (defaults)",
+    "kvclient cooldown_by_size": "kvclient, RetryPolicy(cooldown_by_size=True)",
 }
 GOAL_UTILISATION = 0.85
 
@@ -156,7 +158,7 @@ async def run_client(
             model=MODEL,
             context_window=CONTEXT,
             http_client=http,
-            retry=RetryPolicy(deadline=deadline),
+            retry=RetryPolicy(deadline=deadline, cooldown_by_size=name.endswith("by_size")),
         )
         sender = KVClientSender(client, stream=False)
     async with http, anyio.create_task_group() as tg:
@@ -256,7 +258,7 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, help="per request (default 60 s, --quick 12 s)")
     parser.add_argument(
         "--clients",
-        default="naive,openai,openai max_retries=10,kvclient",
+        default="naive,openai,openai max_retries=10,kvclient,kvclient cooldown_by_size",
         help="comma-separated subset to run",
     )
     parser.add_argument(

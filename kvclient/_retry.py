@@ -205,8 +205,11 @@ class RetryPolicy:
     full-jitter exponential backoff: uniform in [``backoff_min``, min(``backoff_max``,
     ``backoff_initial`` x ``backoff_multiplier`` ** (attempt - 1))].
 
-    ``window`` (on by default) paces the client after a refusal: see :class:`SendWindow`;
-    ``window_reset`` is how long without a refusal before it opens fully again.
+    A 429 with advice cools the whole client down: its other requests hold new sends until the
+    advised time. With ``cooldown_by_size`` only those at least as large (prompt + output cap)
+    as the refused request hold, since smaller ones may fit in what is left: see
+    :class:`Cooldown`. ``window`` (on by default) paces the client after a refusal: see
+    :class:`SendWindow`; ``window_reset`` is how long without a refusal before it opens fully.
 
     ``clock`` (monotonic seconds), ``wall_clock`` (Unix time, for HTTP-dates), ``sleep``,
     ``async_sleep`` and ``random`` are injectable, so tests never sleep for real; see
@@ -223,6 +226,7 @@ class RetryPolicy:
     jitter_ratio: float = DEFAULT_JITTER_RATIO
     jitter_absolute: float = DEFAULT_JITTER_ABSOLUTE
     retry_budget: RetryBudget | None = None
+    cooldown_by_size: bool = False
     window: bool = True
     window_reset: float = DEFAULT_WINDOW_RESET
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
@@ -282,8 +286,10 @@ class Cooldown:
     sent before then: they hold instead of each discovering the overload with a 429 of their
     own. It says nothing about smaller requests, which may still fit in the room that is left,
     so they are held only by refusals of requests no larger than themselves. A refusal of
-    unknown size holds every request. Value logic over the times it is given; a lock only keeps
-    concurrent updates consistent.
+    unknown size holds every request, and a request of unknown size is held by every refusal:
+    without sizes (the default, ``RetryPolicy.cooldown_by_size=False``) the whole client cools
+    down. Value logic over the times it is given; a lock only keeps concurrent updates
+    consistent.
     """
 
     __slots__ = ("_entries", "_lock", "advice")
@@ -392,6 +398,8 @@ class RetryCall:
         self.policy = policy
         self.cooldown = cooldown
         self.size = size  # KV tokens the request reserves (prompt + output cap), if known
+        # The size the cooldown goes by: None (every size) unless the policy sorts by size.
+        self._cooldown_size = size if policy.cooldown_by_size else None
         self.on_retry = on_retry
         self.started = policy.clock()
         self.attempts = 0
@@ -422,7 +430,7 @@ class RetryCall:
 
         Raises ServerBusyError when the cooldown outlasts the wait cap or the deadline.
         """
-        remaining = self.cooldown.remaining(self.policy.clock(), self.size)
+        remaining = self.cooldown.remaining(self.policy.clock(), self._cooldown_size)
         if remaining <= 0:
             return 0.0
         if remaining > self.policy.max_wait or remaining >= self.time_left():
@@ -452,7 +460,7 @@ class RetryCall:
         advice = error.retry_after if isinstance(error, APIStatusError) else None
         if advice is not None and advice > 0 and isinstance(error, APIStatusError):
             # The server said when it will have room: the whole client waits for that moment.
-            self.cooldown.extend(self.policy.clock(), advice, self.size)
+            self.cooldown.extend(self.policy.clock(), advice, self._cooldown_size)
         if budget is not None:
             budget.record_failure()
         if self.attempts >= self.policy.max_attempts:

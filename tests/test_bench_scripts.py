@@ -56,12 +56,13 @@ def test_retry_storm(tmp_path: Path) -> None:
     out, data = run_script(
         tmp_path,
         "retry_storm.py",
-        *("--capacity", "5", "--burst", "0.6", "--deadline", "2", "--clients", "naive,kvclient"),
+        *("--capacity", "5", "--burst", "0.6", "--deadline", "2"),
+        *("--clients", "naive,kvclient,kvclient cooldown_by_size"),
     )
     assert "| client" in out
     assert "kvclient goals" in out
     by_client = {r["client"]: r for r in data["results"]}
-    assert set(by_client) == {"naive", "kvclient"}
+    assert set(by_client) == {"naive", "kvclient", "kvclient cooldown_by_size"}
     for r in by_client.values():
         # The server's count of attempts and the client-side hook's agree.
         assert r["attempts_server"] == r["attempts_client"]

@@ -515,13 +515,23 @@ def test_a_429_cools_the_whole_client_down(server: FakeServer) -> None:
     assert result.attempts == 1
 
 
-def test_the_cooldown_holds_only_requests_at_least_as_large_as_the_refused_one(
+def test_a_429_holds_smaller_requests_too_by_default(server: FakeServer) -> None:
+    server.add("/v1/completions", busy("5"))
+    with make_client(server, retry=server.clock.policy(max_attempts=1)) as client:
+        with pytest.raises(ServerBusyError):
+            client.complete(PROMPT, max_tokens=800)
+        small = client.complete(PROMPT, max_tokens=50)
+    assert server.posts[1].at >= 5.0
+    assert small.retry_wait >= 5.0
+
+
+def test_cooldown_by_size_holds_only_requests_at_least_as_large_as_the_refused_one(
     server: FakeServer,
 ) -> None:
     """A 429 for 2 + 800 tokens says that much does not fit; a 2 + 50 request may, and goes at
     once, while another 2 + 800 (or larger) one waits out the server's time."""
     server.add("/v1/completions", busy("5"))
-    policy = server.clock.policy(max_attempts=1)
+    policy = server.clock.policy(max_attempts=1, cooldown_by_size=True)
     with make_client(server, retry=policy) as client:
         with pytest.raises(ServerBusyError):
             client.complete(PROMPT, max_tokens=800)

@@ -136,9 +136,52 @@ def test_retries_then_succeed(server: RunningServer) -> None:
     wait_for(lambda: at_zero(server))
 
 
+def test_cooldown_is_honoured_across_requests_of_one_client(server: RunningServer) -> None:
+    """After one 429, the client's other requests wait out the advice instead of sending.
+
+    The later requests are small: the server would have admitted them at once, so a 429-free
+    run with ``retry_wait > 0`` shows they were held by the client, not refused by the server.
+    """
+    holder = hold(server, 2000)  # 2008 reserved; due in ~0.5 s
+    retried = threading.Event()
+    events: list[RetryEvent] = []
+    results: dict[str, Any] = {}
+
+    def on_retry(event: RetryEvent) -> None:
+        events.append(event)
+        retried.set()
+
+    with Client(base_url=server.base_url, context_window=2048, on_retry=on_retry) as client:
+
+        def one(name: str, max_tokens: int) -> None:
+            results[name] = (client.complete("y", max_tokens=max_tokens), time.monotonic())
+
+        first = threading.Thread(target=one, args=("big", 1800))  # 1808: does not fit now
+        first.start()
+        assert retried.wait(5)
+        told = time.monotonic()
+        advice = events[0].retry_after
+        assert advice is not None
+        others = [threading.Thread(target=one, args=(f"small{i}", 100)) for i in range(3)]
+        for thread in others:
+            thread.start()
+        for thread in [first, *others]:
+            thread.join(30)
+    assert len(results) == 4
+    assert server.metrics()["kv_rejected_total"] == 1  # only the first request heard "no"
+    for i in range(3):
+        completion, finished = results[f"small{i}"]
+        assert completion.attempts == 1
+        assert completion.retry_wait > 0
+        assert finished - told >= advice * 0.9
+    holder.join(10)
+    wait_for(lambda: at_zero(server))
+
+
 def test_cooldown_holds_the_large_and_lets_the_small_fill_the_room(server: RunningServer) -> None:
-    """After a 429 for a large request, the client's requests small enough to fit in what
-    is left go at once and are admitted, while the large one waits out the advice.
+    """With ``cooldown_by_size``, after a 429 for a large request, the client's requests small
+    enough to fit in what is left go at once and are admitted, while the large one waits out the
+    advice.
 
     (That requests at least as large are held is checked against a scripted server in
     test_client_sync; here the real server shows the small ones really fit.)
@@ -152,7 +195,12 @@ def test_cooldown_holds_the_large_and_lets_the_small_fill_the_room(server: Runni
         events.append(event)
         retried.set()
 
-    with Client(base_url=server.base_url, context_window=2048, on_retry=on_retry) as client:
+    with Client(
+        base_url=server.base_url,
+        context_window=2048,
+        on_retry=on_retry,
+        retry=RetryPolicy(cooldown_by_size=True),
+    ) as client:
 
         def one(name: str, max_tokens: int) -> None:
             results[name] = (client.complete("y", max_tokens=max_tokens), time.monotonic())
