@@ -19,6 +19,7 @@ import pytest
 from kvclient import (
     AsyncClient,
     Client,
+    Completion,
     PromptTooLongError,
     RateLimitError,
     RetryEvent,
@@ -136,27 +137,32 @@ def test_retries_then_succeed(server: RunningServer) -> None:
     wait_for(lambda: at_zero(server))
 
 
-def test_cooldown_is_honoured_across_requests_of_one_client(server: RunningServer) -> None:
-    """After one 429, the client's other requests wait out the advice instead of sending.
+Finished = tuple[Completion, float]  # a completion and the monotonic time it came back
 
-    The later requests are small: the server would have admitted them at once, so a 429-free
-    run with ``retry_wait > 0`` shows they were held by the client, not refused by the server.
-    """
+
+def _large_refused_then_small(
+    server: RunningServer, policy: RetryPolicy
+) -> tuple[Finished, list[Finished], float, float]:
+    """With 2008 tokens held by another client, one client sends a large request (1808
+    tokens: refused, it fits only once the holder is done) and, once told to wait, three small
+    ones (108: they fit now). Returns the large, the small, when the 429 came and its advice."""
     holder = hold(server, 2000)  # 2008 reserved; due in ~0.5 s
     retried = threading.Event()
     events: list[RetryEvent] = []
-    results: dict[str, Any] = {}
+    results: dict[str, Finished] = {}
 
     def on_retry(event: RetryEvent) -> None:
         events.append(event)
         retried.set()
 
-    with Client(base_url=server.base_url, context_window=2048, on_retry=on_retry) as client:
+    with Client(
+        base_url=server.base_url, context_window=2048, on_retry=on_retry, retry=policy
+    ) as client:
 
         def one(name: str, max_tokens: int) -> None:
             results[name] = (client.complete("y", max_tokens=max_tokens), time.monotonic())
 
-        first = threading.Thread(target=one, args=("big", 1800))  # 1808: does not fit now
+        first = threading.Thread(target=one, args=("large", 1800))
         first.start()
         assert retried.wait(5)
         told = time.monotonic()
@@ -167,15 +173,24 @@ def test_cooldown_is_honoured_across_requests_of_one_client(server: RunningServe
             thread.start()
         for thread in [first, *others]:
             thread.join(30)
+    holder.join(10)
     assert len(results) == 4
     assert server.metrics()["kv_rejected_total"] == 1  # only the first request heard "no"
-    for i in range(3):
-        completion, finished = results[f"small{i}"]
+    wait_for(lambda: at_zero(server))
+    return results["large"], [results[f"small{i}"] for i in range(3)], told, advice
+
+
+def test_cooldown_is_honoured_across_requests_of_one_client(server: RunningServer) -> None:
+    """After one 429, the client's other requests wait out the advice instead of sending.
+
+    The later requests are small: the server would have admitted them at once, so a 429-free
+    run with ``retry_wait > 0`` shows they were held by the client, not refused by the server.
+    """
+    _, small, told, advice = _large_refused_then_small(server, RetryPolicy())
+    for completion, finished in small:
         assert completion.attempts == 1
         assert completion.retry_wait > 0
         assert finished - told >= advice * 0.9
-    holder.join(10)
-    wait_for(lambda: at_zero(server))
 
 
 def test_cooldown_holds_the_large_and_lets_the_small_fill_the_room(server: RunningServer) -> None:
@@ -186,47 +201,13 @@ def test_cooldown_holds_the_large_and_lets_the_small_fill_the_room(server: Runni
     (That requests at least as large are held is checked against a scripted server in
     test_client_sync; here the real server shows the small ones really fit.)
     """
-    holder = hold(server, 2000)  # 2008 reserved; due in ~0.5 s
-    retried = threading.Event()
-    events: list[RetryEvent] = []
-    results: dict[str, Any] = {}
-
-    def on_retry(event: RetryEvent) -> None:
-        events.append(event)
-        retried.set()
-
-    with Client(
-        base_url=server.base_url,
-        context_window=2048,
-        on_retry=on_retry,
-        retry=RetryPolicy(cooldown_by_size=True),
-    ) as client:
-
-        def one(name: str, max_tokens: int) -> None:
-            results[name] = (client.complete("y", max_tokens=max_tokens), time.monotonic())
-
-        first = threading.Thread(target=one, args=("big", 1800))  # 1808: does not fit now
-        first.start()
-        assert retried.wait(5)
-        told = time.monotonic()
-        advice = events[0].retry_after
-        assert advice is not None
-        others = [threading.Thread(target=one, args=(f"small{i}", 100)) for i in range(3)]
-        for thread in others:
-            thread.start()
-        for thread in [first, *others]:
-            thread.join(30)
-    assert len(results) == 4
-    assert server.metrics()["kv_rejected_total"] == 1  # only the first request heard "no"
-    big, big_finished = results["big"]
-    assert big.attempts == 2
-    assert big_finished - told >= advice * 0.9
-    for i in range(3):
-        completion, _ = results[f"small{i}"]
+    policy = RetryPolicy(cooldown_by_size=True)
+    (large, large_finished), small, told, advice = _large_refused_then_small(server, policy)
+    assert large.attempts == 2
+    assert large_finished - told >= advice * 0.9
+    for completion, _ in small:
         assert completion.attempts == 1
         assert completion.retry_wait == 0
-    holder.join(10)
-    wait_for(lambda: at_zero(server))
 
 
 def test_streaming_through_the_client(server: RunningServer) -> None:
