@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvclient import AsyncClient, Client, RetryPolicy
+from kvclient import AsyncClient, Client, RetryPolicy, ServerBusyError
 from kvclient._retry import SendWindow
 from kvclient.testing import FakeClock
 from tests.client_helpers import BASE_URL, CONTEXT, COUNTER, MODEL, busy, ok_completion
@@ -239,6 +239,50 @@ def test_sync_threads_wait_for_a_slot_after_a_refusal() -> None:
     assert gate.arrivals == 5
     assert client._window.in_flight == 0
     client.close()
+
+
+@pytest.mark.anyio
+async def test_a_send_still_waiting_for_room_at_its_deadline_gives_up() -> None:
+    released = anyio.Event()
+    arrivals = 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal arrivals
+        arrivals += 1
+        if arrivals == 1:
+            await released.wait()
+            return ok_completion()
+        return busy(None, ms="1") if arrivals == 2 else ok_completion()
+
+    clock = FakeClock()
+    client = AsyncClient(
+        base_url=BASE_URL, model=MODEL, context_window=CONTEXT, counter=COUNTER,
+        retry=clock.policy(window_reset=60.0, deadline=30.0),
+        transport=httpx.MockTransport(handler),
+    )  # fmt: skip
+    gave_up: list[ServerBusyError] = []
+
+    async def refused_then_waits() -> None:
+        with pytest.raises(ServerBusyError, match="no room freed") as info:
+            await client.complete(PROMPT)
+        gave_up.append(info.value)
+
+    async with client, anyio.create_task_group() as tg:
+        tg.start_soon(client.complete, PROMPT)  # stays in flight
+        while arrivals < 1:  # noqa: ASYNC110 - polling a plain counter
+            await anyio.sleep(0.001)
+        tg.start_soon(refused_then_waits)  # refused; its retry waits for room in the window
+        while not client._slot_waiters:  # noqa: ASYNC110 - polling a plain list
+            await anyio.sleep(0.001)
+        clock.advance(31.0)  # past its deadline
+        for event in client._slot_waiters:
+            event.set()
+        while not gave_up:  # noqa: ASYNC110 - polling a plain list
+            await anyio.sleep(0.001)
+        released.set()
+    assert arrivals == 2  # the waiting send never reached the server
+    assert gave_up[0].attempts == 1
+    assert client._window.in_flight == 0
 
 
 @pytest.mark.anyio
