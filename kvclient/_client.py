@@ -845,7 +845,7 @@ class Client(BaseClient):
 
     def _acquire_slot(self, call: RetryCall) -> None:
         clock = self.retry.clock
-        size = call.size or 1
+        size = call.size
         if not self.retry.window or self._window.try_acquire(clock(), size):
             return
         started = time.monotonic()
@@ -861,7 +861,7 @@ class Client(BaseClient):
         if not self.retry.window:
             return
         with self._window_changed:
-            self._window.release(outcome, self.retry.clock(), call.size or 1)
+            self._window.release(outcome, self.retry.clock(), call.size)
             self._window_changed.notify_all()
 
     def _attempt(self, call: RetryCall, attempt: Callable[[RetryCall], T], keep_slot: bool) -> T:
@@ -1049,7 +1049,7 @@ class AsyncClient(BaseClient):
 
     async def _acquire_slot(self, call: RetryCall) -> None:
         clock = self.retry.clock
-        size = call.size or 1
+        size = call.size
         if not self.retry.window or self._window.try_acquire(clock(), size):
             return
         started = time.monotonic()
@@ -1070,7 +1070,7 @@ class AsyncClient(BaseClient):
     def _release_slot(self, outcome: str, call: RetryCall) -> None:
         if not self.retry.window:
             return
-        self._window.release(outcome, self.retry.clock(), call.size or 1)
+        self._window.release(outcome, self.retry.clock(), call.size)
         waiters, self._slot_waiters = self._slot_waiters, []
         for event in waiters:
             event.set()

@@ -296,9 +296,9 @@ class Cooldown:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (size, until, advice), sorted: an entry that a smaller-or-equal size with a
-        # later-or-equal time already covers is dropped, so larger sizes have later times.
-        self._entries: list[tuple[float, float, float]] = []
+        # (size, until), sorted: an entry that a smaller-or-equal size with a later-or-equal
+        # time already covers is dropped, so larger sizes have later times.
+        self._entries: list[tuple[float, float]] = []
         self.advice: float | None = None
 
     def extend(self, now: float, advice: float, size: int | None = None) -> None:
@@ -308,19 +308,22 @@ class Cooldown:
         until = now + advice
         with self._lock:
             live = [e for e in self._entries if e[1] > now]
-            if any(s <= bound and u >= until for s, u, _ in live):
+            if any(s <= bound and u >= until for s, u in live):
                 self._entries = live
                 return  # already held at least that long
             kept = [e for e in live if not (e[0] >= bound and e[1] <= until)]
-            kept.append((bound, until, advice))
+            kept.append((bound, until))
             kept.sort()
             self._entries = kept
             self.advice = advice
 
     def remaining(self, now: float, size: int | None = None) -> float:
         """Seconds a request of ``size`` tokens (None: any size) holds before sending."""
+        entries = self._entries
+        if not entries:
+            return 0.0
         bound = math.inf if size is None else float(size)
-        until = max((u for s, u, _ in self._entries if s <= bound), default=-math.inf)
+        until = max((u for s, u in entries if s <= bound), default=-math.inf)
         return max(0.0, until - now)
 
 
@@ -397,7 +400,9 @@ class RetryCall:
     ) -> None:
         self.policy = policy
         self.cooldown = cooldown
-        self.size = size  # KV tokens the request reserves (prompt + output cap), if known
+        # KV tokens the request reserves (prompt + output cap), what the send window counts;
+        # 1 when unknown (GET /v1/models).
+        self.size = 1 if size is None else size
         # The size the cooldown goes by: None (every size) unless the policy sorts by size.
         self._cooldown_size = size if policy.cooldown_by_size else None
         self.on_retry = on_retry
@@ -459,7 +464,8 @@ class RetryCall:
             return _Decision(retry=False)
         advice = error.retry_after if isinstance(error, APIStatusError) else None
         if advice is not None and advice > 0 and isinstance(error, APIStatusError):
-            # The server said when it will have room: the whole client waits for that moment.
+            # The server said when it will have room: the client's requests (all, or with
+            # cooldown_by_size those at least this large) wait for that moment.
             self.cooldown.extend(self.policy.clock(), advice, self._cooldown_size)
         if budget is not None:
             budget.record_failure()
