@@ -192,30 +192,27 @@ def broken_sse(*events: dict[str, Any]) -> httpx.Response:
 COUNTER = TiktokenCounter()
 
 
-def make_client(server: FakeServer, **overrides: Any) -> Client:
+def client_options(server: FakeServer, **overrides: Any) -> dict[str, Any]:
+    """Client options for the scripted ``server``; with ``http_client=`` there is no transport."""
     options: dict[str, Any] = {
         "base_url": BASE_URL,
         "model": MODEL,
         "context_window": CONTEXT,
         "counter": COUNTER,
         "retry": server.clock.policy(),
-        "transport": httpx.MockTransport(server.handler),
     }
+    if "http_client" not in overrides:
+        options["transport"] = httpx.MockTransport(server.handler)
     options.update(overrides)
-    return Client(**options)
+    return options
+
+
+def make_client(server: FakeServer, **overrides: Any) -> Client:
+    return Client(**client_options(server, **overrides))
 
 
 def make_async_client(server: FakeServer, **overrides: Any) -> AsyncClient:
-    options: dict[str, Any] = {
-        "base_url": BASE_URL,
-        "model": MODEL,
-        "context_window": CONTEXT,
-        "counter": COUNTER,
-        "retry": server.clock.policy(),
-        "transport": httpx.MockTransport(server.handler),
-    }
-    options.update(overrides)
-    return AsyncClient(**options)
+    return AsyncClient(**client_options(server, **overrides))
 
 
 def new_server(**kwargs: Any) -> FakeServer:

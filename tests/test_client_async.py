@@ -252,14 +252,7 @@ async def test_context_manager_closes(server: FakeServer) -> None:
 
 async def test_injected_http_client_stays_open(server: FakeServer) -> None:
     http = httpx.AsyncClient(transport=httpx.MockTransport(server.handler))
-    async with AsyncClient(
-        base_url=BASE_URL + "/v1",
-        model=MODEL,
-        context_window=CONTEXT,
-        counter=COUNTER,
-        http_client=http,
-        retry=server.clock.policy(),
-    ) as client:
+    async with make_async_client(server, base_url=BASE_URL + "/v1", http_client=http) as client:
         await client.complete(PROMPT)
     assert not http.is_closed
     await http.aclose()

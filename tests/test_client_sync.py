@@ -244,15 +244,7 @@ def test_an_injected_http_client_sends_the_same_headers(server: FakeServer) -> N
         with client.complete_stream(PROMPT) as stream:
             list(stream)
     http = httpx.Client(transport=httpx.MockTransport(server.handler))
-    with Client(
-        base_url=BASE_URL,
-        model=MODEL,
-        context_window=CONTEXT,
-        counter=COUNTER,
-        http_client=http,
-        retry=server.clock.policy(),
-        **options,
-    ) as client:
+    with make_client(server, http_client=http, **options) as client:
         client.complete(PROMPT)
         with client.complete_stream(PROMPT) as stream:
             list(stream)
@@ -621,14 +613,7 @@ def test_context_manager_closes_owned_connections(server: FakeServer) -> None:
 
 def test_an_injected_http_client_is_not_closed(server: FakeServer) -> None:
     http = httpx.Client(transport=httpx.MockTransport(server.handler))
-    with Client(
-        base_url=BASE_URL,
-        model=MODEL,
-        context_window=CONTEXT,
-        counter=COUNTER,
-        http_client=http,
-        retry=server.clock.policy(),
-    ) as client:
+    with make_client(server, http_client=http) as client:
         client.complete(PROMPT)
     assert not http.is_closed
     http.close()
