@@ -281,8 +281,9 @@ class _DisconnectWatch:
     Per ASGI, ``receive()`` answers ``http.disconnect`` once the response has been sent, and
     uvicorn, hypercorn and httpx's ASGITransport wake a pending ``receive()`` then. So after the
     response the watcher ends by itself: :meth:`finish` lets it, and cancels it only on a server
-    that leaves it waiting. Cancelling it every time cost about a third of a one-token request
-    (anyio formats a cancel reason and redelivers the cancellation until the task wakes).
+    that leaves it waiting. Cancelling it every time cost about 60 µs a request, a third of the
+    endpoint's own work for one token (anyio formats a cancel reason and redelivers the
+    cancellation until the task wakes).
     """
 
     def __init__(self, receive: Receive, scope: anyio.CancelScope) -> None:
