@@ -17,7 +17,15 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -25,7 +33,7 @@ import anyio
 import httpx
 
 from ._accounting import effective_output_cap
-from ._errors import classify_error
+from ._dialects import Answer, Discovery, Probe, classify_error, discover_context
 from ._exceptions import (
     APIConnectionError,
     APIResponseError,
@@ -56,7 +64,6 @@ RETRY_COUNT_HEADER = "X-Retry-Count"
 
 _COMPLETIONS = "/v1/completions"
 _CHAT = "/v1/chat/completions"
-_MODELS = "/v1/models"
 # Keys kvclient owns in a request body; passing them through **params would bypass the clamp.
 _RESERVED = frozenset({"model", "prompt", "messages", "stream", "max_tokens"})
 # A request always gets a little time, even when the deadline is all but spent.
@@ -66,6 +73,8 @@ _DRAIN_EVENTS = 10_000
 _DRAIN_SECONDS = 1.0
 # How often a send waiting for a window slot re-checks (the window may reopen with time).
 _WINDOW_POLL = 0.1
+# Immediate re-sends of a request whose pooled keep-alive connection the server had closed.
+_STALE_RESENDS = 2  # per call
 
 
 class _Body(httpx.SyncByteStream, httpx.AsyncByteStream):
@@ -102,6 +111,18 @@ class _OneChunk:
         if data is None:
             raise StopAsyncIteration
         return data
+
+
+def _stale_connection(exc: httpx.HTTPError) -> bool:
+    """The peer closed the (pooled, idle) connection before any byte of the answer.
+
+    llama.cpp advertises keep-alive but closes the connection after each streamed answer; a
+    request sent on it in that instant fails this way. Nothing reached the engine and nothing
+    says it is in trouble, so the request goes again at once on a fresh connection (httpcore
+    drops the closed one), as Go's net/http does for a reused connection. Anything else a
+    transport raises (refused, reset mid-answer, timed out) takes the retry policy's path.
+    """
+    return isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc)
 
 
 def _slot_outcome(error: BaseException) -> str:
@@ -264,12 +285,13 @@ class BaseClient:
         }
         return {"timeout": timeout}
 
-    def _models_request(
-        self, http: httpx.Client | httpx.AsyncClient, call: RetryCall
+    def _probe_request(
+        self, http: httpx.Client | httpx.AsyncClient, probe: Probe, call: RetryCall
     ) -> httpx.Request:
         request = http.build_request(
-            "GET",
-            self._url(_MODELS),
+            probe.method,
+            self._url(probe.path),
+            json=probe.json,
             headers=self._base_headers,
             extensions=self._attempt_extensions(call),
         )
@@ -279,38 +301,43 @@ class BaseClient:
     def _needs_discovery(self) -> bool:
         return self.context_window is None or self.model is None
 
-    def _adopt_models(self, payload: Any) -> None:
-        """Take the context window (and the model, if unset) from a ``/v1/models`` answer."""
-        data = payload.get("data") if isinstance(payload, dict) else None
-        if not isinstance(data, list) or not all(isinstance(entry, dict) for entry in data):
-            raise APIResponseError(f"GET {_MODELS} did not answer an OpenAI model list")
-        if not data:
-            raise KVClientError(f"GET {_MODELS} lists no model; pass model= and context_window=")
+    def _discovery(self) -> Generator[Probe, Answer, Discovery]:
+        return discover_context(self.model, need_window=self.context_window is None)
+
+    @staticmethod
+    def _probe_answer(response: httpx.Response | None, error: KVClientError | None) -> Answer:
+        """A probe's outcome as the discovery driver takes it: another engine's 404 (or any
+        answer a retry could not fix) is an answer; unauthorised and unreachable are errors."""
+        if error is not None:
+            if not isinstance(error, APIStatusError) or error.status_code in (401, 403):
+                raise error
+            return Answer(error.status_code or 0)
+        assert response is not None
+        try:
+            payload = json.loads(response.content)
+        except ValueError:
+            payload = None
+        return Answer(response.status_code, payload)
+
+    def _adopt_discovery(self, found: Discovery) -> None:
+        """Take the model (if unset) and the context window (if unset) that discovery found."""
+        if found.problem is not None:
+            if self.context_window is not None and self.model is not None:
+                return
+            raise KVClientError(
+                f"{self.base_url}: {found.problem}; pass model= and context_window= to skip "
+                "discovery"
+            )
         if self.model is None:
-            entry = data[0]
-            model = entry.get("id")
-            if not isinstance(model, str):
-                raise APIResponseError(f"GET {_MODELS}: the first model has no id")
-            self.model = model
-        else:
-            matches = [entry for entry in data if entry.get("id") == self.model]
-            if not matches:
-                if self.context_window is not None:
-                    return
-                known = ", ".join(str(entry.get("id")) for entry in data)
+            if found.model is None:
                 raise KVClientError(
-                    f"model {self.model!r} is not served at {self.base_url} (it serves: "
-                    f"{known}); pass context_window= to skip discovery"
+                    f"{self.base_url}: no model discovered ({'; '.join(found.tried)}); pass model="
                 )
-            entry = matches[0]
+            self.model = found.model
         if self.context_window is None:
-            window = entry.get("max_model_len")
-            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-                raise KVClientError(
-                    f"{self.base_url}{_MODELS} does not report max_model_len for model "
-                    f"{self.model!r} (vLLM does; this server does not): pass context_window="
-                )
-            self.context_window = window
+            if found.context_window is None:
+                raise KVClientError(f"{self.base_url}: {found.explain()}")
+            self.context_window = found.context_window
 
     def _check_params(self, params: Mapping[str, Any]) -> None:
         bad = sorted(_RESERVED.intersection(params))
@@ -904,11 +931,18 @@ class Client(BaseClient):
                 results.append(self._attempt(call, attempt, keep_slot))
         return results[-1]
 
-    def _send_request(self, request: httpx.Request, *, stream: bool) -> httpx.Response:
-        try:
-            response = self._http.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc, request, answered=False) from exc
+    def _send_request(
+        self, request: httpx.Request, call: RetryCall, *, stream: bool
+    ) -> httpx.Response:
+        while True:
+            try:
+                response = self._http.send(request, stream=True)
+                break
+            except httpx.HTTPError as exc:
+                if call.resends < _STALE_RESENDS and _stale_connection(exc):
+                    call.resends += 1
+                    continue
+                raise self._transport_error(exc, request, answered=False) from exc
         if stream and response.status_code < 400:
             return response
         try:
@@ -923,7 +957,7 @@ class Client(BaseClient):
 
     def _send(self, prepared: _Prepared, call: RetryCall, *, stream: bool) -> httpx.Response:
         request = self._build_request(self._http, prepared, call)
-        return self._send_request(request, stream=stream)
+        return self._send_request(request, call, stream=stream)
 
     def _discover(self) -> None:
         if not self._needs_discovery():
@@ -932,11 +966,25 @@ class Client(BaseClient):
             if not self._needs_discovery():
                 return
 
-            def attempt(call: RetryCall) -> dict[str, Any]:
-                request = self._models_request(self._http, call)
-                return self._json(self._send_request(request, stream=False))
+            driver = self._discovery()
+            probe = next(driver)
+            while True:
+                answer = self._probe(probe)
+                try:
+                    probe = driver.send(answer)
+                except StopIteration as stop:
+                    self._adopt_discovery(stop.value)
+                    return
 
-            self._adopt_models(self._run(self._new_call(), attempt))
+    def _probe(self, probe: Probe) -> Answer:
+        def attempt(call: RetryCall) -> httpx.Response:
+            request = self._probe_request(self._http, probe, call)
+            return self._send_request(request, call, stream=False)
+
+        try:
+            return self._probe_answer(self._run(self._new_call(), attempt), None)
+        except KVClientError as error:
+            return self._probe_answer(None, error)
 
     def _call(self, prepared: _Prepared) -> Completion:
         call = self._new_call(prepared)
@@ -1111,11 +1159,18 @@ class AsyncClient(BaseClient):
                 results.append(await self._attempt(call, attempt, keep_slot))
         return results[-1]
 
-    async def _send_request(self, request: httpx.Request, *, stream: bool) -> httpx.Response:
-        try:
-            response = await self._http.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc, request, answered=False) from exc
+    async def _send_request(
+        self, request: httpx.Request, call: RetryCall, *, stream: bool
+    ) -> httpx.Response:
+        while True:
+            try:
+                response = await self._http.send(request, stream=True)
+                break
+            except httpx.HTTPError as exc:
+                if call.resends < _STALE_RESENDS and _stale_connection(exc):
+                    call.resends += 1
+                    continue
+                raise self._transport_error(exc, request, answered=False) from exc
         if stream and response.status_code < 400:
             return response
         try:
@@ -1130,7 +1185,7 @@ class AsyncClient(BaseClient):
 
     async def _send(self, prepared: _Prepared, call: RetryCall, *, stream: bool) -> httpx.Response:
         request = self._build_request(self._http, prepared, call)
-        return await self._send_request(request, stream=stream)
+        return await self._send_request(request, call, stream=stream)
 
     async def _discover(self) -> None:
         if not self._needs_discovery():
@@ -1141,11 +1196,25 @@ class AsyncClient(BaseClient):
             if not self._needs_discovery():
                 return
 
-            async def attempt(call: RetryCall) -> dict[str, Any]:
-                request = self._models_request(self._http, call)
-                return self._json(await self._send_request(request, stream=False))
+            driver = self._discovery()
+            probe = next(driver)
+            while True:
+                answer = await self._probe(probe)
+                try:
+                    probe = driver.send(answer)
+                except StopIteration as stop:
+                    self._adopt_discovery(stop.value)
+                    return
 
-            self._adopt_models(await self._run(self._new_call(), attempt))
+    async def _probe(self, probe: Probe) -> Answer:
+        async def attempt(call: RetryCall) -> httpx.Response:
+            request = self._probe_request(self._http, probe, call)
+            return await self._send_request(request, call, stream=False)
+
+        try:
+            return self._probe_answer(await self._run(self._new_call(), attempt), None)
+        except KVClientError as error:
+            return self._probe_answer(None, error)
 
     async def _call(self, prepared: _Prepared) -> Completion:
         call = self._new_call(prepared)

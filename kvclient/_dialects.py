@@ -1,22 +1,462 @@
 """What each engine says and means: one home for every fact about a server's dialect.
 
-Pure functions over parsed JSON and text, no I/O: the client, the contract suite and the gateway
-do the requests and hand the answers here. Engines: vLLM, llama.cpp (``llama-server``), TGI,
-SGLang, Ollama and our reference server (which speaks vLLM's dialect).
+Pure functions over status codes, parsed JSON and text; no I/O. The client, the contract suite and
+the gateway do the requests and hand the answers here. Engines: vLLM, llama.cpp (``llama-server``),
+TGI, SGLang, Ollama, and our reference server (which speaks vLLM's dialect).
 
-Sections:
-
-- context-window discovery (which endpoint, which field);
-- ``/tokenize`` request and answer shapes;
-- KV budget discovery (for the gateway).
+- **Error answers.** Each server words the same two situations differently. "The prompt does not
+  fit the context": our reference server's 413, OpenAI's and vLLM's 400 "maximum context length",
+  TGI's 422 "`inputs` tokens + `max_new_tokens` must be <= N", llama.cpp's 400
+  ``exceed_context_size_error``. "Full now, come back later": 429 (TGI says "Model is
+  overloaded") and 503 (vLLM, SGLang, Ollama's "server busy", llama.cpp's "Loading model").
+  :func:`classify_error` maps status + body to one exception class, whether a retry can help, and
+  the numbers the body carries.
+- **Context-window discovery.** :func:`discover_context` is a sans-I/O driver: it yields the
+  requests to make (:class:`Probe`), is sent each answer (:class:`Answer`) and returns a
+  :class:`Discovery`; the sync client, the async client and the contract suite each drive it with
+  their own I/O.
+- ``/tokenize`` shapes and KV budget discovery: below.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import json
+import re
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
 
-# --- context-window discovery ----------------------------------------------------------------
+from ._exceptions import (
+    APIStatusError,
+    AuthenticationError,
+    BadGatewayError,
+    BadRequestError,
+    GatewayTimeoutError,
+    InsufficientQuotaError,
+    InternalServerError,
+    KVClientError,
+    NotFoundError,
+    PermissionDeniedError,
+    PromptTooLongError,
+    RateLimitError,
+    ServiceUnavailableError,
+    UnprocessableEntityError,
+)
 
-# --- /tokenize --------------------------------------------------------------------------------
+__all__ = [
+    "CONTEXT_PROBES",
+    "RETRYABLE_STATUSES",
+    "STATUS_ERRORS",
+    "Answer",
+    "Discovery",
+    "ErrorClass",
+    "ErrorDetails",
+    "Probe",
+    "classify_error",
+    "discover_context",
+    "parse_error_body",
+]
 
-# --- KV budget --------------------------------------------------------------------------------
+# --- error answers ----------------------------------------------------------------------------
+
+#: The one status -> exception class table; anything else 4xx is APIStatusError, 5xx
+#: InternalServerError.
+STATUS_ERRORS: dict[int, type[APIStatusError]] = {
+    400: BadRequestError,
+    401: AuthenticationError,
+    403: PermissionDeniedError,
+    404: NotFoundError,
+    422: UnprocessableEntityError,
+    429: RateLimitError,
+    500: InternalServerError,
+    502: BadGatewayError,
+    503: ServiceUnavailableError,
+    504: GatewayTimeoutError,
+}
+
+#: Answers a retry can fix: the server is full or a proxy could not reach it, now.
+RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+
+_MAX_MESSAGE = 1000
+
+_CONTEXT_CODES = frozenset(
+    {"context_length_exceeded", "exceed_context_size_error", "prompt_too_long"}
+)
+_CONTEXT_PATTERNS = (
+    re.compile(r"maximum context length", re.I),  # OpenAI, vLLM, SGLang
+    re.compile(r"`inputs` tokens \+ `max_new_tokens` must be", re.I),  # TGI
+    re.compile(r"`inputs` must have less than \d+ tokens", re.I),  # TGI
+    re.compile(r"exceeds the available context size", re.I),  # llama.cpp
+    re.compile(r"context length exceeded|exceeds? the context window", re.I),
+    re.compile(r"is longer than the model's context length", re.I),  # SGLang
+)
+_QUOTA = "insufficient_quota"
+
+# Numbers in the messages: (pattern, group for the context window, group for prompt tokens).
+_NUMBER_PATTERNS: tuple[tuple[re.Pattern[str], int | None, int | None], ...] = (
+    # vLLM / OpenAI: "maximum context length is 8192 tokens. However, you requested 9000 tokens
+    # (8000 in the messages, 1000 in the completion)"
+    (re.compile(r"maximum context length is (\d+) tokens", re.I), 1, None),
+    (re.compile(r"\((\d+) in the (?:messages|prompt)", re.I), None, 1),
+    # vLLM >= 0.6: "However, your request has 9000 input tokens"; "your messages resulted in N"
+    (re.compile(r"request has (\d+) input tokens", re.I), None, 1),
+    (re.compile(r"(?:messages|prompt) resulted in (\d+) tokens", re.I), None, 1),
+    (re.compile(r"prompt (?:has|contains|is|of) (\d+) tokens", re.I), None, 1),
+    (re.compile(r"context window (?:is |of )(\d+) tokens", re.I), 1, None),
+    # TGI: "must be <= 4096. Given: 4000 `inputs` tokens and 200 `max_new_tokens`"
+    (re.compile(r"must be <= (\d+)\. Given: (\d+) `inputs` tokens", re.I), 1, None),
+    (re.compile(r"Given: (\d+) `inputs` tokens", re.I), None, 1),
+    # TGI: "`inputs` must have less than 4096 tokens. Given: 5000"
+    (re.compile(r"`inputs` must have less than (\d+) tokens\. Given: (\d+)", re.I), 1, None),
+    (re.compile(r"`inputs` must have less than \d+ tokens\. Given: (\d+)", re.I), None, 1),
+    # llama.cpp: "request (9412 tokens) exceeds the available context size (8192 tokens)"
+    (re.compile(r"request \((\d+) tokens\) exceeds", re.I), None, 1),
+    (re.compile(r"available context size \((\d+) tokens\)", re.I), 1, None),
+    # SGLang: "The input (9000 tokens) is longer than the model's context length (8192 tokens)"
+    (re.compile(r"input \((\d+) tokens\)", re.I), None, 1),
+    (re.compile(r"context length \((\d+) tokens\)", re.I), 1, None),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorDetails:
+    """What an error body says, whatever its server's shape."""
+
+    message: str
+    error_type: str | None = None
+    code: str | None = None
+    prompt_tokens: int | None = None
+    context_window: int | None = None
+    body: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorClass:
+    """The verdict on an error answer."""
+
+    exception: type[KVClientError]
+    retryable: bool
+    details: ErrorDetails
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value if isinstance(value, str) else str(value)
+
+
+def _code(value: Any, error_type: str | None) -> str | None:
+    """The error's kind. llama.cpp (and vLLM >= 0.8) put the HTTP status in ``code`` as a number
+    and the kind in ``type``: then the kind is the type."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return error_type
+    return _text(value)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_error_body(content: bytes | str) -> ErrorDetails:
+    """The message, type, code and token numbers of an error body (any server's shape).
+
+    Shapes: OpenAI ``{"error": {"message", "type", "code"}}`` (also vLLM >= 0.8, SGLang, our
+    reference server, llama.cpp with its ``n_prompt_tokens``/``n_ctx``); vLLM's older flat
+    ``{"object": "error", "message", "type", "code"}``; TGI's and Ollama's
+    ``{"error": "...", "error_type": "..."}``; FastAPI's ``{"detail": ...}``; plain text.
+    """
+    text = content.decode("utf-8", "replace") if isinstance(content, bytes) else content
+    try:
+        body: Any = json.loads(text) if text.strip() else None
+    except ValueError:
+        body = None
+    message: str | None = None
+    error_type = code = None
+    prompt_tokens = context_window = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict):
+            message = _text(error.get("message"))
+            error_type = _text(error.get("type"))
+            code = _code(error.get("code"), error_type)
+            prompt_tokens = _int(error.get("n_prompt_tokens"))
+            context_window = _int(error.get("n_ctx"))
+        elif isinstance(error, str):
+            message = error
+            error_type = _text(body.get("error_type"))
+            code = _text(body.get("code"))
+        elif "message" in body:
+            message = _text(body.get("message"))
+            error_type = _text(body.get("type"))
+            code = _code(body.get("code"), error_type)
+        elif "detail" in body:
+            detail = body["detail"]
+            message = detail if isinstance(detail, str) else json.dumps(detail)[:_MAX_MESSAGE]
+    if message is None:
+        message = text.strip() or "(empty body)"
+    message = message[:_MAX_MESSAGE]
+    for pattern, window_group, prompt_group in _NUMBER_PATTERNS:
+        match = pattern.search(message)
+        if match is None:
+            continue
+        if window_group is not None and context_window is None:
+            context_window = int(match.group(window_group))
+        if prompt_group is not None and prompt_tokens is None:
+            prompt_tokens = int(match.group(prompt_group))
+    return ErrorDetails(message, error_type, code, prompt_tokens, context_window, body)
+
+
+def _is_context_error(status: int, details: ErrorDetails) -> bool:
+    if status == 413:
+        return True
+    if status not in (400, 422):
+        return False
+    if details.code in _CONTEXT_CODES or details.error_type in _CONTEXT_CODES:
+        return True
+    return any(pattern.search(details.message) for pattern in _CONTEXT_PATTERNS)
+
+
+def classify_error(status: int, content: bytes | str) -> ErrorClass:
+    """Which exception an error answer becomes, and whether a retry can help."""
+    details = parse_error_body(content)
+    if _is_context_error(status, details):
+        return ErrorClass(PromptTooLongError, False, details)
+    if status == 429 and _QUOTA in (details.code, details.error_type):
+        return ErrorClass(InsufficientQuotaError, False, details)
+    exception: type[APIStatusError] = STATUS_ERRORS.get(
+        status, InternalServerError if status >= 500 else APIStatusError
+    )
+    return ErrorClass(exception, status in RETRYABLE_STATUSES, details)
+
+
+# --- context-window discovery -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One discovery request: ``method path`` with an optional JSON body."""
+
+    method: str
+    path: str
+    json: dict[str, Any] | None = None
+    #: Which engines answer it, for messages.
+    engines: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a probe got: the HTTP status and the decoded JSON body (None when it was not JSON)."""
+
+    status: int
+    payload: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Discovery:
+    """What discovery found. ``context_window`` is None when no probe told it."""
+
+    model: str | None
+    context_window: int | None
+    #: The engine whose dialect answered (``"vllm"``, ``"llama.cpp"``, ``"tgi"``, ...), if known.
+    engine: str | None = None
+    #: Where the window came from, e.g. ``"GET /v1/models data[].meta.n_ctx"``.
+    source: str | None = None
+    #: Every probe made and what it answered, for the error when nothing told the window.
+    tried: tuple[str, ...] = ()
+    #: A problem to report instead of guessing (a listed model mismatch, a bad number).
+    problem: str | None = None
+    #: Facts found on the way that the gateway uses (llama.cpp ``total_slots``, ...).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def explain(self) -> str:
+        """One line: what was tried, and what to do."""
+        tried = "; ".join(self.tried) or "nothing"
+        return f"no context window discovered (tried: {tried}); pass context_window="
+
+
+MODELS = Probe("GET", "/v1/models", engines="vLLM, llama.cpp, SGLang, TGI, Ollama, ours")
+PROPS = Probe("GET", "/props", engines="llama.cpp")
+TGI_INFO = Probe("GET", "/info", engines="TGI")
+SGLANG_MODEL_INFO = Probe("GET", "/get_model_info", engines="SGLang")
+SGLANG_SERVER_INFO = Probe("GET", "/get_server_info", engines="SGLang")
+
+#: The probes in the order :func:`discover_context` makes them (Ollama's ``POST /api/show`` comes
+#: last, once a model name is known).
+CONTEXT_PROBES = (MODELS, PROPS, TGI_INFO, SGLANG_MODEL_INFO, SGLANG_SERVER_INFO)
+
+
+def _positive(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None
+    return value
+
+
+def _dig(payload: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(payload, dict):
+            return None
+        payload = payload.get(key)
+    return payload
+
+
+def models_entry(payload: Any, model: str | None) -> tuple[dict[str, Any] | None, str | None]:
+    """``(entry, problem)``: the ``/v1/models`` entry of ``model`` (else the first listed).
+
+    llama.cpp lists its model by file path and accepts any name; its entry's ``aliases`` count
+    as names too.
+    """
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        return None, "/v1/models is not an OpenAI model list"
+    entries = [e for e in data if isinstance(e, dict) and isinstance(e.get("id"), str)]
+    if not entries:
+        return None, "/v1/models lists no model"
+    if model is None:
+        return entries[0], None
+    for entry in entries:
+        aliases = entry.get("aliases")
+        names = {entry["id"], *(aliases if isinstance(aliases, list) else ())}
+        if model in names:
+            return entry, None
+    listed = ", ".join(str(e["id"]) for e in entries[:5])
+    return None, f"model {model!r} is not served (it serves: {listed})"
+
+
+def window_from_models_entry(entry: dict[str, Any]) -> tuple[int | None, str | None, str | None]:
+    """``(window, engine, field)`` from a ``/v1/models`` entry: vLLM's (and ours)
+    ``max_model_len``, llama.cpp's ``meta.n_ctx`` (the per-request window: ``-c`` over
+    ``--parallel``)."""
+    window = _positive(entry.get("max_model_len"))
+    if window is not None:
+        return window, "vllm", "max_model_len"
+    window = _positive(_dig(entry, "meta", "n_ctx"))
+    if window is not None:
+        return window, "llama.cpp", "meta.n_ctx"
+    return None, None, None
+
+
+def window_from_props(payload: Any) -> int | None:
+    """llama.cpp ``GET /props``: ``default_generation_settings.n_ctx`` (per slot)."""
+    return _positive(_dig(payload, "default_generation_settings", "n_ctx"))
+
+
+def window_from_tgi_info(payload: Any) -> int | None:
+    """TGI ``GET /info``: ``max_total_tokens`` (input + new tokens of one request)."""
+    return _positive(_dig(payload, "max_total_tokens"))
+
+
+def window_from_sglang(payload: Any) -> int | None:
+    """SGLang ``GET /get_model_info`` / ``/get_server_info``: ``context_length``."""
+    window = _positive(_dig(payload, "context_length"))
+    if window is None:
+        window = _positive(_dig(payload, "server_args", "context_length"))
+    return window
+
+
+def window_from_ollama_show(payload: Any) -> int | None:
+    """Ollama ``POST /api/show``: ``model_info["<architecture>.context_length"]``."""
+    info = _dig(payload, "model_info")
+    if not isinstance(info, dict):
+        return None
+    arch = info.get("general.architecture")
+    if isinstance(arch, str):
+        window = _positive(info.get(f"{arch}.context_length"))
+        if window is not None:
+            return window
+    for key, value in info.items():
+        if isinstance(key, str) and key.endswith(".context_length"):
+            return _positive(value)
+    return None
+
+
+def _model_from(payload: Any, *keys: str) -> str | None:
+    for key in keys:
+        value = _dig(payload, key)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def discover_context(
+    model: str | None, *, need_window: bool = True
+) -> Generator[Probe, Answer, Discovery]:
+    """Find the model and its per-request context window, in this order:
+
+    1. ``GET /v1/models``: ``max_model_len`` (vLLM, ours) or ``meta.n_ctx`` (llama.cpp);
+    2. ``GET /props``: ``default_generation_settings.n_ctx`` (llama.cpp);
+    3. ``GET /info``: ``max_total_tokens`` (TGI);
+    4. ``GET /get_model_info``, then ``GET /get_server_info``: ``context_length`` (SGLang);
+    5. ``POST /api/show`` with the model: ``model_info.<arch>.context_length`` (Ollama).
+
+    Drive it: ``probe = next(gen)``, then ``probe = gen.send(answer)`` until ``StopIteration``
+    carries the :class:`Discovery`. A probe answered with anything but 200 (404 on another
+    engine) moves on; the caller decides what to raise for 401/403 or an unreachable server.
+    With ``need_window=False`` it stops once the model is known.
+    """
+    tried: list[str] = []
+    extra: dict[str, Any] = {}
+
+    def done(window: int, engine: str, source: str) -> Discovery:
+        return Discovery(model, window, engine, source, tuple(tried), None, extra)
+
+    answer = yield MODELS
+    tried.append(f"{MODELS} -> {answer.status}")
+    if answer.status == 200:
+        entry, problem = models_entry(answer.payload, model)
+        if entry is None:
+            return Discovery(model, None, None, None, tuple(tried), problem, extra)
+        if model is None:
+            model = entry["id"]
+        window, engine, name = window_from_models_entry(entry)
+        if window is not None and engine is not None:
+            return done(window, engine, f"{MODELS} data[].{name}")
+        tried[-1] += " (no max_model_len or meta.n_ctx)"
+        if not need_window:
+            return Discovery(model, None, None, None, tuple(tried), None, extra)
+
+    answer = yield PROPS
+    tried.append(f"{PROPS} -> {answer.status}")
+    if answer.status == 200:
+        slots = _positive(_dig(answer.payload, "total_slots"))
+        if slots is not None:
+            extra["total_slots"] = slots
+        window = window_from_props(answer.payload)
+        if window is not None:
+            return done(window, "llama.cpp", f"{PROPS} default_generation_settings.n_ctx")
+
+    answer = yield TGI_INFO
+    tried.append(f"{TGI_INFO} -> {answer.status}")
+    if answer.status == 200:
+        window = window_from_tgi_info(answer.payload)
+        if model is None:
+            model = _model_from(answer.payload, "model_id")
+        if window is not None:
+            return done(window, "tgi", f"{TGI_INFO} max_total_tokens")
+
+    for probe in (SGLANG_MODEL_INFO, SGLANG_SERVER_INFO):
+        answer = yield probe
+        tried.append(f"{probe} -> {answer.status}")
+        if answer.status == 200:
+            if model is None:
+                model = _model_from(answer.payload, "model_path", "served_model_name")
+            window = window_from_sglang(answer.payload)
+            if window is not None:
+                return done(window, "sglang", f"{probe} context_length")
+
+    if model is not None:
+        show = Probe("POST", "/api/show", {"model": model}, engines="Ollama")
+        answer = yield show
+        tried.append(f"{show} -> {answer.status}")
+        if answer.status == 200:
+            window = window_from_ollama_show(answer.payload)
+            if window is not None:
+                return done(window, "ollama", f"{show} model_info.*.context_length")
+    return Discovery(model, None, None, None, tuple(tried), None, extra)
+
+
+# --- /tokenize ---------------------------------------------------------------------------------
+
+# --- KV budget ---------------------------------------------------------------------------------

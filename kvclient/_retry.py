@@ -410,6 +410,10 @@ class RetryCall:
         self.attempts = 0
         self.history: list[RetryEvent] = []
         self.waited = 0.0
+        # Immediate re-sends after the server closed a pooled connection (the client's
+        # _stale_connection): bounded per call, so a server that always hangs up costs a couple
+        # of sends more, not a multiple of every attempt.
+        self.resends = 0
         self._decision = _Decision(retry=False)
 
     # --- decisions ---------------------------------------------------------------------------

@@ -96,6 +96,15 @@ async def test_retryable_failures_are_retried(server: FakeServer, failure: objec
     assert result.retry_wait == pytest.approx(sum(server.clock.sleeps))
 
 
+async def test_a_closed_keep_alive_connection_is_resent_at_once(server: FakeServer) -> None:
+    closed = httpx.RemoteProtocolError("Server disconnected without sending a response.")
+    server.add("/v1/completions", closed, closed, ok_completion())
+    async with make_async_client(server) as client:
+        result = await client.complete(PROMPT)
+    assert len(server.posts) == 3
+    assert (result.attempts, result.history, server.clock.sleeps) == (1, (), [])
+
+
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422])
 async def test_client_errors_are_not_retried(server: FakeServer, status: int) -> None:
     server.add("/v1/completions", httpx.Response(status, json={"error": {"message": "no"}}))

@@ -18,7 +18,7 @@ from kvclient import (
     ServiceUnavailableError,
     UnprocessableEntityError,
 )
-from kvclient._errors import classify_error, parse_error_body
+from kvclient._dialects import classify_error, parse_error_body
 from tests.client_helpers import (
     make_async_client,
     make_client,

@@ -171,14 +171,18 @@ def test_discovery_adopts_the_first_model_when_none_is_given(server: FakeServer)
     assert server.posts[0].body["model"] == "served"
 
 
-def test_discovery_without_max_model_len_says_pass_context_window(server: FakeServer) -> None:
+def test_discovery_without_any_window_says_what_it_tried(server: FakeServer) -> None:
     server.add("/v1/models", models({"id": MODEL, "object": "model"}))
+    for path in ("/props", "/info", "/get_model_info", "/get_server_info", "/api/show"):
+        server.add(path, httpx.Response(404, json={"detail": "Not Found"}))
     with (
         make_client(server, context_window=None) as client,
-        pytest.raises(KVClientError, match="context_window="),
+        pytest.raises(KVClientError, match="context_window=") as caught,
     ):
         client.complete(PROMPT)
-    assert server.posts == []
+    assert "GET /props -> 404" in str(caught.value)
+    assert "POST /api/show -> 404" in str(caught.value)
+    assert [s.path for s in server.posts] == ["/api/show"]  # nothing generated
 
 
 def test_discovery_of_an_unknown_model_names_the_served_ones(server: FakeServer) -> None:
@@ -274,6 +278,26 @@ def test_each_call_has_its_own_idempotency_key(server: FakeServer) -> None:
 # --- what is retried -------------------------------------------------------------------------
 
 
+def test_a_closed_keep_alive_connection_is_resent_at_once(server: FakeServer) -> None:
+    """llama.cpp closes a keep-alive connection after each stream: no backoff, no attempt."""
+    closed = httpx.RemoteProtocolError("Server disconnected without sending a response.")
+    server.add("/v1/completions", closed, closed, ok_completion())
+    with make_client(server) as client:
+        result = client.complete(PROMPT)
+    assert len(server.posts) == 3
+    assert (result.attempts, result.history, server.clock.sleeps) == (1, (), [])
+
+
+def test_a_server_that_keeps_closing_connections_takes_the_retry_path(server: FakeServer) -> None:
+    closed = httpx.RemoteProtocolError("Server disconnected without sending a response.")
+    server.add("/v1/completions", closed, closed, closed, ok_completion())
+    with make_client(server) as client:
+        result = client.complete(PROMPT)
+    assert len(server.posts) == 4
+    assert result.attempts == 2
+    assert len(server.clock.sleeps) == 1
+
+
 @pytest.mark.parametrize(
     "failure",
     [
@@ -285,7 +309,7 @@ def test_each_call_has_its_own_idempotency_key(server: FakeServer) -> None:
         httpx.ConnectError("connection refused"),
         httpx.ConnectTimeout("connect timed out"),
         httpx.ReadTimeout("no answer in time"),
-        httpx.RemoteProtocolError("Server disconnected without sending a response."),
+        httpx.RemoteProtocolError("peer closed connection without sending complete message"),
     ],
     ids=[
         "429",
@@ -296,7 +320,7 @@ def test_each_call_has_its_own_idempotency_key(server: FakeServer) -> None:
         "refused",
         "connect-timeout",
         "read-timeout",
-        "disconnected",
+        "protocol-error",
     ],
 )
 def test_retryable_failures_are_retried(server: FakeServer, failure: object) -> None:

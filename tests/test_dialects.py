@@ -1,0 +1,226 @@
+"""The engine dialects, from realistic bodies: context-window discovery and error kinds."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvclient import PromptTooLongError
+from kvclient._dialects import Answer, Discovery, classify_error, discover_context
+
+NOT_FOUND = Answer(404, {"detail": "Not Found"})
+
+LLAMA_CPP_MODELS = {
+    "models": [{"name": "/m/tiny.gguf", "model": "/m/tiny.gguf", "type": "model"}],
+    "object": "list",
+    "data": [
+        {
+            "id": "/m/tiny.gguf",
+            "aliases": ["/m/tiny.gguf"],
+            "object": "model",
+            "owned_by": "llamacpp",
+            "meta": {"vocab_type": 2, "n_vocab": 128256, "n_ctx": 512, "n_ctx_train": 8192},
+        }
+    ],
+}
+LLAMA_CPP_PROPS = {
+    "default_generation_settings": {"n_ctx": 512, "params": {"n_predict": -1}},
+    "total_slots": 4,
+    "model_path": "/m/tiny.gguf",
+    "build_info": "b1-0c1e570",
+}
+VLLM_MODELS = {
+    "object": "list",
+    "data": [
+        {
+            "id": "meta-llama/Llama-3.1-8B-Instruct",
+            "object": "model",
+            "owned_by": "vllm",
+            "root": "meta-llama/Llama-3.1-8B-Instruct",
+            "parent": None,
+            "max_model_len": 8192,
+            "permission": [{"id": "modelperm-1", "object": "model_permission"}],
+        }
+    ],
+}
+TGI_MODELS = {"object": "list", "data": [{"id": "tgi", "object": "model", "owned_by": "tgi"}]}
+TGI_INFO = {
+    "model_id": "mistralai/Mistral-7B-Instruct-v0.3",
+    "model_dtype": "torch.float16",
+    "max_concurrent_requests": 128,
+    "max_input_tokens": 4095,
+    "max_total_tokens": 4096,
+    "router": "text-generation-router",
+    "version": "3.0.1",
+}
+SGLANG_MODEL_INFO = {"model_path": "Qwen/Qwen3-8B", "tokenizer_path": "Qwen/Qwen3-8B"}
+SGLANG_SERVER_INFO = {
+    "model_path": "Qwen/Qwen3-8B",
+    "context_length": 32768,
+    "max_total_num_tokens": 412000,
+    "version": "0.4.6",
+}
+OLLAMA_MODELS = {
+    "object": "list",
+    "data": [{"id": "llama3.2:latest", "object": "model", "owned_by": "library"}],
+}
+OLLAMA_SHOW = {
+    "template": "{{ .Prompt }}",
+    "details": {"family": "llama", "parameter_size": "3.2B"},
+    "model_info": {
+        "general.architecture": "llama",
+        "general.parameter_count": 3212749888,
+        "llama.context_length": 131072,
+        "llama.embedding_length": 3072,
+    },
+}
+
+
+def drive(answers: dict[str, Answer], model: str | None = None, **kw: Any) -> Discovery:
+    """Run the driver against scripted answers (any path not scripted: 404)."""
+    driver = discover_context(model, **kw)
+    probe = next(driver)
+    seen = []
+    while True:
+        seen.append(str(probe))
+        if probe.path == "/api/show":
+            assert probe.json is not None
+            assert isinstance(probe.json["model"], str)
+        try:
+            probe = driver.send(answers.get(str(probe), NOT_FOUND))
+        except StopIteration as stop:
+            result: Discovery = stop.value
+            assert len(result.tried) == len(seen)
+            return result
+
+
+def test_vllm_and_ours_from_max_model_len() -> None:
+    found = drive({"GET /v1/models": Answer(200, VLLM_MODELS)})
+    assert (found.model, found.context_window, found.engine) == (
+        "meta-llama/Llama-3.1-8B-Instruct",
+        8192,
+        "vllm",
+    )
+    assert found.tried == ("GET /v1/models -> 200",)
+
+
+def test_llama_cpp_from_meta_n_ctx_per_slot() -> None:
+    found = drive({"GET /v1/models": Answer(200, LLAMA_CPP_MODELS)})
+    assert (found.model, found.context_window, found.engine) == ("/m/tiny.gguf", 512, "llama.cpp")
+
+
+def test_llama_cpp_alias_names_the_model() -> None:
+    models = json.loads(json.dumps(LLAMA_CPP_MODELS))
+    models["data"][0]["aliases"].append("tiny")
+    found = drive({"GET /v1/models": Answer(200, models)}, model="tiny")
+    assert (found.model, found.context_window) == ("tiny", 512)
+
+
+def test_older_llama_cpp_from_props() -> None:
+    models = json.loads(json.dumps(LLAMA_CPP_MODELS))
+    del models["data"][0]["meta"]
+    found = drive(
+        {"GET /v1/models": Answer(200, models), "GET /props": Answer(200, LLAMA_CPP_PROPS)}
+    )
+    assert (found.context_window, found.engine, found.extra) == (
+        512,
+        "llama.cpp",
+        {"total_slots": 4},
+    )
+
+
+def test_tgi_from_info_max_total_tokens() -> None:
+    found = drive({"GET /v1/models": Answer(200, TGI_MODELS), "GET /info": Answer(200, TGI_INFO)})
+    assert (found.model, found.context_window, found.engine) == ("tgi", 4096, "tgi")
+    found = drive({"GET /info": Answer(200, TGI_INFO)})  # an older TGI without /v1/models
+    assert found.model == "mistralai/Mistral-7B-Instruct-v0.3"
+
+
+def test_sglang_from_server_info_context_length() -> None:
+    found = drive(
+        {
+            "GET /get_model_info": Answer(200, SGLANG_MODEL_INFO),
+            "GET /get_server_info": Answer(200, SGLANG_SERVER_INFO),
+        }
+    )
+    assert (found.model, found.context_window, found.engine) == ("Qwen/Qwen3-8B", 32768, "sglang")
+
+
+def test_ollama_from_api_show() -> None:
+    found = drive(
+        {"GET /v1/models": Answer(200, OLLAMA_MODELS), "POST /api/show": Answer(200, OLLAMA_SHOW)}
+    )
+    assert (found.model, found.context_window, found.engine) == (
+        "llama3.2:latest",
+        131072,
+        "ollama",
+    )
+
+
+def test_nothing_answers_says_what_was_tried() -> None:
+    found = drive({"GET /v1/models": Answer(200, TGI_MODELS)})
+    assert found.context_window is None
+    message = found.explain()
+    for probe in ("GET /v1/models", "GET /props", "GET /info", "GET /get_server_info"):
+        assert probe in message
+    assert "POST /api/show -> 404" in message
+    assert "context_window=" in message
+
+
+def test_a_model_not_served_is_a_problem_not_a_guess() -> None:
+    found = drive({"GET /v1/models": Answer(200, VLLM_MODELS)}, model="typo")
+    assert found.context_window is None
+    assert found.problem is not None
+    assert "'typo' is not served" in found.problem
+    assert "meta-llama/Llama-3.1-8B-Instruct" in found.problem
+
+
+def test_window_known_stops_once_the_model_is() -> None:
+    found = drive({"GET /v1/models": Answer(200, TGI_MODELS)}, need_window=False)
+    assert (found.model, found.tried) == (
+        "tgi",
+        ("GET /v1/models -> 200 (no max_model_len or meta.n_ctx)",),
+    )
+
+
+@pytest.mark.parametrize("bad", [0, -5, True, "8192", 8192.0, None])
+def test_bad_numbers_are_not_windows(bad: object) -> None:
+    models = {"data": [{"id": "m", "max_model_len": bad, "meta": {"n_ctx": bad}}]}
+    found = drive({"GET /v1/models": Answer(200, models)})
+    assert found.context_window is None
+
+
+# --- error kinds ------------------------------------------------------------------------------
+
+
+def test_llama_cpp_context_error_keeps_its_kind_and_numbers() -> None:
+    body = {
+        "error": {
+            "code": 400,
+            "message": "request (600 tokens) exceeds the available context size (512 tokens), "
+            "try increasing it",
+            "type": "exceed_context_size_error",
+            "n_prompt_tokens": 600,
+            "n_ctx": 512,
+        }
+    }
+    verdict = classify_error(400, json.dumps(body))
+    assert verdict.exception is PromptTooLongError
+    assert not verdict.retryable
+    details = verdict.details
+    assert (details.code, details.error_type) == ("exceed_context_size_error",) * 2
+    assert (details.prompt_tokens, details.context_window) == (600, 512)
+
+
+def test_llama_cpp_loading_503_is_retryable_with_its_kind() -> None:
+    body = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    verdict = classify_error(503, json.dumps(body))
+    assert verdict.retryable
+    assert verdict.details.code == "unavailable_error"
+
+
+def test_a_string_code_stays_the_code() -> None:
+    body = {"error": {"message": "x", "type": "invalid_request_error", "code": "model_not_found"}}
+    assert classify_error(404, json.dumps(body)).details.code == "model_not_found"
