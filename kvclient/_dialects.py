@@ -411,6 +411,10 @@ def discover_context(
         if model is None:
             model = entry["id"]
         window, engine, name = window_from_models_entry(entry)
+        reported = entry.get("max_model_len")
+        if window is None and reported is not None:
+            problem = f"/v1/models max_model_len {reported!r} is not a positive integer"
+            return Discovery(model, None, None, None, tuple(tried), problem, extra)
         if window is not None and engine is not None:
             return done(window, engine, f"{MODELS} data[].{name}")
         tried[-1] += " (no max_model_len or meta.n_ctx)"

@@ -26,7 +26,6 @@ from kvclient.contract._checks import _has_text
 from kvclient.contract._judge import (
     BurstOutcome,
     classify_error_body,
-    find_context_window,
     judge_bad_input,
     judge_completion_tokens,
     judge_overlong_prompt,
@@ -135,18 +134,6 @@ def test_judge_bad_input() -> None:
     assert "retryable" in (judge_bad_input("x", 429, json_error) or "")
     assert "without a JSON" in (judge_bad_input("x", 400, classify_error_body(b"no")) or "")
     assert "dropped" in (judge_bad_input("x", None, json_error) or "")
-
-
-def test_find_context_window() -> None:
-    models = {"data": [{"id": "a", "max_model_len": 4096}, {"id": "b"}]}
-    assert find_context_window(models, None) == ("a", 4096, None)
-    assert find_context_window(models, "b") == ("b", None, None)
-    assert "not listed" in (find_context_window(models, "c")[2] or "")
-    assert "not a positive" in (
-        find_context_window({"data": [{"id": "a", "max_model_len": "8k"}]}, None)[2] or ""
-    )
-    assert "no model" in (find_context_window({"data": []}, None)[2] or "")
-    assert "not an OpenAI" in (find_context_window(["a"], None)[2] or "")
 
 
 def test_usage_and_completion_limits() -> None:

@@ -43,14 +43,15 @@ def test_a_failed_check_fails_its_test_with_the_evidence(pytester: pytest.Pytest
             "--kv-contract-url",
             server.base_url,
             "--kv-contract-context-window",
-            "16",  # smaller than the server's: the unset cap's output overruns it
+            "16",  # not the server's window: the checks would test the wrong limit
             *ARGS,
             "-m",
             "kv_contract",
             "-k",
             "unset_max_tokens or context_window",
         )
+    # The mismatch fails context_window; unset_max_tokens is then judged on the server's window.
     result.assert_outcomes(passed=1, failed=1, deselected=len(CHECK_NAMES) - 2)
     result.stdout.fnmatch_lines(
-        ["*unset_max_tokens: unset max_tokens is accepted*", "*evidence: accepted, but*"]
+        ["*context_window: advertises its context window*", "*--context-window 16 disagrees*"]
     )

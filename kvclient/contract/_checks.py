@@ -23,13 +23,14 @@ from typing import Any
 import anyio
 import httpx
 
+from .._dialects import Answer as DialectAnswer
+from .._dialects import Discovery, discover_context
 from ._judge import (
     BurstOutcome,
     ErrorBody,
     Verdict,
     classify_error_body,
     describe_counts,
-    find_context_window,
     judge_bad_input,
     judge_completion_tokens,
     judge_overlong_prompt,
@@ -443,44 +444,52 @@ def _complete_body(content: bytes) -> tuple[bool, str | None]:
 
 
 async def check_context_window(s: Session) -> Verdict:
+    """Discover the per-request window through the engine's dialect; a ``--context-window`` that
+    disagrees with what the server reports fails (the checks would test the wrong limit) and the
+    server's own number is used."""
     option = s.options.context_window
-    answer = await s.request("GET", "/v1/models")
-    if answer.status is None:
-        s.reachable = False
-        return Verdict(CheckStatus.FAIL, f"cannot reach the server: {answer.error}")
-    if answer.status in (404, 405, 501):
-        if option is not None:
+    driver = discover_context(s.options.model)
+    probe = next(driver)
+    while True:
+        answer = await s.request(probe.method, probe.path, json_body=probe.json or _Unset)
+        if answer.status is None:
+            s.reachable = False
+            return Verdict(CheckStatus.FAIL, f"cannot reach the server: {answer.error}")
+        if answer.status in (401, 403):
             return Verdict(
-                CheckStatus.UNSUPPORTED,
-                f"no /v1/models ({answer.status}); using --context-window {option}",
+                CheckStatus.FAIL, f"{probe} answered {answer.describe()} (pass --api-key?)"
             )
-        return Verdict(
-            CheckStatus.FAIL,
-            f"no /v1/models ({answer.status}) and no --context-window: context window unknown",
-        )
-    if answer.status != 200:
-        hint = " (pass --api-key?)" if answer.status in (401, 403) else ""
-        return Verdict(CheckStatus.FAIL, f"/v1/models answered {answer.describe()}{hint}")
-    ident, length, problem = find_context_window(answer.json(), s.options.model)
-    s.model = s.options.model or ident
-    if problem is not None:
-        return Verdict(CheckStatus.FAIL, f"/v1/models: {problem}")
+        payload = answer.json() if answer.status == 200 else None
+        try:
+            probe = driver.send(DialectAnswer(answer.status, payload))
+        except StopIteration as stop:
+            found: Discovery = stop.value
+            break
+    s.model = s.options.model or found.model
+    if found.problem is not None:
+        return Verdict(CheckStatus.FAIL, found.problem)
+    length = found.context_window
     if length is None:
+        tried = "; ".join(found.tried)
         if option is not None:
             return Verdict(
                 CheckStatus.UNSUPPORTED,
-                f"model {ident}: no max_model_len in /v1/models; using --context-window {option}",
+                f"no context window reported (tried: {tried}); using --context-window {option}",
             )
         return Verdict(
-            CheckStatus.FAIL,
-            f"model {ident}: no max_model_len in /v1/models and no --context-window",
+            CheckStatus.FAIL, f"no context window reported (tried: {tried}) and no --context-window"
         )
-    if s.context_window is None:
-        s.context_window = length
-    note = f"; using --context-window {option} as given" if option not in (None, length) else ""
-    return Verdict(
-        CheckStatus.PASS, f"model {ident}: max_model_len {length}{note}", {"max_model_len": length}
-    )
+    s.context_window = length
+    data = {"context_window": length, "source": found.source, "engine": found.engine}
+    where = f"model {found.model}: {length} tokens per request ({found.source})"
+    if option is not None and option != length:
+        return Verdict(
+            CheckStatus.FAIL,
+            f"--context-window {option} disagrees with the server: {where}; the checks use "
+            f"{length}",
+            data,
+        )
+    return Verdict(CheckStatus.PASS, where, data)
 
 
 async def check_bad_input(s: Session) -> Verdict:

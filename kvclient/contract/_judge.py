@@ -33,7 +33,6 @@ __all__ = [
     "Verdict",
     "classify_error_body",
     "describe_counts",
-    "find_context_window",
     "judge_bad_input",
     "judge_completion_tokens",
     "judge_overlong_prompt",
@@ -217,37 +216,6 @@ def judge_bad_input(case: str, status: int | None, body: ErrorBody) -> str | Non
 
 
 # --- /v1/models and usage -----------------------------------------------------------------------
-
-
-def find_context_window(
-    models: Any, model: str | None
-) -> tuple[str | None, int | None, str | None]:
-    """``(model id, max_model_len, problem)`` from a ``/v1/models`` answer.
-
-    The model is ``model`` when given (it must be listed), else the first listed. A missing
-    ``max_model_len`` is no problem (many servers omit it: the caller falls back to the option);
-    a present but invalid one is.
-    """
-    data = models.get("data") if isinstance(models, dict) else None
-    if not isinstance(data, list):
-        return model, None, "/v1/models is not an OpenAI model list"
-    entries = [e for e in data if isinstance(e, dict) and isinstance(e.get("id"), str)]
-    if not entries:
-        return model, None, "/v1/models lists no model"
-    entry = entries[0]
-    if model is not None:
-        matching = [e for e in entries if e["id"] == model]
-        if not matching:
-            listed = ", ".join(str(e["id"]) for e in entries[:5])
-            return model, None, f"model {model!r} is not listed (listed: {listed})"
-        entry = matching[0]
-    ident: str = entry["id"]
-    if "max_model_len" not in entry or entry["max_model_len"] is None:
-        return ident, None, None
-    length = entry["max_model_len"]
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        return ident, None, f"max_model_len {length!r} is not a positive integer"
-    return ident, length, None
 
 
 def usage_tokens(body: Any) -> tuple[int | None, int | None]:
