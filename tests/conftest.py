@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +40,40 @@ def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(socket.socket, "connect", guarded_connect)
     monkeypatch.setattr(socket, "create_connection", guarded_create_connection)
+
+
+# --- the real llama.cpp engine ----------------------------------------------------------------
+
+_SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+if str(_SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(_SCRIPTS))
+
+import llama_engine  # noqa: E402  (scripts/ is not a package)
+
+
+@pytest.fixture(scope="session")
+def llama_engine_ready() -> None:
+    """The llama-server binary and the tiny model exist (``scripts/test_setup.py`` builds them).
+
+    In CI a missing engine fails the run; elsewhere a machine without a compiler skips with
+    the reason, and one with a compiler is told how to build it.
+    """
+    missing = [p for p in (llama_engine.server_path(), llama_engine.model_path()) if not p.exists()]
+    if not missing:
+        return
+    what = ", ".join(str(p) for p in missing)
+    if os.environ.get("CI"):
+        pytest.fail(f"the real engine is missing ({what}): .ci/run runs scripts/test_setup.py")
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        pytest.skip(f"llama-server cannot be built here (no cmake or C++ compiler); missing {what}")
+    pytest.fail(
+        f"the real engine is missing ({what}): run `python scripts/test_setup.py` once "
+        "(builds llama-server, about 5 minutes on 2 cores)"
+    )
+
+
+@pytest.fixture(scope="module")
+def llama(llama_engine_ready: None) -> Iterator[llama_engine.LlamaServer]:
+    """A real llama-server: 4 slots of 512 tokens each (``-c 2048 -np 4``)."""
+    with llama_engine.LlamaServer(ctx=2048, parallel=4) as server:
+        yield server
