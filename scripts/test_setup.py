@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import llama_engine  # noqa: E402
+import llama_engine
 
 
 def main() -> int:
