@@ -108,7 +108,7 @@ def build_server() -> Path:
         _run(
             [
                 sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                "--no-binary", ":all:", "--no-build-isolation",
+                "--no-binary", ":all:",
                 f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(work),
             ]
         )  # fmt: skip

@@ -144,9 +144,11 @@ def test_prompt_too_long_is_refused_locally_with_nothing_sent(
             "request": [lambda r: posts.append(r.url.path) if r.method == "POST" else None]
         }
     )
-    with _client(llama.url, counter=counter, http_client=http) as client:
-        with pytest.raises(PromptTooLongError) as caught:
-            client.complete(_long_prompt(counter, 600))
+    with (
+        _client(llama.url, counter=counter, http_client=http) as client,
+        pytest.raises(PromptTooLongError) as caught,
+    ):
+        client.complete(_long_prompt(counter, 600))
     http.close()
     assert posts == []
     assert (caught.value.prompt_tokens, caught.value.context_window) == (600, WINDOW)
@@ -157,13 +159,15 @@ def test_the_servers_400_is_prompt_too_long_with_its_kind(
     llama: llama_engine.LlamaServer, counter: HuggingFaceCounter, stream: bool
 ) -> None:
     # A client told a larger window than the server's sends the prompt; llama.cpp refuses it.
+    prompt = _long_prompt(counter, 600)
     with _client(llama.url, counter=counter, context_window=100_000) as client:
-        with pytest.raises(PromptTooLongError) as caught:
-            if stream:
-                with client.complete_stream(_long_prompt(counter, 600), max_tokens=8) as s:
-                    list(s)
-            else:
-                client.complete(_long_prompt(counter, 600), max_tokens=8)
+        if stream:
+            opened = client.complete_stream(prompt, max_tokens=8)
+            with pytest.raises(PromptTooLongError) as caught:
+                opened.__enter__()
+        else:
+            with pytest.raises(PromptTooLongError) as caught:
+                client.complete(prompt, max_tokens=8)
     error = caught.value
     assert error.code == "exceed_context_size_error"
     assert error.context_window == WINDOW
@@ -251,8 +255,11 @@ def test_bench_reads_nel_streams_intact(
     nel_llama: llama_engine.LlamaServer, tmp_path: Path
 ) -> None:
     out = tmp_path / "bench.json"
-    argv = [nel_llama.url, "--num-requests", "12", "--concurrency", "4", "--prompt-tokens",
-            "8:40", "--max-tokens", "8:32", "--seed", "1", "--json", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        *(nel_llama.url, "--num-requests", "12", "--concurrency", "4", "--seed", "1"),
+        *("--prompt-tokens", "8:40", "--max-tokens", "8:32"),
+        *("--json", str(out), "--no-progress"),
+    ]
     assert bench_cli.main(argv) == 0
     summary = json.loads(out.read_text())["summary"]
     assert (summary["completed"], summary["failed"]) == (12, 0)
