@@ -45,16 +45,20 @@ from ._exceptions import (
 
 __all__ = [
     "CONTEXT_PROBES",
+    "METRICS",
     "RETRYABLE_STATUSES",
     "STATUS_ERRORS",
     "Answer",
+    "Budget",
     "Discovery",
     "ErrorClass",
     "ErrorDetails",
     "Probe",
     "classify_error",
+    "discover_budget",
     "discover_context",
     "parse_error_body",
+    "prometheus_samples",
 ]
 
 # --- error answers ----------------------------------------------------------------------------
@@ -464,3 +468,122 @@ def discover_context(
 # --- /tokenize ---------------------------------------------------------------------------------
 
 # --- KV budget ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """An engine's KV pool as the gateway reserves against it."""
+
+    #: Tokens of KV cache the engine has (before any safety fraction).
+    kv_tokens: int | None
+    #: The engine's KV block size in tokens (vLLM's paged blocks; 1 where it has none).
+    block_size: int = 1
+    #: Requests it can run at once (llama.cpp's slots), when bounded.
+    max_concurrency: int | None = None
+    engine: str | None = None
+    source: str | None = None
+    tried: tuple[str, ...] = ()
+
+
+METRICS = Probe("GET", "/metrics", engines="vLLM, TGI, llama.cpp (--metrics), ours")
+
+_LABELS = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def prometheus_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of metric ``name`` in Prometheus text: ``[(labels, value), ...]``."""
+    samples = []
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        rest = line[len(name) :]
+        labels: dict[str, str] = {}
+        if rest.startswith("{"):
+            end = rest.find("}")
+            if end < 0:
+                continue
+            labels = dict(_LABELS.findall(rest[1:end]))
+            rest = rest[end + 1 :]
+        elif rest[:1] not in (" ", "\t"):
+            continue  # another metric whose name starts the same
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            samples.append((labels, float(fields[0])))
+        except ValueError:
+            continue
+    return samples
+
+
+def budget_from_vllm_metrics(text: str) -> tuple[int, int] | None:
+    """vLLM ``/metrics``: ``vllm:cache_config_info`` labels ``num_gpu_blocks`` x ``block_size``
+    -> ``(kv tokens, block size)``."""
+    for labels, _ in prometheus_samples(text, "vllm:cache_config_info"):
+        try:
+            blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+        except (KeyError, ValueError):
+            continue
+        if blocks > 0 and size > 0:
+            return blocks * size, size
+    return None
+
+
+def budget_from_tgi_metrics(text: str) -> int | None:
+    """TGI ``/metrics``: ``tgi_batch_max_total_tokens`` (its ``/info`` dropped the field)."""
+    for _, value in prometheus_samples(text, "tgi_batch_max_total_tokens"):
+        if value >= 1:
+            return int(value)
+    return None
+
+
+def budget_from_llama_cpp_props(payload: Any) -> tuple[int, int] | None:
+    """llama.cpp ``/props`` -> ``(kv tokens, slots)``.
+
+    ``n_ctx`` is each slot's window. Slots have a window each unless the KV cache is unified
+    (``--kv-unified``), when they share one pool of ``-c`` tokens and each slot's window is that
+    whole pool. ``/props`` does not say which, so the pool taken is one window: exact when
+    unified, and safe (one window's worth at a time) when not; ``--kv-tokens`` says otherwise.
+    """
+    window = window_from_props(payload)
+    slots = _positive(_dig(payload, "total_slots"))
+    if window is None or slots is None:
+        return None
+    return window, slots
+
+
+def budget_from_sglang(payload: Any) -> int | None:
+    """SGLang ``/get_server_info``: ``max_total_num_tokens``."""
+    return _positive(_dig(payload, "max_total_num_tokens"))
+
+
+def discover_budget() -> Generator[Probe, Answer, Budget]:
+    """Find an engine's KV pool: vLLM's and TGI's ``/metrics``, llama.cpp's ``/props``, SGLang's
+    ``/get_server_info``. ``/metrics`` answers are text: send them as ``Answer(status, text)``."""
+    tried: list[str] = []
+    answer = yield METRICS
+    tried.append(f"{METRICS} -> {answer.status}")
+    if answer.status == 200 and isinstance(answer.payload, str):
+        vllm = budget_from_vllm_metrics(answer.payload)
+        if vllm is not None:
+            source = f"{METRICS} vllm:cache_config_info num_gpu_blocks x block_size"
+            return Budget(vllm[0], vllm[1], None, "vllm", source, tuple(tried))
+        tgi = budget_from_tgi_metrics(answer.payload)
+        if tgi is not None:
+            source = f"{METRICS} tgi_batch_max_total_tokens"
+            return Budget(tgi, 1, None, "tgi", source, tuple(tried))
+    answer = yield PROPS
+    tried.append(f"{PROPS} -> {answer.status}")
+    if answer.status == 200:
+        llama = budget_from_llama_cpp_props(answer.payload)
+        if llama is not None:
+            source = f"{PROPS} default_generation_settings.n_ctx, total_slots"
+            return Budget(llama[0], 1, llama[1], "llama.cpp", source, tuple(tried))
+    answer = yield SGLANG_SERVER_INFO
+    tried.append(f"{SGLANG_SERVER_INFO} -> {answer.status}")
+    if answer.status == 200:
+        tokens = budget_from_sglang(answer.payload)
+        if tokens is not None:
+            source = f"{SGLANG_SERVER_INFO} max_total_num_tokens"
+            return Budget(tokens, 1, None, "sglang", source, tuple(tried))
+    return Budget(None, tried=tuple(tried))

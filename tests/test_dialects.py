@@ -229,3 +229,78 @@ def test_llama_cpp_loading_503_is_retryable_with_its_kind() -> None:
 def test_a_string_code_stays_the_code() -> None:
     body = {"error": {"message": "x", "type": "invalid_request_error", "code": "model_not_found"}}
     assert classify_error(404, json.dumps(body)).details.code == "model_not_found"
+
+
+# --- KV budget --------------------------------------------------------------------------------
+
+from kvclient._dialects import Budget, discover_budget, prometheus_samples  # noqa: E402
+
+_VLLM_CACHE_LABELS = (
+    'block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
+    'gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="27709",'
+    'num_gpu_blocks_override="None",swap_space="4",swap_space_bytes="4294967296"'
+)
+VLLM_METRICS = f"""# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{{{_VLLM_CACHE_LABELS}}} 1.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-8B"} 0.0
+"""
+TGI_METRICS = """# TYPE tgi_batch_max_total_tokens gauge
+tgi_batch_max_total_tokens 163840
+# TYPE tgi_batch_current_max_tokens gauge
+tgi_batch_current_max_tokens 0
+"""
+LLAMA_CPP_METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 0
+llamacpp:requests_processing 0
+"""
+
+
+def drive_budget(answers: dict[str, Answer]) -> Budget:
+    driver = discover_budget()
+    probe = next(driver)
+    while True:
+        try:
+            probe = driver.send(answers.get(str(probe), NOT_FOUND))
+        except StopIteration as stop:
+            result: Budget = stop.value
+            return result
+
+
+def test_vllm_budget_from_cache_config_info() -> None:
+    budget = drive_budget({"GET /metrics": Answer(200, VLLM_METRICS)})
+    assert (budget.kv_tokens, budget.block_size, budget.engine) == (27709 * 16, 16, "vllm")
+
+
+def test_tgi_budget_from_batch_max_total_tokens() -> None:
+    budget = drive_budget({"GET /metrics": Answer(200, TGI_METRICS)})
+    assert (budget.kv_tokens, budget.engine) == (163840, "tgi")
+
+
+def test_llama_cpp_budget_is_one_window_bounded_by_the_slots() -> None:
+    budget = drive_budget(
+        {"GET /metrics": Answer(200, LLAMA_CPP_METRICS), "GET /props": Answer(200, LLAMA_CPP_PROPS)}
+    )
+    assert (budget.kv_tokens, budget.max_concurrency, budget.engine) == (512, 4, "llama.cpp")
+
+
+def test_sglang_budget_from_max_total_num_tokens() -> None:
+    budget = drive_budget({"GET /get_server_info": Answer(200, SGLANG_SERVER_INFO)})
+    assert (budget.kv_tokens, budget.engine) == (412000, "sglang")
+
+
+def test_no_budget_says_what_was_tried() -> None:
+    budget = drive_budget({})
+    assert budget.kv_tokens is None
+    assert budget.tried == (
+        "GET /metrics -> 404",
+        "GET /props -> 404",
+        "GET /get_server_info -> 404",
+    )
+
+
+def test_prometheus_samples_take_labels_and_skip_lookalikes() -> None:
+    text = 'a_total{x="1",y="q\\"uote"} 3\na_total_more 9\na_total 4.5\n# a_total 7\nbad{ 1'
+    assert prometheus_samples(text, "a_total") == [({"x": "1", "y": 'q\\"uote'}, 3.0), ({}, 4.5)]
