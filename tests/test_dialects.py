@@ -244,7 +244,7 @@ VLLM_METRICS = f"""# HELP vllm:cache_config_info Information of the LLMEngine Ca
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{{{_VLLM_CACHE_LABELS}}} 1.0
 # HELP vllm:num_requests_running Number of requests in model execution batches.
-vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-8B"} 0.0
+vllm:num_requests_running{{engine="0",model_name="Qwen/Qwen3-8B"}} 0.0
 """
 TGI_METRICS = """# TYPE tgi_batch_max_total_tokens gauge
 tgi_batch_max_total_tokens 163840
