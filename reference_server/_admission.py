@@ -15,10 +15,14 @@ from collections import deque
 from collections.abc import Callable
 
 import anyio
+from starlette.responses import JSONResponse
 
+from kvclient import effective_output_cap
+
+from ._errors import APIError, error_response
 from .ledger import Handle, KVAdmissionController
 
-__all__ = ["AdmissionQueue", "Rejected"]
+__all__ = ["AdmissionQueue", "Rejected", "admissible_cap", "too_busy"]
 
 
 class Rejected(Exception):
@@ -118,3 +122,57 @@ def retry_after_header(seconds: float) -> tuple[str, str]:
     whole = max(1, math.ceil(seconds))
     millis = max(1, math.ceil(seconds * 1000))
     return str(whole), str(millis)
+
+
+def admissible_cap(
+    ledger: KVAdmissionController,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    *,
+    context_window: int,
+    param: str,
+) -> int:
+    """The output cap a request is reserved (and generated) with, or the :class:`APIError` that
+    refuses it for good: 413 when the prompt fills the context, 400 ``kv_budget_exceeded`` when
+    even an empty ledger could not hold it (a 429 would send it round forever)."""
+    cap = effective_output_cap(max_tokens, prompt_tokens, context_window)
+    if cap is None:
+        raise APIError(
+            413,
+            f"This model's maximum context length is {context_window} tokens; the prompt has "
+            f"{prompt_tokens} tokens, which leaves no room for output.",
+            code="context_length_exceeded",
+            param=param,
+        )
+    need = ledger.need_tokens(prompt_tokens, cap)
+    if ledger.never_fits(need):
+        fits = ledger.max_output_that_fits(prompt_tokens)
+        hint = f"set max_tokens <= {fits}" if fits >= 1 else "shorten the prompt"
+        raise APIError(
+            400,
+            f"This request can never be admitted: it needs {need} KV tokens ({prompt_tokens} "
+            f"prompt + {cap} output cap, in blocks of {ledger.block_size}) but the server's "
+            f"whole usable budget is {ledger.usable_tokens} tokens; {hint}.",
+            code="kv_budget_exceeded",
+            param="max_tokens",
+        )
+    return cap
+
+
+def too_busy(
+    ledger: KVAdmissionController, rejected: Rejected, prompt_tokens: int, cap: int
+) -> JSONResponse:
+    """The 429 for a request the budget cannot take now, with Retry-After and retry-after-ms."""
+    stats = ledger.stats()
+    seconds, millis = retry_after_header(rejected.retry_after)
+    queued = f", {rejected.queued_ahead} queued ahead" if rejected.queued_ahead else ""
+    return error_response(
+        429,
+        f"KV cache budget exhausted: this request needs {rejected.need} tokens "
+        f"({prompt_tokens} prompt + {cap} output cap) and {stats.reserved_tokens} of "
+        f"{stats.usable_tokens} usable tokens are reserved by {stats.inflight} in-flight "
+        f"requests{queued}. Retry after {int(millis) / 1000:.3f} seconds.",
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": seconds, "retry-after-ms": millis},
+    )

@@ -32,9 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvclient import effective_output_cap
-
-from ._admission import AdmissionQueue, Rejected, retry_after_header
+from ._admission import AdmissionQueue, Rejected, admissible_cap, too_busy
 from ._errors import APIError, error_response
 from ._metrics import build_registry
 from ._requests import (
@@ -353,29 +351,13 @@ class GenerationEndpoint:
             body = await _read_body(scope, receive, state.config.max_body_bytes)
             request = parse_generation(self.kind, parse_json_object(body))
             prompt_tokens = await self._count(state, request)
-            config = state.config
-            cap = effective_output_cap(request.max_tokens, prompt_tokens, config.context_window)
-            if cap is None:
-                raise APIError(
-                    413,
-                    f"This model's maximum context length is {config.context_window} tokens; "
-                    f"the prompt has {prompt_tokens} tokens, which leaves no room for output.",
-                    code="context_length_exceeded",
-                    param="messages" if request.messages is not None else "prompt",
-                )
-            need = state.ledger.need_tokens(prompt_tokens, cap)
-            if state.ledger.never_fits(need):
-                fits = state.ledger.max_output_that_fits(prompt_tokens)
-                hint = f"set max_tokens <= {fits}" if fits >= 1 else "shorten the prompt"
-                raise APIError(
-                    400,
-                    f"This request can never be admitted: it needs {need} KV tokens "
-                    f"({prompt_tokens} prompt + {cap} output cap, in blocks of "
-                    f"{config.block_size}) but the server's whole usable budget is "
-                    f"{state.ledger.usable_tokens} tokens; {hint}.",
-                    code="kv_budget_exceeded",
-                    param="max_tokens",
-                )
+            cap = admissible_cap(
+                state.ledger,
+                prompt_tokens,
+                request.max_tokens,
+                context_window=state.config.context_window,
+                param="messages" if request.messages is not None else "prompt",
+            )
         except _ClientGone:
             return
         except APIError as error:
@@ -406,7 +388,7 @@ class GenerationEndpoint:
             try:
                 handle = await state.queue.acquire(prompt_tokens, cap)
             except Rejected as rejected:
-                await self._too_busy(state, rejected, prompt_tokens, cap)(scope, receive, send)
+                await too_busy(state.ledger, rejected, prompt_tokens, cap)(scope, receive, send)
                 await watch.finish()
                 return
             try:
@@ -418,23 +400,6 @@ class GenerationEndpoint:
                 state.ledger.release(handle)
                 state.queue.notify()
             await watch.finish()
-
-    def _too_busy(
-        self, state: ServerState, rejected: Rejected, prompt_tokens: int, cap: int
-    ) -> JSONResponse:
-        stats = state.ledger.stats()
-        seconds, millis = retry_after_header(rejected.retry_after)
-        queued = f", {rejected.queued_ahead} queued ahead" if rejected.queued_ahead else ""
-        return error_response(
-            429,
-            f"KV cache budget exhausted: this request needs {rejected.need} tokens "
-            f"({prompt_tokens} prompt + {cap} output cap) and {stats.reserved_tokens} of "
-            f"{stats.usable_tokens} usable tokens are reserved by {stats.inflight} in-flight "
-            f"requests{queued}. Retry after {int(millis) / 1000:.3f} seconds.",
-            type="rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": seconds, "retry-after-ms": millis},
-        )
 
     async def _complete(
         self,
