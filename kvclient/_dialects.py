@@ -48,6 +48,7 @@ __all__ = [
     "METRICS",
     "RETRYABLE_STATUSES",
     "STATUS_ERRORS",
+    "TOKENIZE_ENGINES",
     "Answer",
     "Budget",
     "Discovery",
@@ -55,6 +56,7 @@ __all__ = [
     "ErrorDetails",
     "Probe",
     "classify_error",
+    "count_by_tokenize",
     "discover_budget",
     "discover_context",
     "parse_error_body",
@@ -467,6 +469,65 @@ def discover_context(
 
 # --- /tokenize ---------------------------------------------------------------------------------
 
+
+#: Engines whose ``POST /tokenize`` counts what their generation endpoints count.
+TOKENIZE_ENGINES = frozenset({"vllm", "llama.cpp", "tgi"})
+
+
+def _token_list_length(payload: Any, key: str | None) -> int | None:
+    tokens = payload.get(key) if key is not None and isinstance(payload, dict) else payload
+    return len(tokens) if isinstance(tokens, list) else None
+
+
+def count_by_tokenize(
+    engine: str | None,
+    *,
+    prompt: str | None = None,
+    messages: list[Any] | None = None,
+    model: str | None = None,
+) -> Generator[Probe, Answer, int | None]:
+    """The server's own count of a prompt or a chat request (its template applied), or None
+    when its ``/tokenize`` cannot say. A driver like :func:`discover_context`.
+
+    - vLLM (and our reference server): ``POST /tokenize`` ``{"prompt"}`` or ``{"messages",
+      "add_generation_prompt": true}`` -> ``count``;
+    - llama.cpp: a chat is rendered by ``POST /apply-template`` (without the BOS, which
+      tokenizing adds), then ``POST /tokenize`` ``{"content", "add_special": true}`` ->
+      ``tokens``, as its chat endpoint counts;
+    - TGI: ``POST /tokenize`` ``{"inputs"}`` -> a list of tokens (prompts only).
+    """
+    if engine == "vllm":
+        body: dict[str, Any] = (
+            {"messages": messages, "add_generation_prompt": True}
+            if messages is not None
+            else {"prompt": prompt}
+        )
+        if model is not None:
+            body["model"] = model
+        answer = yield Probe("POST", "/tokenize", body, engines="vLLM, ours")
+        if answer.status != 200 or not isinstance(answer.payload, dict):
+            return None
+        count = answer.payload.get("count")
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            return count
+        return _token_list_length(answer.payload, "tokens")
+    if engine == "llama.cpp":
+        text = prompt
+        if messages is not None:
+            answer = yield Probe("POST", "/apply-template", {"messages": messages}, "llama.cpp")
+            rendered = _dig(answer.payload, "prompt") if answer.status == 200 else None
+            if not isinstance(rendered, str):
+                return None
+            text = rendered
+        body = {"content": text, "add_special": True}
+        answer = yield Probe("POST", "/tokenize", body, engines="llama.cpp")
+        return _token_list_length(answer.payload, "tokens") if answer.status == 200 else None
+    if engine == "tgi" and prompt is not None:
+        answer = yield Probe("POST", "/tokenize", {"inputs": prompt}, engines="TGI")
+        return _token_list_length(answer.payload, None) if answer.status == 200 else None
+    return None
+
+
 # --- KV budget ---------------------------------------------------------------------------------
 
 
@@ -529,6 +590,15 @@ def budget_from_vllm_metrics(text: str) -> tuple[int, int] | None:
     return None
 
 
+def budget_from_reference_metrics(text: str) -> int | None:
+    """Our reference server's ``/metrics``: ``kv_physical_capacity_tokens`` (its KV blocks are
+    16 tokens)."""
+    for _, value in prometheus_samples(text, "kv_physical_capacity_tokens"):
+        if value >= 1:
+            return int(value)
+    return None
+
+
 def budget_from_tgi_metrics(text: str) -> int | None:
     """TGI ``/metrics``: ``tgi_batch_max_total_tokens`` (its ``/info`` dropped the field)."""
     for _, value in prometheus_samples(text, "tgi_batch_max_total_tokens"):
@@ -568,6 +638,10 @@ def discover_budget() -> Generator[Probe, Answer, Budget]:
         if vllm is not None:
             source = f"{METRICS} vllm:cache_config_info num_gpu_blocks x block_size"
             return Budget(vllm[0], vllm[1], None, "vllm", source, tuple(tried))
+        ours = budget_from_reference_metrics(answer.payload)
+        if ours is not None:
+            source = f"{METRICS} kv_physical_capacity_tokens"
+            return Budget(ours, 16, None, "kvclient", source, tuple(tried))
         tgi = budget_from_tgi_metrics(answer.payload)
         if tgi is not None:
             source = f"{METRICS} tgi_batch_max_total_tokens"

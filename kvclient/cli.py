@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "reference_server.__main__",
         "run the reference server (OpenAI-compatible, KV reservation ledger, simulated engine)",
     ),
+    "gateway": (
+        "reference_server._gateway_cli",
+        "put the KV reservation ledger in front of real engines (vLLM, llama.cpp, TGI, SGLang)",
+    ),
     "bench": (
         "kvclient.loadgen.cli",
         "load-test any OpenAI-compatible server, pacing retries by its Retry-After",

@@ -24,9 +24,10 @@ from starlette.applications import Starlette
 from .app import ServerState, create_app
 from .config import ServerConfig
 from .engine import SimulatedEngine
+from .gateway import GatewayConfig
 from .ledger import KVAdmissionController
 
-__all__ = ["RunningServer", "running_server"]
+__all__ = ["RunningServer", "running_gateway", "running_server"]
 
 _START_TIMEOUT = 10.0
 _STOP_TIMEOUT = 10.0
@@ -127,4 +128,14 @@ def running_server(config: ServerConfig | None = None, **overrides: Any) -> Iter
     if overrides:
         base = dataclasses.replace(base, **overrides)
     with serve_in_thread(create_app(base)) as server:
+        yield server
+
+
+@contextmanager
+def running_gateway(config: GatewayConfig) -> Iterator[RunningServer]:
+    """Start ``kvclient gateway`` on a free loopback port; ``server.app.state.gateway`` is its
+    :class:`~reference_server.gateway.GatewayState`."""
+    from .gateway import create_gateway_app
+
+    with serve_in_thread(create_gateway_app(config)) as server:
         yield server

@@ -1,0 +1,773 @@
+"""``kvclient gateway``: the reservation ledger in front of real engines.
+
+The same admission core as the reference server (the ledger, the FIFO queue, the Retry-After
+estimate, the error shapes, the metrics registry) over upstream engines instead of the simulated
+one. Each request is counted (the upstream's own ``/tokenize`` when it has one, else the
+configured counter), its ``max_tokens`` made explicit and clamped, admitted against the ledger of
+the upstream where it fits best, and forwarded with only ``max_tokens`` changed; the reservation
+is held until the answer (or the stream) ends and released in ``finally``. The engine can never
+run past what was reserved, because the explicit cap is what it receives.
+
+Upstream budgets and windows are discovered through :mod:`kvclient._dialects` (vLLM, llama.cpp,
+TGI, SGLang), or given with ``kv_tokens``. Discovery runs on the first request (and again for an
+upstream that failed to answer it), inside the serving event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvclient import TiktokenCounter, TokenCounter
+from kvclient._dialects import (
+    TOKENIZE_ENGINES,
+    Answer,
+    Budget,
+    Discovery,
+    Probe,
+    count_by_tokenize,
+    discover_budget,
+    discover_context,
+)
+from kvclient._routing import Endpoint, Health, ranked
+
+from ._admission import AdmissionQueue, Rejected, admissible_cap, too_busy
+from ._errors import APIError, error_response
+from ._requests import (
+    GenerationRequest,
+    Kind,
+    check_content_type,
+    count_prompt,
+    parse_generation,
+    parse_json_object,
+)
+from .app import (
+    APIKeyMiddleware,
+    UnexpectedErrorMiddleware,
+    _ClientGone,
+    _DisconnectWatch,
+    _http_exception,
+    _read_body,
+    _unexpected,
+)
+from .config import DEFAULT_MAX_BODY_BYTES
+from .ledger import DEFAULT_SAFETY_FRACTION, Handle, KVAdmissionController
+
+__all__ = ["GatewayConfig", "GatewayState", "Upstream", "create_gateway_app"]
+
+logger = logging.getLogger("kvclient.gateway")
+
+T = TypeVar("T")
+
+#: Per-sequence decode rate assumed for Retry-After estimates until the gateway has measured one.
+DEFAULT_DECODE_RATE = 50.0
+DEFAULT_FAILURE_THRESHOLD = 3
+DEFAULT_OUT_OF_SERVICE_SECONDS = 2.0
+_THREAD_COUNT_CHARS = 32 * 1024
+#: Request headers that belong to one hop (RFC 9110 7.6.1) or that httpx sets itself.
+_HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "accept-encoding",
+    }
+)
+_RESPONSE_DROP = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date",
+     "server"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewayConfig:
+    """What ``kvclient gateway`` is told. ``kv_tokens[i]`` overrides upstream ``i``'s budget."""
+
+    upstreams: tuple[str, ...]
+    kv_tokens: tuple[int | None, ...] = ()
+    context_window: int | None = None
+    safety_fraction: float = DEFAULT_SAFETY_FRACTION
+    max_queue_wait: float = 0.0
+    decode_rate: float = DEFAULT_DECODE_RATE
+    #: A local counter (a model's tokenizer); None: the upstream's /tokenize, else tiktoken.
+    counter: TokenCounter | None = None
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    connect_timeout: float = 10.0
+    read_timeout: float = 600.0
+    failure_threshold: int = DEFAULT_FAILURE_THRESHOLD
+    out_of_service_seconds: float = DEFAULT_OUT_OF_SERVICE_SECONDS
+
+    def __post_init__(self) -> None:
+        if not self.upstreams:
+            raise ValueError("at least one upstream is needed")
+        for url in self.upstreams:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"an upstream must be an http(s) URL, got {url!r}")
+        if len(self.kv_tokens) > len(self.upstreams):
+            raise ValueError("more --kv-tokens than --upstream")
+        if not 0.0 < self.safety_fraction <= 1.0:
+            raise ValueError(f"safety_fraction must be in (0, 1], got {self.safety_fraction}")
+
+
+class UpstreamUnavailable(Exception):
+    """The upstream could not be reached or could not say what it has."""
+
+
+@dataclass(eq=False)
+class Upstream:
+    """One engine behind the gateway: its ledger, queue, health and counters."""
+
+    url: str
+    kv_override: int | None
+    config: GatewayConfig
+    http: httpx.AsyncClient | None = None
+    ledger: KVAdmissionController | None = None
+    queue: AdmissionQueue | None = None
+    discovery: Discovery | None = None
+    budget: Budget | None = None
+    health: Health = field(default_factory=Health)
+    errors: int = 0
+    relayed: int = 0
+    discovery_error: str | None = None
+
+    @property
+    def engine(self) -> str | None:
+        return self.discovery.engine if self.discovery else None
+
+    @property
+    def window(self) -> int | None:
+        return self.discovery.context_window if self.discovery else None
+
+    def client(self) -> httpx.AsyncClient:
+        if self.http is None:
+            timeout = httpx.Timeout(self.config.read_timeout, connect=self.config.connect_timeout)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
+        return self.http
+
+    async def _drive(self, driver: Generator[Probe, Answer, T], *, text: bool = False) -> T:
+        """Run a dialect driver against this upstream."""
+        http = self.client()
+        probe = next(driver)
+        while True:
+            try:
+                response = await http.request(probe.method, probe.path, json=probe.json)
+            except httpx.HTTPError as exc:
+                raise UpstreamUnavailable(f"{probe}: {type(exc).__name__}: {exc}") from exc
+            payload: Any
+            if text and probe.path == "/metrics":
+                payload = response.text
+            else:
+                try:
+                    payload = response.json()
+                except ValueError:
+                    payload = None
+            try:
+                probe = driver.send(Answer(response.status_code, payload))
+            except StopIteration as stop:
+                result: T = stop.value
+                return result
+
+    async def discover(self) -> None:
+        """Learn the window, the model and the KV budget; build the ledger."""
+        found = await self._drive(discover_context(None))
+        window = self.config.context_window or found.context_window
+        if window is None:
+            raise UpstreamUnavailable(
+                found.explain().replace("context_window=", "--context-window")
+            )
+        budget = await self._drive(discover_budget(), text=True)
+        kv = self.kv_override if self.kv_override is not None else budget.kv_tokens
+        if kv is None:
+            tried = "; ".join(budget.tried)
+            raise UpstreamUnavailable(f"no KV budget discovered (tried: {tried}); pass --kv-tokens")
+        self.discovery, self.budget = found, budget
+        self.ledger = KVAdmissionController(
+            total_kv_tokens=kv,
+            context_window=window,
+            decode_rate=self.config.decode_rate,
+            safety_fraction=self.config.safety_fraction,
+            block_size=budget.block_size,
+            max_concurrency=budget.max_concurrency,
+            release_margin=0.05,
+        )
+        self.queue = AdmissionQueue(self.ledger, max_wait=self.config.max_queue_wait)
+        logger.info(
+            "upstream %s: %s, window %d (%s), KV %d tokens (%s), usable %d",
+            self.url, found.engine, window, found.source, kv,
+            "--kv-tokens" if self.kv_override is not None else budget.source,
+            self.ledger.usable_tokens,
+        )  # fmt: skip
+
+    def endpoint(self, now: float) -> Endpoint:
+        ledger = self.ledger
+        if ledger is None:
+            return Endpoint(free=0, in_service=False)
+        stats = ledger.stats()
+        free = stats.usable_tokens - stats.reserved_tokens
+        full = ledger.max_concurrency is not None and stats.inflight >= ledger.max_concurrency
+        assert self.queue is not None
+        return Endpoint(
+            free=-1 if full or self.queue.waiting else free,
+            in_flight=stats.inflight,
+            in_service=self.health.in_service(now),
+        )
+
+    async def count(self, request: GenerationRequest, model: str | None) -> int | None:
+        """The upstream's own count, or None when its /tokenize cannot give one."""
+        if self.engine not in TOKENIZE_ENGINES or request.token_ids is not None:
+            return None
+        driver = count_by_tokenize(
+            self.engine, prompt=request.prompt, messages=request.messages, model=model
+        )
+        return await self._drive(driver)
+
+
+class GatewayState:
+    """Everything one gateway owns; ``app.state.gateway``."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        overrides = list(config.kv_tokens) + [None] * (
+            len(config.upstreams) - len(config.kv_tokens)
+        )
+        self.upstreams = [
+            Upstream(
+                url=url.rstrip("/"),
+                kv_override=kv,
+                config=config,
+                health=Health(
+                    threshold=config.failure_threshold, cooldown=config.out_of_service_seconds
+                ),
+            )
+            for url, kv in zip(config.upstreams, overrides, strict=True)
+        ]
+        self.fallback_counter: TokenCounter = config.counter or TiktokenCounter()
+        self._discovery_lock: anyio.Lock | None = None
+        self.responses: Counter[tuple[str, int]] = Counter()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_GatewayCollector(self))
+
+    # --- discovery --------------------------------------------------------------------------
+
+    async def ready(self) -> list[Upstream]:
+        """The upstreams known to the gateway, discovering (again) those not yet known."""
+        missing = [u for u in self.upstreams if u.ledger is None]
+        if missing:
+            if self._discovery_lock is None:
+                self._discovery_lock = anyio.Lock()
+            async with self._discovery_lock:
+                now = time.monotonic()
+                for upstream in (u for u in missing if u.ledger is None):
+                    if not upstream.health.in_service(now):
+                        continue
+                    try:
+                        await upstream.discover()
+                        upstream.discovery_error = None
+                        upstream.health.succeeded()
+                    except UpstreamUnavailable as exc:
+                        upstream.discovery_error = str(exc)
+                        upstream.health.failed(now)
+                        upstream.health.failed(now)  # set aside at once: it never answered
+                        logger.warning("upstream %s: %s", upstream.url, exc)
+        return [u for u in self.upstreams if u.ledger is not None]
+
+    def window(self, known: Sequence[Upstream]) -> int:
+        return min(u.ledger.context_window for u in known if u.ledger is not None)
+
+    def model(self, known: Sequence[Upstream]) -> str | None:
+        for upstream in known:
+            if upstream.discovery is not None and upstream.discovery.model is not None:
+                return upstream.discovery.model
+        return None
+
+    async def aclose(self) -> None:
+        for upstream in self.upstreams:
+            if upstream.http is not None:
+                await upstream.http.aclose()
+
+    def count_response(self, path: str, status: int) -> None:
+        self.responses[(path, status)] += 1
+
+
+def _gateway(scope: Scope) -> GatewayState:
+    state: GatewayState = scope["app"].state.gateway
+    return state
+
+
+def _unavailable(message: str, retry_after: float = 1.0) -> APIError:
+    seconds = str(max(1, math.ceil(retry_after)))
+    return APIError(
+        503,
+        message,
+        type="server_error",
+        code="upstream_unavailable",
+        headers={"Retry-After": seconds, "retry-after-ms": str(int(retry_after * 1000))},
+    )
+
+
+def _forward_headers(scope: Scope) -> list[tuple[str, str]]:
+    return [
+        (name, value)
+        for name, value in Headers(scope=scope).items()
+        if name.lower() not in _HOP_HEADERS
+    ]
+
+
+def _response_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+    return [
+        (name.lower().encode("latin-1"), value.encode("latin-1"))
+        for name, value in response.headers.multi_items()
+        if name.lower() not in _RESPONSE_DROP
+    ]
+
+
+def _upstream_error(upstream: Upstream, response: httpx.Response, content: bytes) -> Response:
+    """An upstream's error answer: 4xx and 429/503 pass through as the engine sent them (a 429 or
+    503 without Retry-After gets the gateway's); any other 5xx becomes our shape, same status."""
+    status = response.status_code
+    headers = {
+        k: v for k, v in response.headers.items() if k.lower() not in _RESPONSE_DROP
+    }  # fmt: skip
+    if status < 500 or status == 503:
+        if status in (429, 503) and "retry-after" not in response.headers:
+            headers["Retry-After"] = "1"
+            headers["retry-after-ms"] = "1000"
+        return Response(content, status_code=status, headers=headers)
+    try:
+        detail = json.loads(content).get("error", {})
+        message = detail.get("message") if isinstance(detail, dict) else str(detail)
+        code = detail.get("type") or detail.get("code") if isinstance(detail, dict) else None
+    except (ValueError, AttributeError):
+        message, code = content[:300].decode("utf-8", "replace"), None
+    return error_response(
+        status,
+        f"upstream {upstream.url} answered {status}: {message}",
+        type="upstream_error",
+        code=str(code) if code is not None else None,
+    )
+
+
+class GatewayGeneration:
+    """``/v1/completions`` and ``/v1/chat/completions`` through the ledger to an upstream."""
+
+    def __init__(self, kind: Kind, path: str) -> None:
+        self.kind = kind
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = _gateway(scope)
+        try:
+            check_content_type(Headers(scope=scope).get("content-type"))
+            raw = await _read_body(scope, receive, state.config.max_body_bytes)
+            body = parse_json_object(raw)
+            request = parse_generation(self.kind, body)
+            known = await state.ready()
+            if not known:
+                problems = "; ".join(
+                    f"{u.url}: {u.discovery_error or 'not discovered'}" for u in state.upstreams
+                )
+                raise _unavailable(f"no upstream is in service ({problems})")
+            model = body.get("model") if isinstance(body.get("model"), str) else None
+            prompt_tokens = await self._count(state, known, request, model)
+            # The most generous upstream decides "never": a request that fits one is retryable.
+            roomiest = max(known, key=lambda u: u.ledger.usable_tokens if u.ledger else 0)
+            assert roomiest.ledger is not None
+            cap = admissible_cap(
+                roomiest.ledger,
+                prompt_tokens,
+                request.max_tokens,
+                context_window=state.window(known),
+                param="messages" if request.messages is not None else "prompt",
+            )
+        except _ClientGone:
+            return
+        except APIError as error:
+            await error.response()(scope, receive, send)
+            return
+        body["max_tokens"] = cap
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = cap
+        await self._admit_and_forward(
+            state, known, request, body, prompt_tokens, cap, scope, receive, send
+        )
+
+    async def _count(
+        self,
+        state: GatewayState,
+        known: Sequence[Upstream],
+        request: GenerationRequest,
+        model: str | None,
+    ) -> int:
+        if state.config.counter is None:
+            for upstream in known:
+                if upstream.health.in_service(time.monotonic()):
+                    try:
+                        counted = await upstream.count(request, model)
+                    except UpstreamUnavailable:
+                        continue
+                    if counted is not None:
+                        return counted
+                    break
+        counter = state.fallback_counter
+        if len(json.dumps(request.messages or request.prompt or "")) > _THREAD_COUNT_CHARS:
+            return await anyio.to_thread.run_sync(count_prompt, request, counter)
+        return count_prompt(request, counter)
+
+    async def _admit_and_forward(
+        self,
+        state: GatewayState,
+        known: Sequence[Upstream],
+        request: GenerationRequest,
+        body: dict[str, Any],
+        prompt_tokens: int,
+        cap: int,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        content = json.dumps(body).encode()
+        headers = _forward_headers(scope)
+        tried: set[int] = set()
+        async with anyio.create_task_group() as group:
+            watch = _DisconnectWatch(receive, group.cancel_scope)
+            group.start_soon(watch.run)
+            while True:
+                upstream = self._route(known, prompt_tokens, cap, tried)
+                if upstream is None:
+                    await _unavailable("every upstream failed this request").response()(
+                        scope, receive, send
+                    )
+                    break
+                assert upstream.queue is not None
+                assert upstream.ledger is not None
+                try:
+                    handle = await upstream.queue.acquire(prompt_tokens, cap)
+                except Rejected as rejected:
+                    await too_busy(upstream.ledger, rejected, prompt_tokens, cap)(
+                        scope, receive, send
+                    )
+                    break
+                try:
+                    sent = await self._forward(
+                        upstream, handle, request, content, headers, scope, receive, send
+                    )
+                finally:
+                    upstream.ledger.release(handle)
+                    upstream.queue.notify()
+                if sent:
+                    break
+                tried.add(id(upstream))  # failed before any byte: try another upstream
+            await watch.finish()
+
+    def _route(
+        self, known: Sequence[Upstream], prompt_tokens: int, cap: int, tried: set[int]
+    ) -> Upstream | None:
+        """Where the reservation fits with the most room; else the in-service upstream with the
+        most room (its queue waits or refuses with its own Retry-After); else None."""
+        now = time.monotonic()
+        candidates = [u for u in known if id(u) not in tried]
+        if not candidates:
+            return None
+        views = [u.endpoint(now) for u in candidates]
+        need = candidates[0].ledger.need_tokens(prompt_tokens, cap) if candidates[0].ledger else 0
+        order = ranked(views, need)
+        if order:
+            return candidates[order[0]]
+        serving = [i for i, v in enumerate(views) if v.in_service]
+        if not serving:
+            return None
+        return candidates[max(serving, key=lambda i: views[i].free or 0)]
+
+    async def _forward(
+        self,
+        upstream: Upstream,
+        handle: Handle,
+        request: GenerationRequest,
+        content: bytes,
+        headers: list[tuple[str, str]],
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> bool:
+        """Send to ``upstream`` and relay its answer. False when it failed before any byte of an
+        answer (the caller tries another upstream); True once something was answered."""
+        http = upstream.client()
+        upstream.health.begin(time.monotonic())
+        outgoing = http.build_request("POST", self.path, content=content, headers=headers)
+        try:
+            response = await http.send(outgoing, stream=True)
+        except httpx.HTTPError as exc:
+            upstream.errors += 1
+            upstream.health.failed(time.monotonic())
+            logger.warning("upstream %s: %s before any answer", upstream.url, type(exc).__name__)
+            return False
+        try:
+            if response.status_code >= 400:
+                try:
+                    data = await response.aread()
+                except httpx.HTTPError:
+                    upstream.errors += 1
+                    upstream.health.failed(time.monotonic())
+                    return False
+                if response.status_code >= 500 and response.status_code != 503:
+                    upstream.errors += 1  # an engine failure: answered, never retried elsewhere
+                    upstream.health.failed(time.monotonic())
+                else:
+                    upstream.health.succeeded()
+                await _upstream_error(upstream, response, data)(scope, receive, send)
+                return True
+            if not request.stream:
+                try:
+                    data = await response.aread()
+                except httpx.HTTPError:
+                    upstream.errors += 1
+                    upstream.health.failed(time.monotonic())
+                    return False
+                upstream.health.succeeded()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": response.status_code,
+                        "headers": [*_response_headers(response), (b"content-length",
+                                    str(len(data)).encode())],
+                    }
+                )  # fmt: skip
+                await send({"type": "http.response.body", "body": data, "more_body": False})
+                upstream.relayed += 1
+                return True
+            await self._relay(upstream, response, send)
+            return True
+        finally:
+            # Shielded: when the client went away this runs cancelled, and the upstream must
+            # still see its connection closed at once (engines abort a request on disconnect).
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
+
+    async def _relay(self, upstream: Upstream, response: httpx.Response, send: Send) -> None:
+        """Relay a stream chunk by chunk as it arrives; a break becomes an SSE error event."""
+        chunks: AsyncIterator[bytes] = response.aiter_raw()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except httpx.HTTPError:
+            first = None
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status_code,
+                "headers": _response_headers(response),
+            }
+        )
+        upstream.health.succeeded()
+        if first is None:
+            await self._stream_broke(upstream, send)
+            return
+        if first:
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+        try:
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError:
+            await self._stream_broke(upstream, send)
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        upstream.relayed += 1
+
+    @staticmethod
+    async def _stream_broke(upstream: Upstream, send: Send) -> None:
+        upstream.errors += 1
+        upstream.health.failed(time.monotonic())
+        error = {
+            "message": f"the upstream {upstream.url} broke the stream mid-answer",
+            "type": "upstream_error",
+            "param": None,
+            "code": "upstream_stream_broken",
+        }
+        event = b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": event, "more_body": False})
+
+
+# --- small endpoints ---------------------------------------------------------------------------
+
+
+async def _models(request: Request) -> Response:
+    """The first upstream's model list, each entry with the gateway's ``max_model_len``."""
+    state: GatewayState = request.app.state.gateway
+    known = await state.ready()
+    if not known:
+        return _unavailable("no upstream is in service").response()
+    upstream = known[0]
+    try:
+        answer = await upstream.client().get("/v1/models")
+        payload = answer.json()
+    except (httpx.HTTPError, ValueError):
+        payload = None
+    window = state.window(known)
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list) or not data:
+        model = state.model(known) or "upstream"
+        data = [{"id": model, "object": "model", "owned_by": "kvclient-gateway"}]
+    for entry in data:
+        if isinstance(entry, dict):
+            entry["max_model_len"] = window
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def _tokenize(request: Request) -> Response:
+    """Passed to an upstream as it is."""
+    state: GatewayState = request.app.state.gateway
+    known = await state.ready()
+    if not known:
+        return _unavailable("no upstream is in service").response()
+    body = await request.body()
+    try:
+        answer = (
+            await known[0]
+            .client()
+            .post("/tokenize", content=body, headers={"content-type": "application/json"})
+        )
+    except httpx.HTTPError as exc:
+        return _unavailable(f"upstream {known[0].url}: {type(exc).__name__}").response()
+    return Response(
+        answer.content,
+        status_code=answer.status_code,
+        media_type=answer.headers.get("content-type", "application/json"),
+    )
+
+
+async def _health(request: Request) -> Response:
+    state: GatewayState = request.app.state.gateway
+    known = await state.ready()
+    now = time.monotonic()
+    upstreams = []
+    for u in state.upstreams:
+        stats = u.ledger.stats() if u.ledger is not None else None
+        upstreams.append(
+            {
+                "url": u.url,
+                "engine": u.engine,
+                "in_service": u.ledger is not None and u.health.in_service(now),
+                "usable_tokens": stats.usable_tokens if stats else None,
+                "reserved_tokens": stats.reserved_tokens if stats else None,
+                "inflight": stats.inflight if stats else None,
+                "problem": u.discovery_error,
+            }
+        )
+    ok = any(entry["in_service"] for entry in upstreams) and bool(known)
+    return JSONResponse(
+        {"status": "ok" if ok else "unavailable", "upstreams": upstreams},
+        status_code=200 if ok else 503,
+    )
+
+
+async def _metrics(request: Request) -> Response:
+    state: GatewayState = request.app.state.gateway
+    return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+
+class _GatewayCollector:
+    """The reference server's ledger metrics summed over upstreams, and each one labelled."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterable[Metric]:
+        now = time.monotonic()
+        rows = []
+        for u in self.state.upstreams:
+            stats = u.ledger.stats() if u.ledger is not None else None
+            rows.append((u, stats))
+        total = {
+            "kv_usable_tokens": sum(s.usable_tokens for _, s in rows if s),
+            "kv_reserved_tokens": sum(s.reserved_tokens for _, s in rows if s),
+            "kv_inflight_requests": sum(s.inflight for _, s in rows if s),
+        }
+        for name, value in total.items():
+            yield GaugeMetricFamily(name, f"{name} summed over upstreams", value=value)
+        yield CounterMetricFamily(
+            "kv_admitted_total",
+            "Requests admitted.",
+            value=sum(s.admitted_total for _, s in rows if s),
+        )
+        yield CounterMetricFamily(
+            "kv_rejected_total",
+            "Requests refused with 429.",
+            value=sum(s.rejected_total for _, s in rows if s),
+        )
+        gauges: dict[str, list[float]] = {
+            "kv_upstream_usable_tokens": [s.usable_tokens if s else 0 for _, s in rows],
+            "kv_upstream_reserved_tokens": [s.reserved_tokens if s else 0 for _, s in rows],
+            "kv_upstream_inflight_requests": [s.inflight if s else 0 for _, s in rows],
+            "kv_upstream_out_of_service": [
+                0 if s is not None and u.health.in_service(now) else 1 for u, s in rows
+            ],
+        }
+        counters: dict[str, list[float]] = {
+            "kv_upstream_admitted": [s.admitted_total if s else 0 for _, s in rows],
+            "kv_upstream_rejected": [s.rejected_total if s else 0 for _, s in rows],
+            "kv_upstream_errors": [u.errors for u, _ in rows],
+        }
+        for name, values in gauges.items():
+            gauge = GaugeMetricFamily(name, name.replace("_", " "), labels=["upstream"])
+            for (u, _), amount in zip(rows, values, strict=True):
+                gauge.add_metric([u.url], amount)
+            yield gauge
+        for name, values in counters.items():
+            counter = CounterMetricFamily(name, name.replace("_", " "), labels=["upstream"])
+            for (u, _), amount in zip(rows, values, strict=True):
+                counter.add_metric([u.url], amount)
+            yield counter
+
+
+def create_gateway_app(config: GatewayConfig) -> Starlette:
+    """The gateway as an ASGI app; ``app.state.gateway`` is its :class:`GatewayState`."""
+    state = GatewayState(config)
+    completions = GatewayGeneration("completions", "/v1/completions")
+    chat = GatewayGeneration("chat", "/v1/chat/completions")
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/tokenize", _tokenize, methods=["POST"]),
+        Route("/v1/models", _models, methods=["GET"]),
+        Route("/health", _health, methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+    ]
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        HTTPException: _http_exception,
+        Exception: _unexpected,
+    }
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    app.add_middleware(UnexpectedErrorMiddleware)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.state.gateway = state
+    return app
