@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
     )
     uvicorn.run(
-        app, host=args.host, port=args.port, workers=1, lifespan="off", log_level=args.log_level
+        app, host=args.host, port=args.port, workers=1, lifespan="on", log_level=args.log_level
     )
     return 0
 

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 from starlette.applications import Starlette
@@ -78,7 +78,12 @@ def _bind_loopback(host: str, port: int) -> socket.socket:
 
 @contextmanager
 def serve_in_thread(
-    app: Starlette, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+    app: Starlette,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_level: str = "warning",
+    lifespan: Literal["on", "off"] = "off",
 ) -> Iterator[RunningServer]:
     """Serve ``app`` with uvicorn in a daemon thread until the block exits."""
     sock = _bind_loopback(host, port)
@@ -86,7 +91,7 @@ def serve_in_thread(
     config = uvicorn.Config(
         app,
         log_level=log_level,
-        lifespan="off",
+        lifespan=lifespan,
         access_log=False,
         timeout_graceful_shutdown=1,
         workers=1,
@@ -137,5 +142,5 @@ def running_gateway(config: GatewayConfig) -> Iterator[RunningServer]:
     :class:`~reference_server.gateway.GatewayState`."""
     from .gateway import create_gateway_app
 
-    with serve_in_thread(create_gateway_app(config)) as server:
+    with serve_in_thread(create_gateway_app(config), lifespan="on") as server:
         yield server

@@ -15,6 +15,7 @@ upstream that failed to answer it), inside the serving event loop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -82,6 +83,8 @@ DEFAULT_DECODE_RATE = 50.0
 DEFAULT_FAILURE_THRESHOLD = 3
 DEFAULT_OUT_OF_SERVICE_SECONDS = 2.0
 _THREAD_COUNT_CHARS = 32 * 1024
+_MIN_RATE_TOKENS = 8
+_RATE_WEIGHT = 0.2
 #: Request headers that belong to one hop (RFC 9110 7.6.1) or that httpx sets itself.
 _HOP_HEADERS = frozenset(
     {
@@ -156,6 +159,21 @@ class Upstream:
     errors: int = 0
     relayed: int = 0
     discovery_error: str | None = None
+    #: Measured per-sequence decode rate (tokens/s), an exponential average over answers.
+    measured_rate: float | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One answer's output tokens and duration: the Retry-After estimates follow the
+        engine's real speed instead of the configured guess."""
+        if tokens < _MIN_RATE_TOKENS or seconds <= 0:
+            return
+        rate = tokens / seconds
+        previous = self.measured_rate
+        self.measured_rate = (
+            rate if previous is None else previous + _RATE_WEIGHT * (rate - previous)
+        )
+        if self.ledger is not None:
+            self.ledger.decode_rate = self.measured_rate
 
     @property
     def engine(self) -> str | None:
@@ -300,7 +318,16 @@ class GatewayState:
         return [u for u in self.upstreams if u.ledger is not None]
 
     def window(self, known: Sequence[Upstream]) -> int:
-        return min(u.ledger.context_window for u in known if u.ledger is not None)
+        """The largest request the gateway can ever admit: each upstream's context window, or
+        its usable budget (whole blocks) where that is smaller, as ``/v1/models`` reports it.
+        So an unset ``max_tokens`` is clamped to what can really be reserved, never refused."""
+        sizes = []
+        for u in known:
+            if u.ledger is not None:
+                ledger = u.ledger
+                whole = ledger.usable_tokens // ledger.block_size * ledger.block_size
+                sizes.append(min(ledger.context_window, whole))
+        return min(sizes)
 
     def model(self, known: Sequence[Upstream]) -> str | None:
         for upstream in known:
@@ -347,6 +374,15 @@ def _response_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
         for name, value in response.headers.multi_items()
         if name.lower() not in _RESPONSE_DROP
     ]
+
+
+def _completion_tokens(content: bytes) -> int:
+    try:
+        usage = json.loads(content).get("usage")
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    except (ValueError, AttributeError):
+        return 0
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
 
 
 def _upstream_error(upstream: Upstream, response: httpx.Response, content: bytes) -> Response:
@@ -520,7 +556,8 @@ class GatewayGeneration:
         """Send to ``upstream`` and relay its answer. False when it failed before any byte of an
         answer (the caller tries another upstream); True once something was answered."""
         http = upstream.client()
-        upstream.health.begin(time.monotonic())
+        started = time.monotonic()
+        upstream.health.begin(started)
         outgoing = http.build_request("POST", self.path, content=content, headers=headers)
         try:
             response = await http.send(outgoing, stream=True)
@@ -552,6 +589,7 @@ class GatewayGeneration:
                     upstream.health.failed(time.monotonic())
                     return False
                 upstream.health.succeeded()
+                upstream.observe(_completion_tokens(data), time.monotonic() - started)
                 await send(
                     {
                         "type": "http.response.start",
@@ -563,7 +601,8 @@ class GatewayGeneration:
                 await send({"type": "http.response.body", "body": data, "more_body": False})
                 upstream.relayed += 1
                 return True
-            await self._relay(upstream, response, send)
+            events = await self._relay(upstream, response, send)
+            upstream.observe(events - 2, time.monotonic() - started)  # less role and [DONE]
             return True
         finally:
             # Shielded: when the client went away this runs cancelled, and the upstream must
@@ -571,8 +610,9 @@ class GatewayGeneration:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
 
-    async def _relay(self, upstream: Upstream, response: httpx.Response, send: Send) -> None:
-        """Relay a stream chunk by chunk as it arrives; a break becomes an SSE error event."""
+    async def _relay(self, upstream: Upstream, response: httpx.Response, send: Send) -> int:
+        """Relay a stream chunk by chunk as it arrives; a break becomes an SSE error event.
+        Returns how many events it relayed (0 after a break)."""
         chunks: AsyncIterator[bytes] = response.aiter_raw()
         try:
             first = await chunks.__anext__()
@@ -590,17 +630,20 @@ class GatewayGeneration:
         upstream.health.succeeded()
         if first is None:
             await self._stream_broke(upstream, send)
-            return
+            return 0
+        events = first.count(b"data:")
         if first:
             await send({"type": "http.response.body", "body": first, "more_body": True})
         try:
             async for chunk in chunks:
+                events += chunk.count(b"data:")
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError:
             await self._stream_broke(upstream, send)
-            return
+            return 0
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         upstream.relayed += 1
+        return events
 
     @staticmethod
     async def _stream_broke(upstream: Upstream, send: Send) -> None:
@@ -765,7 +808,16 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
         HTTPException: _http_exception,
         Exception: _unexpected,
     }
-    app = Starlette(routes=routes, exception_handlers=handlers)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # The upstream connections are opened in the serving loop; closed before it ends.
+        try:
+            yield
+        finally:
+            await state.aclose()
+
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     app.add_middleware(UnexpectedErrorMiddleware)
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)

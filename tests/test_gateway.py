@@ -1,0 +1,387 @@
+"""``kvclient gateway`` in front of real servers on loopback ports: the reference server (in the
+admission modes that OOM), a real llama.cpp engine with a unified KV cache, and scripted
+upstreams for the failure paths."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import llama_engine
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from server_helpers import at_zero, wait_for
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvclient import AsyncClient, Client, Completion, KVClientError, RetryPolicy
+from kvclient._routing import Endpoint, Health, choose, ranked
+from kvclient.contract import CheckStatus, run_contract
+from kvclient.loadgen import cli as bench_cli
+from reference_server import RunningServer, running_server, serve_in_thread
+from reference_server._runner import running_gateway
+from reference_server.gateway import GatewayConfig, GatewayState
+
+FAST = {"decode_rate": 4000.0, "tick_seconds": 0.005}
+NO_EOS = {"128009": -100, "128001": -100}  # the tiny model's end tokens: run to the cap
+
+
+def gateway_state(gateway: RunningServer) -> GatewayState:
+    state: GatewayState = gateway.app.state.gateway
+    return state
+
+
+def gateway_at_zero(gateway: RunningServer) -> bool:
+    return all(
+        u.ledger is None or u.ledger.stats().reserved_tokens == 0
+        for u in gateway_state(gateway).upstreams
+    )
+
+
+# --- the pure rules --------------------------------------------------------------------------
+
+
+@given(
+    st.lists(
+        st.tuples(st.one_of(st.none(), st.integers(-5, 5000)), st.integers(0, 9), st.booleans()),
+        max_size=6,
+    ),
+    st.integers(0, 5000),
+)
+def test_routing_picks_a_fitting_endpoint_with_the_most_room(
+    views: list[tuple[int | None, int, bool]], need: int
+) -> None:
+    endpoints = [Endpoint(free, flight, ok) for free, flight, ok in views]
+    picked = choose(endpoints, need)
+    fitting = [
+        i for i, e in enumerate(endpoints) if e.in_service and (e.free is None or e.free >= need)
+    ]
+    if not fitting:
+        assert picked is None
+        return
+    assert picked in fitting
+    best = endpoints[picked]
+    for i in fitting:
+        other = endpoints[i]
+        if best.free is not None and other.free is None:
+            raise AssertionError("an unknown budget ranks as the most room")
+        if best.free is not None and other.free is not None:
+            assert best.free >= other.free
+    assert sorted(ranked(endpoints, need)) == fitting
+
+
+def test_health_sets_aside_after_failures_and_probes_back_once() -> None:
+    health = Health(threshold=2, cooldown=5.0)
+    health.failed(0.0)
+    assert health.in_service(0.0)
+    health.failed(1.0)
+    assert not health.in_service(2.0)
+    assert health.in_service(6.0)
+    health.begin(6.0)  # the probe
+    assert not health.in_service(6.1)  # one probe at a time
+    health.failed(6.2)
+    assert not health.in_service(10.0)
+    assert health.in_service(11.3)
+    health.begin(11.3)
+    health.succeeded()
+    assert health.in_service(11.4)
+    assert not health.set_aside
+
+
+# --- in front of the reference server --------------------------------------------------------
+
+
+def _bench(url: str, tmp_path: Path, *extra: str) -> dict[str, Any]:
+    out = tmp_path / f"bench-{time.monotonic_ns()}.json"
+    argv = [url, "--json", str(out), "--no-progress", "--seed", "7", *extra]
+    assert bench_cli.main(argv) == 0
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def test_prompt_admission_ooms_directly_and_never_through_the_gateway(tmp_path: Path) -> None:
+    """The seed's mix (short prompts, large or unset caps) against prompt-length admission."""
+    server_config = {
+        **FAST,
+        "kv_tokens": 8192,
+        "context_window": 4096,
+        "mean_output_tokens": 1500.0,
+        "admission": "prompt",
+    }
+    load = ("--num-requests", "80", "--rate", "70")
+    with running_server(**server_config) as direct:
+        before = _bench(direct.base_url, tmp_path, *load)["summary"]
+        direct_ooms = direct.metrics()["kv_oom_events_total"]
+    # Told the engine's speed (for Retry-After until it has measured it); what does not fit
+    # waits in the FIFO queue.
+    with running_server(**server_config) as upstream:
+        config = GatewayConfig(
+            upstreams=(upstream.base_url,), decode_rate=4000.0, max_queue_wait=30.0
+        )
+        with running_gateway(config) as gateway:
+            summary = _bench(gateway.base_url, tmp_path, *load)["summary"]
+            wait_for(lambda: gateway_at_zero(gateway) and at_zero(upstream))
+        metrics = upstream.metrics()
+    assert direct_ooms > 0
+    assert before["failed_by_cause"].get("bad_response", 0) > 0  # killed mid-decode
+    assert metrics["kv_oom_events_total"] == 0
+    # Every request completed but those the client refused locally (prompts over the window).
+    refused = summary["failed_by_cause"].get("prompt_too_long", 0)
+    assert summary["completed"] + refused == 80
+    assert summary["failed"] == refused
+
+
+def test_contract_passes_through_the_gateway_in_front_of_the_reference_server() -> None:
+    with (
+        # Answers run to their caps (as the contract suite's own e2e tests set it up).
+        running_server(
+            decode_rate=2000.0,
+            kv_tokens=4096,
+            context_window=1024,
+            mean_output_tokens=1e6,
+            admission="prompt",
+        ) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,), decode_rate=2000.0)) as gateway,
+    ):
+        report = run_contract(gateway.base_url, burst=24, timeout=60)
+        wait_for(lambda: gateway_at_zero(gateway))
+    verdicts = {r.name: r.status for r in report.results}
+    assert set(verdicts.values()) == {CheckStatus.PASS}, {
+        r.name: r.evidence for r in report.results
+    }
+
+
+def test_two_upstreams_share_by_free_budget_and_survive_one_dying() -> None:
+    upstream = {**FAST, "context_window": 1024, "decode_rate": 300.0}
+    with ExitStack() as stack:
+        big = stack.enter_context(running_server(**upstream, kv_tokens=4096))
+        doomed = ExitStack()
+        small = doomed.enter_context(running_server(**upstream, kv_tokens=2048))
+        stack.callback(doomed.close)
+        config = GatewayConfig(upstreams=(big.base_url, small.base_url), failure_threshold=1)
+        gateway = stack.enter_context(running_gateway(config))
+        state = gateway_state(gateway)
+
+        async def wave(n: int) -> list[Any]:
+            results: list[Any] = []
+            policy = RetryPolicy(deadline=30)
+            async with AsyncClient(base_url=gateway.base_url, retry=policy) as client:
+
+                async def one(i: int) -> None:
+                    try:
+                        if i % 4 == 3:
+                            async with client.complete_stream(f"x {i}", max_tokens=100) as s:
+                                async for _ in s:
+                                    pass
+                            results.append(s.completion)
+                        else:
+                            results.append(await client.complete(f"x {i}", max_tokens=100))
+                    except KVClientError as exc:  # must be a clear error, checked below
+                        results.append(exc)
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(n):
+                        tg.start_soon(one, i)
+            return results
+
+        first = anyio.run(wave, 32)
+        assert all(isinstance(r, Completion) for r in first), first
+        admitted = [u.ledger.stats().admitted_total for u in state.upstreams if u.ledger]
+        assert admitted[0] > admitted[1] > 0  # both served; more budget took more
+
+        second: list[Any] = []
+        runner = threading.Thread(target=lambda: second.extend(anyio.run(wave, 32)))
+        runner.start()
+        time.sleep(0.15)
+        doomed.close()  # the small upstream stops mid-run
+        runner.join(60)
+        assert not runner.is_alive(), "requests hung after an upstream died"
+        wait_for(lambda: gateway_at_zero(gateway))
+        assert at_zero(big)
+    failed = [r for r in second if not isinstance(r, Completion)]
+    # Nothing lost: every request completed or failed with a clear error; only streams that had
+    # started on the dying upstream may fail.
+    assert len(second) == 32
+    for error in failed:
+        assert isinstance(error, KVClientError)
+        assert "stream" in str(error)
+
+
+# --- scripted upstreams: failures and pass-through ---------------------------------------------
+
+
+@contextmanager
+def scripted_upstream(app: Starlette) -> Iterator[RunningServer]:
+    with serve_in_thread(app) as server:
+        yield server
+
+
+def _discoverable(routes: list[Route], *, window: int = 1024, kv: int = 4096) -> Starlette:
+    async def models(request: Request) -> Response:
+        return JSONResponse({"data": [{"id": "m", "max_model_len": window}]})
+
+    async def metrics(request: Request) -> Response:
+        return Response(f"kv_physical_capacity_tokens {kv}\n")
+
+    async def tokenize(request: Request) -> Response:
+        return JSONResponse({"count": 3, "tokens": [1, 2, 3]})
+
+    return Starlette(
+        routes=[
+            Route("/v1/models", models),
+            Route("/metrics", metrics),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            *routes,
+        ]
+    )
+
+
+def test_upstream_503_without_retry_after_reaches_the_client_with_one() -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def busy(request: Request) -> Response:
+        seen.append(await request.json())
+        return JSONResponse({"error": {"message": "queue full", "type": "unavailable"}}, 503)
+
+    app = _discoverable([Route("/v1/completions", busy, methods=["POST"])])
+    with (
+        scripted_upstream(app) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+    ):
+        answer = httpx.post(gw.base_url + "/v1/completions", json={"prompt": "hi"})
+        wait_for(lambda: gateway_at_zero(gw))
+    assert answer.status_code == 503
+    assert answer.headers["retry-after"] == "1"
+    assert seen == [{"prompt": "hi", "max_tokens": 1024 - 3}]  # the explicit, clamped cap
+
+
+def test_upstream_500_is_answered_in_our_shape_and_never_retried() -> None:
+    calls = []
+
+    async def oom(request: Request) -> Response:
+        calls.append(1)
+        return JSONResponse({"error": {"code": 500, "message": "Context size has been exceeded."
+                                       , "type": "server_error"}}, 500)  # fmt: skip
+
+    app = _discoverable([Route("/v1/completions", oom, methods=["POST"])])
+    with (
+        scripted_upstream(app) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+    ):
+        answer = httpx.post(gw.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+        wait_for(lambda: gateway_at_zero(gw))
+    assert answer.status_code == 500
+    error = answer.json()["error"]
+    assert error["type"] == "upstream_error"
+    assert "Context size has been exceeded" in error["message"]
+    assert calls == [1]
+
+
+def test_a_client_that_goes_away_mid_stream_closes_the_upstream_and_releases() -> None:
+    closed = threading.Event()
+
+    async def endless(request: Request) -> Response:
+        async def events() -> Any:
+            try:
+                for i in range(10_000):
+                    yield f'data: {{"choices":[{{"index":0,"text":"t{i}"}}]}}\n\n'.encode()
+                    await anyio.sleep(0.01)
+            finally:
+                closed.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = _discoverable([Route("/v1/completions", endless, methods=["POST"])])
+    with (
+        scripted_upstream(app) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+    ):
+        with Client(base_url=gw.base_url) as client:
+            stream = client.complete_stream("hi", max_tokens=500)
+            with stream:
+                for _ in zip(range(3), stream, strict=False):
+                    pass
+        assert closed.wait(5), "the upstream stream was not closed"
+        wait_for(lambda: gateway_at_zero(gw))
+
+
+# --- in front of a real llama.cpp engine -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def unified_llama(llama_engine_ready: None) -> Iterator[llama_engine.LlamaServer]:
+    """One KV pool of 512 tokens shared by 4 slots, each allowed the whole 512."""
+    with llama_engine.LlamaServer(ctx=512, parallel=4, unified=True) as server:
+        yield server
+
+
+async def _raw_burst(url: str, n: int, max_tokens: int) -> list[int]:
+    statuses: list[int] = []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+
+        async def one(i: int) -> None:
+            body = {"prompt": f"Story {i}", "max_tokens": max_tokens, "logit_bias": NO_EOS}
+            statuses.append((await http.post("/v1/completions", json=body)).status_code)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(one, i)
+    return statuses
+
+
+@pytest.mark.llama_cpp
+def test_a_burst_that_dies_mid_decode_directly_completes_through_the_gateway(
+    unified_llama: llama_engine.LlamaServer,
+) -> None:
+    # Four requests of ~204 tokens each fit the 512-token pool alone; together they overrun it.
+    direct = anyio.run(_raw_burst, unified_llama.url, 4, 200)
+    assert direct.count(500) >= 1, direct  # "Context size has been exceeded", mid-decode
+
+    with running_gateway(GatewayConfig(upstreams=(unified_llama.url,))) as gateway:
+
+        async def through() -> list[Any]:
+            done: list[Any] = []
+            async with AsyncClient(
+                base_url=gateway.base_url, retry=RetryPolicy(deadline=90)
+            ) as client:
+
+                async def one(i: int) -> None:
+                    done.append(
+                        await client.complete(f"Story {i}", max_tokens=200, logit_bias=NO_EOS)
+                    )
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(4):
+                        tg.start_soon(one, i)
+            return done
+
+        results = anyio.run(through)
+        wait_for(lambda: gateway_at_zero(gateway))
+        upstream = gateway_state(gateway).upstreams[0]
+    assert [r.usage.completion_tokens for r in results] == [200] * 4
+    assert upstream.errors == 0
+    assert upstream.ledger is not None
+    assert upstream.ledger.stats().rejected_total >= 1  # refused with 429 instead of dying
+
+
+@pytest.mark.llama_cpp
+def test_contract_passes_through_the_gateway_in_front_of_llama_cpp(
+    unified_llama: llama_engine.LlamaServer,
+) -> None:
+    with running_gateway(GatewayConfig(upstreams=(unified_llama.url,))) as gateway:
+        report = run_contract(gateway.base_url, burst=8, burst_max_tokens=64, timeout=90)
+        wait_for(lambda: gateway_at_zero(gateway))
+    verdicts = {r.name: r.status for r in report.results}
+    assert set(verdicts.values()) == {CheckStatus.PASS}, {
+        r.name: r.evidence for r in report.results
+    }
