@@ -395,8 +395,6 @@ def test_importing_kvclient_never_imports_openai() -> None:
         "assert 'openai' not in sys.modules, 'kvclient imported openai'\n"
         "kvclient.openai.Transport(context_window=10).close()\n"
         "assert 'openai' not in sys.modules, 'the transport imported openai'\n"
-        "kvclient.openai.OpenAI\n"
-        "assert 'openai' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
