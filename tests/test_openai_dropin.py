@@ -363,19 +363,21 @@ def test_the_context_window_is_discovered_once_with_the_sdks_credentials(
     assert sent(route)["max_tokens"] == 300 - HI_TOKENS
 
 
-def test_an_unknown_context_window_is_a_bad_request_and_no_generation_is_sent(
-    mock: respx.Router,
-) -> None:
+def test_an_unknown_context_window_is_a_bad_request_and_no_generation_is_sent() -> None:
+    """No engine's dialect gives a window: every probe of discovery answers 404."""
     listing = {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
-    mock.get("/models").mock(return_value=httpx.Response(200, json=listing))
-    route = mock.post("/chat/completions").mock(return_value=chat_ok())
-    with (
-        OpenAI(base_url=BASE, api_key="k", retry=FakeClock().policy()) as client,
-        pytest.raises(openai.BadRequestError) as caught,
-    ):
-        client.chat.completions.create(model=MODEL, messages=HI)
+    with respx.mock(base_url=HOST, assert_all_called=False) as router:
+        router.get("/v1/models").mock(return_value=httpx.Response(200, json=listing))
+        route = router.post("/v1/chat/completions").mock(return_value=chat_ok())
+        probes = router.route().mock(return_value=httpx.Response(404))
+        with (
+            OpenAI(base_url=BASE, api_key="k", retry=FakeClock().policy()) as client,
+            pytest.raises(openai.BadRequestError) as caught,
+        ):
+            client.chat.completions.create(model=MODEL, messages=HI)
     assert caught.value.code == "context_window_unknown"
-    assert "max_model_len" in caught.value.message
+    assert "context_window=" in caught.value.message
+    assert probes.call_count >= 1  # the other engines' dialects were tried
     assert route.call_count == 0
 
 

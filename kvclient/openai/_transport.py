@@ -138,8 +138,7 @@ class _Shared:
         if isinstance(exc, ServerBusyError):
             return busy_response(exc)
         return local_error_response(
-            f"kvclient could not learn the context window: {exc}. Pass context_window= to "
-            "kvclient.openai; nothing was sent",
+            f"kvclient could not learn the context window: {exc}; nothing was sent",
             "context_window_unknown",
         )
 
