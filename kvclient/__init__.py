@@ -36,7 +36,7 @@ from ._exceptions import (
     TokenizerError,
     UnprocessableEntityError,
 )
-from ._models import Completion, CompletionChunk, RetryEvent, Usage
+from ._models import Completion, CompletionChunk, RetryEvent, ToolCall, Usage
 from ._retry import RetryBudget, RetryPolicy, parse_retry_after
 from ._tokens import HuggingFaceCounter, TiktokenCounter, TokenCounter, Tokenizer
 from ._version import __version__
@@ -75,6 +75,7 @@ __all__ = [
     "TokenCounter",
     "Tokenizer",
     "TokenizerError",
+    "ToolCall",
     "UnprocessableEntityError",
     "Usage",
     "__version__",

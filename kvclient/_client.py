@@ -9,6 +9,7 @@ send, read and sleep.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import json
@@ -44,9 +45,16 @@ from ._exceptions import (
     PromptTooLongError,
     ServerBusyError,
 )
-from ._models import Completion, CompletionChunk, RetryEvent, Usage
+from ._models import Completion, CompletionChunk, RetryEvent, ToolCall, Usage
 from ._retry import Cooldown, RetryCall, RetryPolicy, SendWindow, parse_retry_after
-from ._streaming import StreamAccumulator, aiter_events, iter_events
+from ._streaming import (
+    AsyncLines,
+    StreamAccumulator,
+    aiter_events,
+    event_limit,
+    iter_events,
+    iter_lines,
+)
 from ._tokens import Message, TiktokenCounter, TokenCounter
 from ._version import __version__
 
@@ -75,6 +83,8 @@ _DRAIN_SECONDS = 1.0
 _WINDOW_POLL = 0.1
 # Immediate re-sends of a request whose pooled keep-alive connection the server had closed.
 _STALE_RESENDS = 2  # per call
+# The request extension carrying the time (policy clock) by which its answer must have been read.
+_DEADLINE = "kvclient.deadline"
 
 
 class _Body(httpx.SyncByteStream, httpx.AsyncByteStream):
@@ -125,6 +135,93 @@ def _stale_connection(exc: httpx.HTTPError) -> bool:
     return isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc)
 
 
+class _Bounded(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A response body read against a deadline (``deadline``, on ``clock``; None: unbounded).
+
+    httpx's read timeout bounds each wait for a chunk, so a body trickled a byte at a time never
+    trips it. This checks the deadline as each chunk arrives, and before the body's first read
+    lowers the read timeout to the time left (httpcore takes it once per body), so one read can
+    overrun the deadline by at most that. A stream moves ``deadline`` after its first event.
+    """
+
+    __slots__ = ("_clock", "_request", "_stream", "deadline", "why")
+
+    def __init__(
+        self,
+        stream: Any,
+        request: httpx.Request,
+        clock: Callable[[], float],
+        deadline: float | None,
+        why: str,
+    ) -> None:
+        self._stream = stream
+        self._request = request
+        self._clock = clock
+        self.deadline = deadline
+        self.why = why
+
+    def check(self) -> None:
+        if self.deadline is not None and self._clock() >= self.deadline:
+            raise httpx.ReadTimeout(self.why, request=self._request)
+
+    def _tighten(self) -> None:
+        timeout = self._request.extensions.get("timeout")
+        if self.deadline is None or not isinstance(timeout, dict):
+            return
+        left = max(self.deadline - self._clock(), _MIN_ATTEMPT_TIMEOUT)
+        read = timeout.get("read")
+        timeout["read"] = left if read is None else min(read, left)
+
+    def __iter__(self) -> Iterator[bytes]:
+        if not isinstance(self._stream, httpx.SyncByteStream):
+            raise RuntimeError("Attempted to call a sync iterator on an async stream.")
+        self.check()
+        self._tighten()
+        for chunk in self._stream:
+            self.check()
+            yield chunk
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        if not isinstance(self._stream, httpx.AsyncByteStream):
+            raise RuntimeError("Attempted to call an async iterator on a sync stream.")
+        self.check()
+        self._tighten()
+        return _AsyncBounded(self, self._stream.__aiter__())
+
+    def close(self) -> None:
+        if isinstance(self._stream, httpx.SyncByteStream):
+            self._stream.close()
+
+    async def aclose(self) -> None:
+        if isinstance(self._stream, httpx.AsyncByteStream):
+            await self._stream.aclose()
+
+
+class _AsyncBounded:
+    """The async iteration of :class:`_Bounded`: a plain iterator, nothing left suspended."""
+
+    __slots__ = ("_chunks", "_owner")
+
+    def __init__(self, owner: _Bounded, chunks: AsyncIterator[bytes]) -> None:
+        self._owner = owner
+        self._chunks = chunks
+
+    def __aiter__(self) -> _AsyncBounded:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._chunks.__anext__()
+        try:
+            self._owner.check()
+        except httpx.ReadTimeout:
+            # Close the connection, then run httpx's generators under us to their end rather
+            # than leave them suspended (trio warns when it collects them).
+            await self._owner.aclose()
+            await _finish_generators(self._chunks)
+            raise
+        return chunk
+
+
 def _slot_outcome(error: BaseException) -> str:
     """How a failed attempt counts for the send window: a refusal narrows it."""
     if (
@@ -160,13 +257,34 @@ def _parsed_url(url: str) -> httpx.URL:
     return httpx.URL(url)
 
 
-def _normalize_base_url(base_url: str | httpx.URL) -> str:
-    url = str(base_url).strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
-    if url.endswith("/v1"):
-        url = url[: -len("/v1")]
-    return url
+def _redact_url(url: str) -> str:
+    """``url`` with any password in its userinfo replaced by ``[secure]`` (as httpx's repr)."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    userinfo, at, host = authority.rpartition("@")
+    if not sep or not at:
+        return url
+    user, colon, _password = userinfo.partition(":")
+    return f"{scheme}://{user}{':[secure]' if colon else ''}@{host}{slash}{path}"
+
+
+def _normalize_base_url(base_url: str | httpx.URL) -> tuple[str, tuple[str, str] | None]:
+    """The base URL without userinfo or ``/v1``, and the user and password it carried.
+
+    The credentials leave the URL so that no error message, log line or ``RetryEvent`` can show
+    them; they are sent as HTTP Basic auth, as httpx sends a URL's userinfo.
+    """
+    text = str(base_url).strip().rstrip("/")
+    if not text.startswith(("http://", "https://")):
+        raise ValueError(f"base_url must start with http:// or https://, got {_redact_url(text)!r}")
+    credentials: tuple[str, str] | None = None
+    parsed = httpx.URL(text)
+    if parsed.userinfo:
+        credentials = (parsed.username, parsed.password)
+        text = str(parsed.copy_with(username=None, password=None)).rstrip("/")
+    if text.endswith("/v1"):
+        text = text[: -len("/v1")]
+    return text, credentials
 
 
 class BaseClient:
@@ -194,7 +312,7 @@ class BaseClient:
             raise ValueError(f"context_window must be a positive integer, got {context_window!r}")
         if not (isinstance(safety_margin, (int, float)) and 0 <= safety_margin < 1):
             raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin!r}")
-        self.base_url = _normalize_base_url(base_url)
+        self.base_url, self._credentials = _normalize_base_url(base_url)
         self.model = model
         self.context_window = context_window
         self.api_key = api_key
@@ -220,6 +338,10 @@ class BaseClient:
         headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
+        if self._credentials is not None:
+            # What httpx sends for a URL's userinfo (it then wins over the API key too).
+            token = base64.b64encode(":".join(self._credentials).encode()).decode()
+            headers["Authorization"] = f"Basic {token}"
         headers.update(self._extra_headers)
         return headers
 
@@ -283,7 +405,16 @@ class BaseClient:
             "write": cap(base.write),
             "pool": cap(base.pool),
         }
-        return {"timeout": timeout}
+        return {"timeout": timeout, _DEADLINE: call.started + self.retry.deadline}
+
+    def _bound(self, response: httpx.Response) -> None:
+        """Read ``response``'s body against its call's deadline (see :class:`_Bounded`)."""
+        deadline = response.request.extensions.get(_DEADLINE)
+        if isinstance(deadline, (int, float)):  # an injected clock may count in integers
+            why = f"the call's {self.retry.deadline:g}s deadline passed while reading the answer"
+            response.stream = _Bounded(
+                response.stream, response.request, self.retry.clock, float(deadline), why
+            )
 
     def _probe_request(
         self, http: httpx.Client | httpx.AsyncClient, probe: Probe, call: RetryCall
@@ -440,7 +571,11 @@ class BaseClient:
         exc: httpx.HTTPError, request: httpx.Request | None, *, answered: bool
     ) -> APIConnectionError:
         """A transport failure; retryable only when no answer had started to arrive."""
-        target = f"{request.method} {request.url}" if request is not None else "request"
+        target = (
+            f"{request.method} {_redact_url(str(request.url))}"
+            if request is not None
+            else "request"
+        )
         when = "while reading the answer" if answered else "before any answer"
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         # A wrong URL scheme is not a network accident: no retry can fix it.
@@ -477,9 +612,11 @@ class BaseClient:
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise APIResponseError(f"answer has no choices: {json.dumps(payload)[:200]}")
         choice = choices[0]
+        message: dict[str, Any] | None = None
         if prepared.chat:
-            message = choice.get("message")
-            text = message.get("content") if isinstance(message, dict) else None
+            raw_message = choice.get("message")
+            message = raw_message if isinstance(raw_message, dict) else {}
+            text = message.get("content")
         else:
             text = choice.get("text")
         finish = choice.get("finish_reason")
@@ -497,6 +634,8 @@ class BaseClient:
             model=model if isinstance(model, str) else None,
             id=ident if isinstance(ident, str) else None,
             raw=payload,
+            message=message,
+            tool_calls=ToolCall.from_message(message),
         )
 
     def _new_call(self, prepared: _Prepared | None = None) -> RetryCall:
@@ -523,7 +662,13 @@ class BaseClient:
 
 
 class _StreamBase:
-    """The pure half of a stream: events in, chunks out, the aggregated completion at the end."""
+    """The pure half of a stream: events in, chunks out, the aggregated completion at the end.
+
+    Time: the call's deadline bounds the stream up to its first event (comments such as
+    ``: ping`` do not count); after it, each next event must come within the read timeout.
+    """
+
+    _client: Client | AsyncClient
 
     def __init__(self, prepared: _Prepared | None, *, chat: bool) -> None:
         self._prepared_value = prepared
@@ -533,6 +678,34 @@ class _StreamBase:
         self._completion: Completion | None = None
         # True while this stream holds one of its client's send-window slots.
         self._holds_slot = False
+        # The body's deadline, moved after each event (see _wait_for_event).
+        self._bounded: _Bounded | None = None
+
+    def _max_events(self) -> int:
+        """How many events this stream may send (see :func:`~kvclient._streaming.event_limit`)."""
+        prepared = self._prepared
+        n = prepared.body.get("n")
+        choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        return event_limit(prepared.max_tokens, choices)
+
+    def _opened(self, response: httpx.Response) -> None:
+        stream = response.stream
+        self._bounded = stream if isinstance(stream, _Bounded) else None
+        self._holds_slot = True
+
+    def _wait_for_event(self) -> None:
+        """Before waiting for the next event: it must come within the read timeout."""
+        bounded = self._bounded
+        if bounded is None:
+            return
+        read = self._client._base_timeout.read
+        bounded.deadline = None if read is None else self._client.retry.clock() + read
+        bounded.why = f"no stream event within the read timeout of {read}s"
+
+    def _give_back_slot(self) -> None:
+        if self._holds_slot and self._call is not None:
+            self._holds_slot = False
+            self._client._release_slot("ok", self._call)
 
     def _feed(self, payload: dict[str, Any] | None) -> None:
         if payload is None:
@@ -588,6 +761,8 @@ class Stream(_StreamBase):
     once an event arrived nothing is retried.
     """
 
+    _client: Client
+
     def __init__(self, client: Client, prepared: _Prepared) -> None:
         super().__init__(prepared, chat=prepared.chat)
         self._client = client
@@ -614,7 +789,8 @@ class Stream(_StreamBase):
 
         def attempt(call: RetryCall) -> tuple[httpx.Response, Any, dict[str, Any] | None]:
             response = client._send(self._prepared, call, stream=True)
-            events = iter_events(response.iter_lines())
+            lines = iter_lines(response.iter_bytes())
+            events = iter_events(lines, max_events=self._max_events())
             try:
                 first = next(events)
             except StopIteration:
@@ -632,7 +808,7 @@ class Stream(_StreamBase):
             return response, events, first
 
         self._response, self._events, first = client._run(self._call, attempt, keep_slot=True)
-        self._holds_slot = True
+        self._opened(self._response)
         self._feed(first)
 
     def __iter__(self) -> Stream:
@@ -644,6 +820,7 @@ class Stream(_StreamBase):
             if self._acc.done:
                 self.close()
                 raise StopIteration
+            self._wait_for_event()
             try:
                 payload = next(self._events)
             except StopIteration:
@@ -666,9 +843,14 @@ class Stream(_StreamBase):
             if self._events is not None:
                 self._events.close()
         finally:
-            if self._holds_slot and self._call is not None:
-                self._holds_slot = False
-                self._client._release_slot("ok", self._call)
+            self._give_back_slot()
+
+    def __del__(self) -> None:
+        # Dropped unclosed (``for chunk in client.chat_stream(...): break``): give the window
+        # its room back and the connection its pool.
+        if getattr(self, "_holds_slot", False):
+            with contextlib.suppress(Exception):
+                self.close()
 
 
 async def _finish_generators(events: Any) -> None:
@@ -702,6 +884,8 @@ async def _close_chain(response: httpx.Response, events: Any, lines: Any) -> Non
 class AsyncStream(_StreamBase):
     """Async :class:`Stream`: ``async with`` and ``async for``."""
 
+    _client: AsyncClient
+
     def __init__(
         self, client: AsyncClient, prepare: Callable[[], Awaitable[_Prepared]], *, chat: bool
     ) -> None:
@@ -710,8 +894,8 @@ class AsyncStream(_StreamBase):
         self._client = client
         self._response: httpx.Response | None = None
         self._events: Any = None
-        # httpx's line iterator under our event parser: when the parser ends on an error (a
-        # server's error event), the iterator is left suspended and must be finished too.
+        # httpx's byte iterator under our line and event parsers: when the parser ends on an
+        # error (a server's error event), the iterator is left suspended and must be finished.
         self._lines: Any = None
 
     async def __aenter__(self) -> AsyncStream:
@@ -739,8 +923,8 @@ class AsyncStream(_StreamBase):
             call: RetryCall,
         ) -> tuple[httpx.Response, Any, Any, dict[str, Any] | None]:
             response = await client._send(self._prepared, call, stream=True)
-            lines = response.aiter_lines()
-            events = aiter_events(lines)
+            lines = response.aiter_bytes()
+            events = aiter_events(AsyncLines(lines), max_events=self._max_events())
             try:
                 first = await events.__anext__()
             except StopAsyncIteration:
@@ -758,7 +942,7 @@ class AsyncStream(_StreamBase):
 
         opened = await client._run(self._call, attempt, keep_slot=True)
         self._response, self._events, self._lines, first = opened
-        self._holds_slot = True
+        self._opened(self._response)
         self._feed(first)
 
     def __aiter__(self) -> AsyncStream:
@@ -770,6 +954,7 @@ class AsyncStream(_StreamBase):
             if self._acc.done:
                 await self.aclose()
                 raise StopAsyncIteration
+            self._wait_for_event()
             try:
                 payload = await self._events.__anext__()
             except StopAsyncIteration:
@@ -792,9 +977,14 @@ class AsyncStream(_StreamBase):
             if self._response is not None:
                 await _close_chain(self._response, events, lines)
         finally:
-            if self._holds_slot and self._call is not None:
-                self._holds_slot = False
-                self._client._release_slot("ok", self._call)
+            self._give_back_slot()
+
+    def __del__(self) -> None:
+        # Dropped unclosed (``async for chunk in client.chat_stream(...): break``): nothing can
+        # be awaited here, but the window gets its room back at once.
+        if getattr(self, "_holds_slot", False):
+            with contextlib.suppress(Exception):
+                self._give_back_slot()
 
 
 class Client(BaseClient):
@@ -943,6 +1133,7 @@ class Client(BaseClient):
                     call.resends += 1
                     continue
                 raise self._transport_error(exc, request, answered=False) from exc
+        self._bound(response)
         if stream and response.status_code < 400:
             return response
         try:
@@ -1171,6 +1362,7 @@ class AsyncClient(BaseClient):
                     call.resends += 1
                     continue
                 raise self._transport_error(exc, request, answered=False) from exc
+        self._bound(response)
         if stream and response.status_code < 400:
             return response
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Completion", "CompletionChunk", "RetryEvent", "Usage"]
+__all__ = ["Completion", "CompletionChunk", "RetryEvent", "ToolCall", "Usage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +40,49 @@ class RetryEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One tool call the model made: ``arguments`` is the JSON text as the model wrote it."""
+
+    id: str | None
+    name: str
+    arguments: str
+    type: str = "function"
+
+    @classmethod
+    def from_message(cls, message: Any) -> tuple[ToolCall, ...]:
+        """The tool calls of an OpenAI chat ``message`` (``message.tool_calls``), in order."""
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if not isinstance(calls, list):
+            return ()
+        found = []
+        for call in calls:
+            if not isinstance(call, dict):
+                continue
+            function = call.get("function")
+            function = function if isinstance(function, dict) else {}
+            ident, kind = call.get("id"), call.get("type")
+            name, arguments = function.get("name"), function.get("arguments")
+            found.append(
+                cls(
+                    id=ident if isinstance(ident, str) else None,
+                    name=name if isinstance(name, str) else "",
+                    arguments=arguments if isinstance(arguments, str) else "",
+                    type=kind if isinstance(kind, str) else "function",
+                )
+            )
+        return tuple(found)
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     """The result of ``complete`` or ``chat`` (or of a finished stream).
 
     ``max_tokens`` is the cap actually sent, ``prompt_tokens`` the count kvclient made locally
     (the server's own count is in ``usage``), ``attempts`` how many requests were sent,
     ``retry_wait`` the seconds spent waiting (retries and client-wide cooldown holds).
+    For chat, ``message`` is the assistant message as the server's non-streamed answer gives it
+    (for a stream: its deltas merged, ``role``, ``tool_calls``, ``reasoning_content`` and all),
+    and ``tool_calls`` the calls in it; for text completions ``message`` is None.
     """
 
     text: str
@@ -59,13 +96,21 @@ class Completion:
     model: str | None = None
     id: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    message: dict[str, Any] | None = field(default=None, compare=False)
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class CompletionChunk:
-    """One streamed delta: ``text`` is the new text of choice ``index``."""
+    """One streamed delta: ``text`` is the new text of choice ``index``.
+
+    For chat, ``delta`` is the event's whole ``delta`` and ``tool_calls`` its tool-call
+    fragments as sent (``index``, and parts of ``id``, ``function.name``, ``function.arguments``).
+    """
 
     text: str
     finish_reason: str | None
     index: int
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    delta: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    tool_calls: tuple[dict[str, Any], ...] = ()

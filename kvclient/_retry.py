@@ -11,6 +11,8 @@ objects), but none of its types leave this module.
 1.5
 >>> parse_retry_after({"Retry-After": "soon"}) is None
 True
+>>> parse_retry_after({"Retry-After": "1, 2"})  # two headers, as httpx joins them
+2.0
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ DEFAULT_JITTER_ABSOLUTE = 0.1
 DEFAULT_WINDOW_RESET = 10.0
 
 # A header longer than this is garbage (or hostile); never feed megabytes to float() or a parser.
-_MAX_HEADER_LENGTH = 64
+# (Room for a few values: repeated headers arrive joined by commas.)
+_MAX_HEADER_LENGTH = 256
+_MAX_HEADER_VALUES = 8
 _DELTA_SECONDS = re.compile(r"\s*(\d{1,20}(?:\.\d{1,9})?)\s*")
 # Guard for injected clocks that do not advance: a hold loop never spins forever.
 _MAX_HOLD_ROUNDS = 1000
@@ -102,6 +106,68 @@ def _header(headers: Mapping[str, str] | Any, name: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _header_values(headers: Mapping[str, str] | Any, name: str) -> list[str]:
+    """Every value of header ``name``: httpx keeps repeated headers apart in ``get_list``."""
+    get_list = getattr(headers, "get_list", None)
+    if callable(get_list):
+        values = get_list(name)
+        if isinstance(values, list):
+            return [value for value in values if isinstance(value, str)]
+    value = _header(headers, name)
+    return [] if value is None else [value]
+
+
+def _items(value: str) -> list[str]:
+    """The values one header line carries: several joined by commas (``"1, 2"``) or one.
+
+    An IMF-fixdate has a comma of its own (``Sun, 06 Nov 1994 ...``): a part that is not a
+    number is joined with the next one before parsing.
+    """
+    parts = value.split(",")
+    items: list[str] = []
+    i = 0
+    while i < len(parts) and len(items) < _MAX_HEADER_VALUES:
+        part = parts[i]
+        if _DELTA_SECONDS.fullmatch(part) or i + 1 == len(parts):
+            items.append(part)
+            i += 1
+        else:
+            items.append(part + "," + parts[i + 1])
+            i += 2
+    return items
+
+
+def _delta(item: str, per_second: float) -> float | None:
+    match = _DELTA_SECONDS.fullmatch(item)
+    if not match:
+        return None
+    seconds = float(match.group(1)) / per_second
+    return seconds if math.isfinite(seconds) else None
+
+
+def _date_delta(item: str, now: float | None) -> float | None:
+    try:
+        when = email.utils.parsedate_to_datetime(item.strip())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # asctime dates carry no zone; every HTTP-date is GMT
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    current = time.time() if now is None else now
+    delta = when.timestamp() - current
+    return max(0.0, delta) if math.isfinite(delta) else None
+
+
+def _largest(values: list[str], parse: Callable[[str], float | None]) -> float | None:
+    found = [
+        seconds
+        for value in values
+        if len(value) <= _MAX_HEADER_LENGTH
+        for item in _items(value)
+        if (seconds := parse(item)) is not None
+    ]
+    return max(found, default=None)
+
+
 def parse_retry_after(
     headers: Mapping[str, str] | Any, *, now: float | None = None
 ) -> float | None:
@@ -109,35 +175,18 @@ def parse_retry_after(
 
     ``retry-after-ms`` (milliseconds) wins over ``Retry-After``, which is either delta-seconds
     (integer or decimal) or an HTTP-date, read relative to ``now`` (Unix time, default: the
-    current time). A date in the past means "now": ``0.0``. Anything malformed, negative,
-    non-finite or absurdly long is ignored. Never raises.
+    current time). A date in the past means "now": ``0.0``. When a header is repeated (httpx
+    joins repeats as ``"1, 2"``), the largest valid value counts: the server's floor. Anything
+    malformed, negative, non-finite or absurdly long is ignored. Never raises.
     """
     try:
-        millis = _header(headers, "retry-after-ms")
-        if millis is not None and len(millis) <= _MAX_HEADER_LENGTH:
-            match = _DELTA_SECONDS.fullmatch(millis)
-            if match:
-                seconds = float(match.group(1)) / 1000.0
-                if math.isfinite(seconds):
-                    return seconds
-        value = _header(headers, "retry-after")
-        if value is None or len(value) > _MAX_HEADER_LENGTH:
-            return None
-        match = _DELTA_SECONDS.fullmatch(value)
-        if match:
-            seconds = float(match.group(1))
-            return seconds if math.isfinite(seconds) else None
-        try:
-            when = email.utils.parsedate_to_datetime(value.strip())
-        except (TypeError, ValueError, IndexError, OverflowError):
-            return None
-        if when.tzinfo is None:  # asctime dates carry no zone; every HTTP-date is GMT
-            when = when.replace(tzinfo=datetime.timezone.utc)
-        current = time.time() if now is None else now
-        delta = when.timestamp() - current
-        if not math.isfinite(delta):
-            return None
-        return max(0.0, delta)
+        millis = _largest(_header_values(headers, "retry-after-ms"), lambda v: _delta(v, 1000.0))
+        if millis is not None:
+            return millis
+        return _largest(
+            _header_values(headers, "retry-after"),
+            lambda v: value if (value := _delta(v, 1.0)) is not None else _date_delta(v, now),
+        )
     except Exception:  # a header parser must never take the client down
         return None
 
@@ -203,7 +252,10 @@ class RetryPolicy:
     The server's advice (Retry-After) is a floor: the wait is the advice plus a random jitter of
     up to ``jitter_ratio`` x advice + ``jitter_absolute``, never less. Without advice the wait is
     full-jitter exponential backoff: uniform in [``backoff_min``, min(``backoff_max``,
-    ``backoff_initial`` x ``backoff_multiplier`` ** (attempt - 1))].
+    ``backoff_initial`` x ``backoff_multiplier`` ** (attempt - 1))]. From a call's second retry
+    on, the wait is at least that backoff even with advice: a server whose advice keeps being
+    too short (``Retry-After: 1`` while it stays full) cannot make a call spend all its attempts
+    in a moment.
 
     A 429 with advice cools the whole client down: its other requests hold new sends until the
     advised time. With ``cooldown_by_size`` only those at least as large (prompt + output cap)
@@ -499,6 +551,19 @@ class RetryCall:
                     error,
                 )
             wait = server_wait(self.policy, advice)
+            if self.attempts >= 2:
+                # The advice was already followed once and the server refused again: it may be
+                # too short (a server's estimate can be wrong), so wait at least what backoff
+                # would, instead of spending every attempt in a fraction of a second.
+                wait = max(wait, backoff_wait(self.policy, self.attempts))
+                if wait >= left:
+                    return self._give_up(
+                        f"deadline of {self.policy.deadline:g}s reached after {self.attempts} "
+                        f"attempts (the server's advice of {advice:.6g}s kept being too short, "
+                        f"backing off instead): {error}",
+                        advice,
+                        error,
+                    )
         else:
             # No advice (or "now", a past date): back off; a zero-delay retry helps nobody.
             wait = backoff_wait(self.policy, self.attempts)

@@ -54,7 +54,8 @@ def http_date(offset: float) -> str:
         ({"Retry-After": "Infinity"}, None),
         ({"Retry-After": "1e3"}, None),
         ({"Retry-After": "0x10"}, None),
-        ({"Retry-After": "2, 3"}, None),
+        # Two headers, joined by a comma: the server's floor is the larger (issue 12.11).
+        ({"Retry-After": "2, 3"}, 3.0),
         ({"Retry-After": "9" * 10_000}, None),
         ({"Retry-After": "1" * 1_000_000}, None),
         ({"retry-after-ms": "NaN"}, None),
@@ -103,6 +104,23 @@ def test_parse_retry_after_takes_httpx_headers_and_bytes() -> None:
     assert parse_retry_after({"Retry-After": b"6"}) == 6.0  # type: ignore[dict-item]
     assert parse_retry_after(None) is None
     assert parse_retry_after(42) is None
+
+
+def test_repeated_retry_after_headers_count_their_largest_valid_value() -> None:
+    # httpx keeps repeats apart (get_list) and joins them for .get(): "1, 2".
+    repeated = httpx.Headers([("Retry-After", "1"), ("Retry-After", "2"), ("Retry-After", "x")])
+    assert repeated.get("retry-after") == "1, 2, x"
+    assert parse_retry_after(repeated) == 2.0
+    assert parse_retry_after({"Retry-After": "3, 1.5, soon"}) == 3.0
+    assert parse_retry_after({"retry-after-ms": "10, 2500", "Retry-After": "1"}) == 2.5
+    ms = httpx.Headers([("retry-after-ms", "1"), ("retry-after-ms", "700")])
+    assert parse_retry_after(ms) == 0.7
+    # An HTTP-date keeps its own comma; joined with a number or another date, the later wins.
+    date = format_datetime(datetime.fromtimestamp(NOW + 30, tz=timezone.utc), usegmt=True)
+    later = format_datetime(datetime.fromtimestamp(NOW + 90, tz=timezone.utc), usegmt=True)
+    assert parse_retry_after({"Retry-After": f"2, {date}"}, now=NOW) == 30.0
+    assert parse_retry_after({"Retry-After": f"{later}, {date}"}, now=NOW) == 90.0
+    assert parse_retry_after({"Retry-After": ", ".join(["1"] * 200)}) is None  # too long
 
 
 @settings(max_examples=500, deadline=None)
@@ -351,3 +369,27 @@ def test_connection_errors_give_up_with_themselves() -> None:
     decision = call.decide(error)
     assert decision.give_up is error
     assert error.attempts == 1
+
+
+def test_advice_shorter_than_backoff_is_floored_from_the_second_retry_on() -> None:
+    # Issue 12.1: a server that keeps saying "1 ms" while it stays full.
+    clock = FakeClock()
+    policy = clock.policy(random=lambda: 0.5)
+    call = RetryCall(policy, Cooldown())
+    waits = []
+    for _ in range(5):
+        call.begin_attempt()
+        decision = call.decide(rate_limited(0.001))
+        assert decision.give_up is None
+        waits.append(decision.wait)
+    assert waits[0] == server_wait(policy, 0.001)  # the first retry trusts the advice
+    assert waits[1:] == [backoff_wait(policy, attempt) for attempt in range(2, 6)]
+
+
+def test_advice_longer_than_backoff_is_kept() -> None:
+    clock = FakeClock()
+    policy = clock.policy(random=lambda: 0.5)
+    call = RetryCall(policy, Cooldown())
+    for _ in range(3):
+        call.begin_attempt()
+        assert call.decide(rate_limited(20.0)).wait == server_wait(policy, 20.0)

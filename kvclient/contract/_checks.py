@@ -25,6 +25,8 @@ import httpx
 
 from .._dialects import Answer as DialectAnswer
 from .._dialects import Discovery, discover_context
+from .._exceptions import APIResponseError
+from .._streaming import AsyncLines
 from ._judge import (
     BurstOutcome,
     ErrorBody,
@@ -358,11 +360,12 @@ async def _first_event(response: httpx.Response) -> None:
 
     (A chat stream opens with a role-only event: generation has not started yet.)
     """
-    lines = response.aiter_lines()
-    async for line in lines:
-        if line.startswith("data:") and _has_text(line[5:].strip()):
-            break
-    await _abandon(response, lines)
+    body = response.aiter_bytes()
+    with contextlib.suppress(APIResponseError):  # a line past the bound: stop reading too
+        async for line in AsyncLines(body):
+            if line.startswith("data:") and _has_text(line[5:].strip()):
+                break
+    await _abandon(response, body)
 
 
 def _has_text(data: str) -> bool:
@@ -384,7 +387,7 @@ def _has_text(data: str) -> bool:
     return False
 
 
-async def _abandon(response: httpx.Response, lines: AsyncIterator[str]) -> None:
+async def _abandon(response: httpx.Response, body: AsyncIterator[bytes]) -> None:
     """Close a stream left early, then run httpx's generator chain under it to its end.
 
     Leaving ``async for`` early suspends httpx's nested generators, and trio warns when it
@@ -392,7 +395,7 @@ async def _abandon(response: httpx.Response, lines: AsyncIterator[str]) -> None:
     """
     await response.aclose()
     with anyio.move_on_after(1.0), contextlib.suppress(Exception):
-        async for _ in lines:
+        async for _ in body:
             pass
 
 
@@ -400,8 +403,17 @@ async def _consume(response: httpx.Response) -> tuple[bool, str | None, str | No
     """Read an SSE completion stream to its end: ``(completed, problem, error code)``."""
     finished = False
     verdict: tuple[bool, str | None, str | None] | None = None
-    lines = response.aiter_lines()
-    async for line in lines:
+    chunks = response.aiter_bytes()
+    lines = AsyncLines(chunks)
+    while verdict is None:
+        # SSE lines end at CR, LF or CRLF only (not at U+2028 and the like, as httpx's do).
+        try:
+            line = await lines.__anext__()
+        except StopAsyncIteration:
+            break
+        except APIResponseError as exc:
+            verdict = (False, f"unreadable stream: {exc}", None)
+            break
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
@@ -423,7 +435,7 @@ async def _consume(response: httpx.Response) -> tuple[bool, str | None, str | No
                 isinstance(c, dict) and c.get("finish_reason") for c in choices
             )
     if verdict is not None:
-        await _abandon(response, lines)
+        await _abandon(response, chunks)
         return verdict
     if finished:
         return True, None, None
