@@ -123,7 +123,7 @@ class _Shared:
         kv = self._kv
         with self._learn_lock:
             if not self._base_url_known:
-                kv.base_url = _normalize_base_url(base_url_of(request.url, kind))
+                kv.base_url, _credentials = _normalize_base_url(base_url_of(request.url, kind))
                 self._base_url_known = True
             model = body.get("model")
             if kv.model is None and isinstance(model, str):
