@@ -81,10 +81,11 @@ class Health:
         self.out_until = None
         self.probing = False
 
-    def failed(self, now: float) -> None:
+    def failed(self, now: float, *, at_once: bool = False) -> None:
+        """One more failure; ``at_once`` sets it aside whatever the count (it never answered)."""
         self.failures += 1
         self.probing = False
-        if self.failures >= self.threshold or self.out_until is not None:
+        if at_once or self.failures >= self.threshold or self.out_until is not None:
             self.out_until = now + self.cooldown
 
     @property

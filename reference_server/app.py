@@ -683,6 +683,20 @@ class UnexpectedErrorMiddleware:
                 await _internal_error()(scope, receive, send)
 
 
+def build_app(routes: list[Route], *, api_key: str | None, lifespan: Any = None) -> Starlette:
+    """A Starlette app with this server's error handling and, with ``api_key``, its key check
+    (shared by the reference server and the gateway)."""
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        HTTPException: _http_exception,
+        Exception: _unexpected,
+    }
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.add_middleware(UnexpectedErrorMiddleware)  # the innermost: 500s are counted
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
 def create_app(config: ServerConfig | None = None) -> Starlette:
     """The reference server as an ASGI app; ``app.state.server`` is its :class:`ServerState`."""
     config = config if config is not None else ServerConfig()
@@ -696,14 +710,7 @@ def create_app(config: ServerConfig | None = None) -> Starlette:
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
     ]
-    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
-        HTTPException: _http_exception,
-        Exception: _unexpected,
-    }
-    app = Starlette(routes=routes, exception_handlers=handlers)
-    app.add_middleware(UnexpectedErrorMiddleware)  # the innermost: 500s are counted
-    if config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app = build_app(routes, api_key=config.api_key)
     app.add_middleware(CountingMiddleware, state=state)
     app.state.server = state
     return app

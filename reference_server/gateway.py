@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
+from collections.abc import AsyncIterator, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -31,7 +31,6 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, gener
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -60,15 +59,7 @@ from ._requests import (
     parse_generation,
     parse_json_object,
 )
-from .app import (
-    APIKeyMiddleware,
-    UnexpectedErrorMiddleware,
-    _ClientGone,
-    _DisconnectWatch,
-    _http_exception,
-    _read_body,
-    _unexpected,
-)
+from .app import _ClientGone, _DisconnectWatch, _read_body, build_app
 from .config import DEFAULT_MAX_BODY_BYTES
 from .ledger import DEFAULT_SAFETY_FRACTION, Handle, KVAdmissionController
 
@@ -161,6 +152,11 @@ class Upstream:
     discovery_error: str | None = None
     #: Measured per-sequence decode rate (tokens/s), an exponential average over answers.
     measured_rate: float | None = None
+
+    def failure(self) -> None:
+        """It failed a request (no answer, a broken one, an engine error): count it."""
+        self.errors += 1
+        self.health.failed(time.monotonic())
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One answer's output tokens and duration: the Retry-After estimates follow the
@@ -312,8 +308,7 @@ class GatewayState:
                         upstream.health.succeeded()
                     except UpstreamUnavailable as exc:
                         upstream.discovery_error = str(exc)
-                        upstream.health.failed(now)
-                        upstream.health.failed(now)  # set aside at once: it never answered
+                        upstream.health.failed(now, at_once=True)  # it never answered
                         logger.warning("upstream %s: %s", upstream.url, exc)
         return [u for u in self.upstreams if u.ledger is not None]
 
@@ -562,8 +557,7 @@ class GatewayGeneration:
         try:
             response = await http.send(outgoing, stream=True)
         except httpx.HTTPError as exc:
-            upstream.errors += 1
-            upstream.health.failed(time.monotonic())
+            upstream.failure()
             logger.warning("upstream %s: %s before any answer", upstream.url, type(exc).__name__)
             return False
         try:
@@ -571,12 +565,10 @@ class GatewayGeneration:
                 try:
                     data = await response.aread()
                 except httpx.HTTPError:
-                    upstream.errors += 1
-                    upstream.health.failed(time.monotonic())
+                    upstream.failure()
                     return False
                 if response.status_code >= 500 and response.status_code != 503:
-                    upstream.errors += 1  # an engine failure: answered, never retried elsewhere
-                    upstream.health.failed(time.monotonic())
+                    upstream.failure()  # an engine failure: answered, never retried elsewhere
                 else:
                     upstream.health.succeeded()
                 await _upstream_error(upstream, response, data)(scope, receive, send)
@@ -585,8 +577,7 @@ class GatewayGeneration:
                 try:
                     data = await response.aread()
                 except httpx.HTTPError:
-                    upstream.errors += 1
-                    upstream.health.failed(time.monotonic())
+                    upstream.failure()
                     return False
                 upstream.health.succeeded()
                 upstream.observe(_completion_tokens(data), time.monotonic() - started)
@@ -647,8 +638,7 @@ class GatewayGeneration:
 
     @staticmethod
     async def _stream_broke(upstream: Upstream, send: Send) -> None:
-        upstream.errors += 1
-        upstream.health.failed(time.monotonic())
+        upstream.failure()
         error = {
             "message": f"the upstream {upstream.url} broke the stream mid-answer",
             "type": "upstream_error",
@@ -804,10 +794,6 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
     ]
-    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
-        HTTPException: _http_exception,
-        Exception: _unexpected,
-    }
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -817,9 +803,6 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
         finally:
             await state.aclose()
 
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
-    app.add_middleware(UnexpectedErrorMiddleware)
-    if config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app = build_app(routes, api_key=config.api_key, lifespan=lifespan)
     app.state.gateway = state
     return app

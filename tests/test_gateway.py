@@ -96,6 +96,8 @@ def test_health_sets_aside_after_failures_and_probes_back_once() -> None:
     health.succeeded()
     assert health.in_service(11.4)
     assert not health.set_aside
+    health.failed(12.0, at_once=True)
+    assert not health.in_service(12.1)
 
 
 # --- in front of the reference server --------------------------------------------------------
@@ -385,3 +387,30 @@ def test_contract_passes_through_the_gateway_in_front_of_llama_cpp(
     assert set(verdicts.values()) == {CheckStatus.PASS}, {
         r.name: r.evidence for r in report.results
     }
+
+
+def test_an_upstream_that_never_answers_is_set_aside_and_the_other_serves() -> None:
+    dead = f"http://127.0.0.1:{llama_engine.free_port()}"  # nothing listens there
+    with running_server(**FAST, kv_tokens=4096, context_window=1024) as live:
+        config = GatewayConfig(upstreams=(dead, live.base_url))
+        with running_gateway(config) as gateway:
+            with Client(base_url=gateway.base_url) as client:
+                result = client.complete("hello", max_tokens=8)
+            health = httpx.get(gateway.base_url + "/health").json()
+    assert result.usage is not None
+    assert result.usage.completion_tokens == 8
+    dead_row, live_row = health["upstreams"]
+    assert dead_row["in_service"] is False
+    assert "ConnectError" in dead_row["problem"]
+    assert live_row["in_service"] is True
+
+
+def test_no_upstream_in_service_is_a_503_with_retry_after() -> None:
+    dead = f"http://127.0.0.1:{llama_engine.free_port()}"
+    with running_gateway(GatewayConfig(upstreams=(dead,))) as gateway:
+        answer = httpx.post(gateway.base_url + "/v1/completions", json={"prompt": "hi"})
+        health = httpx.get(gateway.base_url + "/health")
+    assert answer.status_code == 503
+    assert answer.headers["retry-after"] == "1"
+    assert answer.json()["error"]["code"] == "upstream_unavailable"
+    assert health.status_code == 503
