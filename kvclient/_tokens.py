@@ -34,6 +34,7 @@ __all__ = [
     "TiktokenCounter",
     "TokenCounter",
     "Tokenizer",
+    "count_chat_request",
     "count_chat_tokens",
 ]
 
@@ -142,6 +143,23 @@ def _check_part_tokens(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"non_text_part_tokens must be an integer >= 0, got {value!r}")
     return value
+
+
+def count_chat_request(
+    counter: TokenCounter,
+    messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> int:
+    """A chat request's prompt tokens, its ``tools`` passed to counters that render them.
+
+    Counters that render the chat template (``accepts_tools = True``: from_pretrained, the
+    server's ``/tokenize``) count the tool definitions as the template lays them out; the
+    formula counters do not count them.
+    """
+    if tools is not None and getattr(counter, "accepts_tools", False):
+        count: Callable[..., int] = counter.count_messages
+        return count(messages, tools=tools)
+    return counter.count_messages(messages)
 
 
 # --- tiktoken -------------------------------------------------------------------------------
@@ -390,8 +408,12 @@ class HuggingFaceCounter:
       per-message formula (configurable constants): an estimate.
     """
 
+    #: count_messages takes ``tools=`` (rendered by the chat template, when there is one).
+    accepts_tools = True
+
     __slots__ = (
         "_extra_special",
+        "_pretrained",
         "_tok",
         "add_special_tokens",
         "chat_template",
@@ -425,6 +447,7 @@ class HuggingFaceCounter:
         # Special tokens a raw prompt gets beyond what the post-processor adds (a config's
         # add_bos_token on a tokenizer.json whose post-processor adds none).
         self._extra_special = extra_special_tokens
+        self._pretrained = False
 
     @classmethod
     def from_pretrained(
@@ -491,6 +514,7 @@ class HuggingFaceCounter:
             chat_template=template,
             extra_special_tokens=added,
         )
+        counter._pretrained = True
         return counter
 
     def encode(self, text: str) -> list[int]:
@@ -532,7 +556,7 @@ class HuggingFaceCounter:
     def count_messages(
         self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None
     ) -> int:
-        if self.chat_template is None:
+        if self.chat_template is None and not self._pretrained:
             return count_chat_tokens(
                 messages,
                 self.count,
@@ -541,7 +565,7 @@ class HuggingFaceCounter:
                 reply_priming=self.reply_priming,
                 non_text_part_tokens=self.non_text_part_tokens,
             )
-        text, media = self.chat_template.render(messages, tools=tools, add_generation_prompt=True)
+        text, media = self.render(messages, tools=tools)
         return len(self._tok.encode(text, add_special_tokens=False)) + (
             media * self.non_text_part_tokens
         )
