@@ -39,6 +39,7 @@ from ._exceptions import (
 )
 from ._models import Completion, CompletionChunk, RetryEvent, ToolCall, Usage
 from ._retry import RetryBudget, RetryPolicy, parse_retry_after
+from ._server_counter import ServerTokenizeCounter
 from ._tokens import HuggingFaceCounter, TiktokenCounter, TokenCounter, Tokenizer
 from ._version import __version__
 
@@ -71,6 +72,7 @@ __all__ = [
     "RetryEvent",
     "RetryPolicy",
     "ServerBusyError",
+    "ServerTokenizeCounter",
     "ServiceUnavailableError",
     "Stream",
     "TiktokenCounter",
