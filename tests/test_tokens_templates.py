@@ -326,3 +326,28 @@ def test_margins_are_validated(options: dict[str, Any]) -> None:
 @pytest.fixture
 def server() -> FakeServer:
     return new_server()
+
+
+# --- kvclient count -------------------------------------------------------------------------------
+
+
+def test_count_cli_with_a_model_directory_and_a_chat_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvclient._count_cli import main
+
+    directory = _model_dir(tmp_path / "model", config={"chat_template": STRING_TEMPLATE})
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps([{"role": "user", "content": "hello world"}]))
+    assert main(["--tokenizer", str(directory), "--chat", str(chat)]) == 0
+    assert capsys.readouterr().out == "prompt_tokens: 7\n"
+    request = {"messages": [{"role": "user", "content": ["hello", IMAGE]}], "tools": []}
+    chat.write_text(json.dumps(request))
+    assert main(["--tokenizer", str(directory), "--chat", str(chat), "--media-tokens", "9"]) == 0
+    assert capsys.readouterr().out == "prompt_tokens: 15\n"  # 6 + one image at 9
+    assert main(["--tokenizer", str(directory), "hello", "--context-window", "10"]) == 0
+    assert capsys.readouterr().out == "prompt_tokens: 1\nmax_tokens:    9\n"
+    assert main(["--tokenizer", str(tmp_path / "missing"), "x"]) == 2
+    assert "no model directory" in capsys.readouterr().err
+    assert main(["--chat", str(tmp_path / "absent.json")]) == 2
+    assert "cannot read --chat file" in capsys.readouterr().err

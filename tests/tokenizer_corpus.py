@@ -129,7 +129,7 @@ def _mixed(rng: random.Random) -> str:
 
 
 def _long(rng: random.Random) -> str:
-    return "\n\n".join(_prose(rng) for _ in range(rng.randint(5, 15)))
+    return "\n\n".join(_prose(rng) for _ in range(rng.randint(8, 25)))
 
 
 _KINDS = (_prose, _json, _cjk, _emoji, _digits, _whitespace, _mixed, _long)
@@ -235,6 +235,8 @@ def conversations(
             user: dict[str, Any] = {"role": "user", "content": _content(rng)}
             if shape in (2, 6):
                 user["content"] = _parts(rng)
+            if shape == 7 and turn == 0:
+                user["content"] = _long(rng)  # long enough for the counters' fast path
             if shape == 4 or rng.random() < 0.1:
                 user["name"] = rng.choice(["alice", "bob_2", "Zoë"])
             messages.append(user)
