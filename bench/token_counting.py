@@ -45,6 +45,7 @@ from tests import tokenizer_corpus as corpus  # noqa: E402
 GOAL_RAW = 0.9
 GOAL_CHAT = 1.3
 SIZES = (10, 1_000, 10_000)
+HF_SIZES = (10, 100, 1_000, 10_000)
 MODELS = ("llama3_1", "qwen3", "gemma3", "mistral_nemo", "deepseek_v3")
 
 
@@ -138,7 +139,7 @@ def hf_speed(
     rng = random.Random(1)
     raw_rows, chat_rows = [], []
     results: dict[str, Any] = {"load_seconds": load_seconds, "raw": [], "chat": []}
-    for size in SIZES:
+    for size in HF_SIZES:
         texts = [make_prompt(size, rng) for _ in range(20)]
         number = max(1, 4_000 // size)
 
@@ -200,7 +201,7 @@ def server_round_trip(directory: Path, repeat: int) -> tuple[list[list[str]], di
     pinned = pin_to_cpu(0)
     with (
         reference_server_process("--tokenizer", str(directory), cpu=1 if pinned else None) as url,
-        ServerTokenizeCounter(url, dialect="kvclient") as remote,
+        ServerTokenizeCounter(url, engine="kvclient") as remote,
     ):
         for size in (10, 1_000):
             prompt = make_prompt(size, rng)

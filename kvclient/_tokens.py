@@ -501,16 +501,12 @@ class HuggingFaceCounter:
         probe: list[int] = tokenizer.encode("a", add_special_tokens=True).ids
         plain: list[int] = tokenizer.encode("a", add_special_tokens=False).ids
         added = 0
-        for flag, key, at_start in (
-            ("add_bos_token", "bos_token", True),
-            ("add_eos_token", "eos_token", False),
-        ):
+        for flag, key in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
             text = special.get(key)
             token_id = tokenizer.token_to_id(text) if isinstance(text, str) else None
             if config.get(flag) is not True or token_id is None:
                 continue
-            edge = probe[: len(probe) - len(plain)] if at_start else probe[len(plain) :]
-            if token_id not in edge:
+            if probe.count(token_id) <= plain.count(token_id):  # the post-processor adds none
                 added += 1
         counter = cls(
             tokenizer,

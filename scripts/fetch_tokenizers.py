@@ -7,7 +7,8 @@ repository and no ``node_modules`` is made. Once fetched, the tests run offline.
 
     python scripts/fetch_tokenizers.py          # fetch what is missing, print the directories
 
-The cache is ``$KVCLIENT_TOKENIZER_CACHE`` or ``~/.cache/kvclient/tokenizers``.
+The cache is ``$KVCLIENT_TOKENIZER_CACHE``, else ``tokenizers/`` under ``$KVCLIENT_CACHE`` or
+``~/.cache/kvclient`` (where ``scripts/test_setup.py`` keeps everything it prepares).
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ class FetchError(RuntimeError):
 
 def cache_root() -> Path:
     env = os.environ.get("KVCLIENT_TOKENIZER_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "kvclient" / "tokenizers"
+    if env:
+        return Path(env)
+    base = os.environ.get("KVCLIENT_CACHE")
+    return (Path(base) if base else Path.home() / ".cache" / "kvclient") / "tokenizers"
 
 
 def model_dir(name: str) -> Path:

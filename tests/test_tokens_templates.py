@@ -203,6 +203,14 @@ def test_add_bos_token_counts_the_bos_a_post_processor_does_not_add(tmp_path: Pa
         _model_dir(tmp_path / "c", config={"add_bos_token": True}, bos_in_post_processor=True)
     )
     assert both.count("hello") == 2  # not three: the post-processor's BOS is the one
+    eos = HuggingFaceCounter.from_pretrained(
+        _model_dir(
+            tmp_path / "d",
+            config={"add_bos_token": True, "add_eos_token": True},
+            bos_in_post_processor=True,
+        )
+    )
+    assert eos.count("hello") == 3  # the post-processor's BOS, the config's EOS
 
 
 def test_chat_template_files_take_precedence_over_the_config(tmp_path: Path) -> None:
