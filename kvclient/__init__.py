@@ -23,6 +23,7 @@ from ._exceptions import (
     AuthenticationError,
     BadGatewayError,
     BadRequestError,
+    ChatTemplateError,
     GatewayTimeoutError,
     InsufficientQuotaError,
     InternalServerError,
@@ -38,6 +39,7 @@ from ._exceptions import (
 )
 from ._models import Completion, CompletionChunk, RetryEvent, ToolCall, Usage
 from ._retry import RetryBudget, RetryPolicy, parse_retry_after
+from ._server_counter import ServerTokenizeCounter
 from ._tokens import HuggingFaceCounter, TiktokenCounter, TokenCounter, Tokenizer
 from ._version import __version__
 
@@ -52,6 +54,7 @@ __all__ = [
     "AuthenticationError",
     "BadGatewayError",
     "BadRequestError",
+    "ChatTemplateError",
     "Client",
     "Completion",
     "CompletionChunk",
@@ -69,6 +72,7 @@ __all__ = [
     "RetryEvent",
     "RetryPolicy",
     "ServerBusyError",
+    "ServerTokenizeCounter",
     "ServiceUnavailableError",
     "Stream",
     "TiktokenCounter",

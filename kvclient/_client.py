@@ -55,7 +55,7 @@ from ._streaming import (
     iter_events,
     iter_lines,
 )
-from ._tokens import Message, TiktokenCounter, TokenCounter
+from ._tokens import Message, TiktokenCounter, TokenCounter, count_chat_request
 from ._version import __version__
 
 __all__ = ["AsyncClient", "AsyncStream", "BaseClient", "Client", "Stream"]
@@ -303,6 +303,7 @@ class BaseClient:
         headers: Mapping[str, str] | None = None,
         safety_margin: float = DEFAULT_SAFETY_MARGIN,
         on_retry: Callable[[RetryEvent], None] | None = None,
+        safety_margin_tokens: int = 0,
     ) -> None:
         if context_window is not None and (
             isinstance(context_window, bool)
@@ -310,8 +311,21 @@ class BaseClient:
             or context_window < 1
         ):
             raise ValueError(f"context_window must be a positive integer, got {context_window!r}")
-        if not (isinstance(safety_margin, (int, float)) and 0 <= safety_margin < 1):
-            raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin!r}")
+        # Above 1.0 is allowed: cl100k undercounts some models' digits and whitespace 3-5x.
+        if not (
+            isinstance(safety_margin, (int, float))
+            and not isinstance(safety_margin, bool)
+            and 0 <= safety_margin < math.inf
+        ):
+            raise ValueError(f"safety_margin must be a finite number >= 0, got {safety_margin!r}")
+        if (
+            isinstance(safety_margin_tokens, bool)
+            or not isinstance(safety_margin_tokens, int)
+            or safety_margin_tokens < 0
+        ):
+            raise ValueError(
+                f"safety_margin_tokens must be an integer >= 0, got {safety_margin_tokens!r}"
+            )
         self.base_url, self._credentials = _normalize_base_url(base_url)
         self.model = model
         self.context_window = context_window
@@ -320,6 +334,7 @@ class BaseClient:
         self.retry = retry if retry is not None else RetryPolicy()
         self.timeout = timeout
         self.safety_margin = float(safety_margin)
+        self.safety_margin_tokens = safety_margin_tokens
         self.on_retry = on_retry
         self._extra_headers = dict(headers or {})
         self._cooldown = Cooldown()
@@ -478,11 +493,12 @@ class BaseClient:
     def _clamp(self, requested: int | None, counted: int) -> int:
         window = self.context_window
         assert window is not None, "context window must be known before clamping"
-        # The counter may count fewer tokens than the server will: assume the margin on top.
-        assumed = math.ceil(counted * (1.0 + self.safety_margin))
+        # The counter may count fewer tokens than the server will: assume the margins on top
+        # (the additive one covers what no ratio does, like the BOS of an empty prompt).
+        assumed = math.ceil(counted * (1.0 + self.safety_margin)) + self.safety_margin_tokens
         cap = effective_output_cap(requested, assumed, window)
         if cap is None:
-            margin = f" (counted {counted}, {assumed} with the safety margin)" * (
+            margin = f" (counted {counted}, {assumed} with the safety margins)" * (
                 assumed != counted
             )
             raise PromptTooLongError(
@@ -520,7 +536,7 @@ class BaseClient:
             max_tokens = params.pop("max_completion_tokens")
         else:
             params.pop("max_completion_tokens", None)
-        counted = self.counter.count_messages(messages)
+        counted = count_chat_request(self.counter, messages, params.get("tools"))
         cap = self._clamp(max_tokens, counted)
         body: dict[str, Any] = {
             "model": self.model,
@@ -1008,6 +1024,7 @@ class Client(BaseClient):
         safety_margin: float = DEFAULT_SAFETY_MARGIN,
         on_retry: Callable[[RetryEvent], None] | None = None,
         transport: httpx.BaseTransport | None = None,
+        safety_margin_tokens: int = 0,
         http_client: httpx.Client | None = None,
     ) -> None:
         super().__init__(
@@ -1021,6 +1038,7 @@ class Client(BaseClient):
             headers=headers,
             safety_margin=safety_margin,
             on_retry=on_retry,
+            safety_margin_tokens=safety_margin_tokens,
         )
         if http_client is not None and transport is not None:
             raise ValueError("pass transport= or http_client=, not both")
@@ -1232,6 +1250,7 @@ class AsyncClient(BaseClient):
         safety_margin: float = DEFAULT_SAFETY_MARGIN,
         on_retry: Callable[[RetryEvent], None] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        safety_margin_tokens: int = 0,
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
         super().__init__(
@@ -1245,6 +1264,7 @@ class AsyncClient(BaseClient):
             headers=headers,
             safety_margin=safety_margin,
             on_retry=on_retry,
+            safety_margin_tokens=safety_margin_tokens,
         )
         if http_client is not None and transport is not None:
             raise ValueError("pass transport= or http_client=, not both")

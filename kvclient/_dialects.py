@@ -485,6 +485,7 @@ def count_by_tokenize(
     prompt: str | None = None,
     messages: list[Any] | None = None,
     model: str | None = None,
+    tools: list[Any] | None = None,
 ) -> Generator[Probe, Answer, int | None]:
     """The server's own count of a prompt or a chat request (its template applied), or None
     when its ``/tokenize`` cannot say. A driver like :func:`discover_context`.
@@ -495,6 +496,9 @@ def count_by_tokenize(
       tokenizing adds), then ``POST /tokenize`` ``{"content", "add_special": true}`` ->
       ``tokens``, as its chat endpoint counts;
     - TGI: ``POST /tokenize`` ``{"inputs"}`` -> a list of tokens (prompts only).
+
+    A chat's ``tools`` go with its messages (vLLM's ``/tokenize`` and llama.cpp's
+    ``/apply-template`` take them), so a template that lays them out counts them.
     """
     if engine == "vllm":
         body: dict[str, Any] = (
@@ -502,6 +506,8 @@ def count_by_tokenize(
             if messages is not None
             else {"prompt": prompt}
         )
+        if messages is not None and tools is not None:
+            body["tools"] = tools
         if model is not None:
             body["model"] = model
         answer = yield Probe("POST", "/tokenize", body, engines="vLLM, ours")
@@ -514,7 +520,10 @@ def count_by_tokenize(
     if engine == "llama.cpp":
         text = prompt
         if messages is not None:
-            answer = yield Probe("POST", "/apply-template", {"messages": messages}, "llama.cpp")
+            template_body: dict[str, Any] = {"messages": messages}
+            if tools is not None:
+                template_body["tools"] = tools
+            answer = yield Probe("POST", "/apply-template", template_body, "llama.cpp")
             rendered = _dig(answer.payload, "prompt") if answer.status == 200 else None
             if not isinstance(rendered, str):
                 return None

@@ -2,6 +2,7 @@
 
     KVClientError
     ├── TokenizerError                 an encoding or tokenizer file cannot be loaded
+    ├── ChatTemplateError              the model's chat template rejects the conversation
     ├── PromptTooLongError             the prompt alone fills the context (local or server's word)
     ├── APIConnectionError             no answer: connection refused or reset, DNS, ...
     │   └── APITimeoutError            no answer in time
@@ -40,6 +41,7 @@ __all__ = [
     "AuthenticationError",
     "BadGatewayError",
     "BadRequestError",
+    "ChatTemplateError",
     "GatewayTimeoutError",
     "InsufficientQuotaError",
     "InternalServerError",
@@ -68,6 +70,14 @@ class KVClientError(Exception):
 
 class TokenizerError(KVClientError):
     """A token counter could not be loaded (missing encoding file, bad tokenizer.json)."""
+
+
+class ChatTemplateError(KVClientError, ValueError):
+    """The model's chat template rejects the conversation (e.g. roles that do not alternate).
+
+    The server would answer 400 to the same request; nothing is sent. A ``ValueError`` too, as
+    other bad input is.
+    """
 
 
 class PromptTooLongError(KVClientError):

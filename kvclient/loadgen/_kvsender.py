@@ -111,6 +111,7 @@ class KVClientSender:
             _count_statuses(record, completion.history)
             if completion.usage is not None:
                 record.output_tokens = completion.usage.completion_tokens
+                record.server_prompt_tokens = completion.usage.prompt_tokens
             else:
                 record.output_tokens = len(record.token_times)
         timer.mark_end()

@@ -86,6 +86,8 @@ class RequestRecord:
     ok: bool = False
     error: str | None = None  # the cause when not ok: "server_busy", "prompt_too_long", ...
     finish_reason: str | None = None
+    #: The server's own count (``usage.prompt_tokens``), to compare with ``prompt_tokens``.
+    server_prompt_tokens: int | None = None
 
     @property
     def latency(self) -> float | None:

@@ -14,7 +14,7 @@ import anyio
 import httpx
 
 from .._exceptions import KVClientError
-from .._tokens import TiktokenCounter
+from .._tokens import HuggingFaceCounter, TiktokenCounter, TokenCounter
 from ._metrics import SLO, RequestRecord, Summary, summarize
 from ._report import metric_delta, parse_prometheus_text, print_table, summary_rows
 from ._schedule import arrival_offsets
@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model name (default: the first one /v1/models lists)")
     p.add_argument("--api-key", help="bearer token")
     p.add_argument("--context-window", type=int, help="default: /v1/models max_model_len")
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="count with this local model directory (HuggingFaceCounter.from_pretrained) "
+        "instead of tiktoken cl100k_base",
+    )
     loop = p.add_argument_group("arrivals (one of --rate or --concurrency)")
     loop.add_argument("--rate", type=float, help="open loop: requests per second")
     loop.add_argument("--arrival", choices=["poisson", "constant", "gamma"], default="poisson")
@@ -85,8 +91,16 @@ class BenchResult:
         return data
 
 
-def build_items(args: argparse.Namespace, count: int) -> list[WorkItem]:
-    counter = TiktokenCounter()
+def make_counter(args: argparse.Namespace) -> TokenCounter:
+    """The run's counter: ``--tokenizer PATH`` or tiktoken's cl100k_base."""
+    path = getattr(args, "tokenizer", None)
+    return HuggingFaceCounter.from_pretrained(path) if path else TiktokenCounter()
+
+
+def build_items(
+    args: argparse.Namespace, count: int, counter: TokenCounter | None = None
+) -> list[WorkItem]:
+    counter = counter if counter is not None else make_counter(args)
     if args.workload_file is not None:
         return list(cycle(load_jsonl(args.workload_file, counter), count))
     if args.prompt_tokens is None and args.max_tokens is None:
@@ -141,7 +155,8 @@ async def run_bench(args: argparse.Namespace) -> BenchResult:
         count = len(offsets)
     else:
         count = min(count, 100_000)
-    items = build_items(args, count)
+    counter = make_counter(args)
+    items = build_items(args, count, counter)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(args.request_deadline, connect=10.0)
@@ -166,6 +181,7 @@ async def run_bench(args: argparse.Namespace) -> BenchResult:
                 model=args.model,
                 api_key=args.api_key,
                 context_window=args.context_window,
+                counter=counter,
                 retry=RetryPolicy(max_attempts=args.max_attempts, deadline=args.request_deadline),
                 http_client=http,
             )
