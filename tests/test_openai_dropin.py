@@ -17,7 +17,7 @@ import openai
 import pytest
 import respx
 
-from kvclient import RetryEvent, TiktokenCounter
+from kvclient import ChatTemplateError, RetryEvent, TiktokenCounter
 from kvclient.openai import LOCAL_HEADER, AsyncOpenAI, OpenAI, Transport
 from kvclient.testing import FakeClock
 
@@ -182,6 +182,29 @@ def test_a_prompt_that_cannot_fit_is_a_bad_request_and_nothing_is_sent(
     assert error.body["context_window"] == CONTEXT
     assert "nothing was sent" in error.message
     assert error.response.headers[LOCAL_HEADER] == "refused"
+    assert route.call_count == 0
+
+
+def test_a_conversation_the_template_rejects_is_a_bad_request_and_nothing_is_sent(
+    mock: respx.Router,
+) -> None:
+    class Strict:
+        """A counter whose chat template rejects every conversation (as Gemma's rejects roles
+        that do not alternate)."""
+
+        def count(self, text: str) -> int:
+            return COUNTER.count(text)
+
+        def count_messages(self, messages: Any) -> int:
+            raise ChatTemplateError("Conversation roles must alternate user/assistant")
+
+    route = mock.post("/chat/completions").mock(return_value=chat_ok())
+    client = OpenAI(base_url=BASE, api_key="k", context_window=CONTEXT, counter=Strict())
+    twice = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with client, pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=twice)
+    assert caught.value.code == "chat_template_error"
+    assert "must alternate" in caught.value.message
     assert route.call_count == 0
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from .._client import BaseClient
-from .._exceptions import APIStatusError, PromptTooLongError, ServerBusyError
+from .._exceptions import APIStatusError, ChatTemplateError, PromptTooLongError, ServerBusyError
 from .._tokens import TokenCounter
 
 __all__ = [
@@ -103,6 +103,8 @@ def _prompt_counts(kind: str, body: Mapping[str, Any], counter: TokenCounter) ->
         return None
     try:
         return [counter.count_messages(messages)]
+    except ChatTemplateError:
+        raise  # the transport answers it as the server would: a 400
     except TypeError:  # not a list of mappings: the server's 400 says it best
         return None
 

@@ -30,6 +30,7 @@ from .._client import (
 from .._exceptions import (
     APIConnectionError,
     APIStatusError,
+    ChatTemplateError,
     KVClientError,
     PromptTooLongError,
     ServerBusyError,
@@ -149,6 +150,9 @@ class _Shared:
             return refusal_response(exc, kind)
         except InvalidCap as exc:
             return invalid_response(exc)
+        except ChatTemplateError as exc:
+            # The model's template rejects the conversation: the server would answer 400 too.
+            return local_error_response(f"{exc}; nothing was sent", "chat_template_error")
 
     def _new_call(self, plan: Plan) -> RetryCall:
         kv = self._kv
