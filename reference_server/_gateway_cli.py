@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvclient import HuggingFaceCounter, TokenCounter
+from kvclient import HuggingFaceCounter, KVClientError, TokenCounter
 
 from .gateway import DEFAULT_DECODE_RATE, GatewayConfig
 from .ledger import DEFAULT_SAFETY_FRACTION
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--tokenizer", type=Path, metavar="PATH",
-        help="count with this tokenizer.json instead of the upstream's /tokenize",
+        help="count with this local model directory (tokenizer.json, tokenizer_config.json, "
+        "its chat template) instead of the upstream's /tokenize",
     )  # fmt: skip
     parser.add_argument("--api-key", help="require this bearer token from clients")
     parser.add_argument("--log-level", default="info")
@@ -67,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     counter: TokenCounter | None = None
     if args.tokenizer is not None:
-        counter = HuggingFaceCounter(str(args.tokenizer))
+        try:
+            counter = HuggingFaceCounter.from_pretrained(args.tokenizer)
+        except KVClientError as exc:
+            raise ValueError(f"--tokenizer: {exc}") from None
     return GatewayConfig(
         upstreams=tuple(args.upstream),
         kv_tokens=tuple(args.kv_tokens),

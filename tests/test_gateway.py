@@ -414,3 +414,26 @@ def test_no_upstream_in_service_is_a_503_with_retry_after() -> None:
     assert answer.headers["retry-after"] == "1"
     assert answer.json()["error"]["code"] == "upstream_unavailable"
     assert health.status_code == 503
+
+
+def test_the_cli_builds_its_config_and_refuses_what_cannot_work(tmp_path: Path) -> None:
+    from reference_server._gateway_cli import build_parser, config_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["--upstream", "http://127.0.0.1:1", "--upstream", "http://127.0.0.1:2/",
+         "--kv-tokens", "4096", "--max-queue-wait", "5"]
+    )  # fmt: skip
+    config = config_from_args(args)
+    assert config.upstreams == ("http://127.0.0.1:1", "http://127.0.0.1:2/")
+    assert (config.kv_tokens, config.max_queue_wait) == ((4096,), 5.0)
+    with pytest.raises(ValueError, match="more --kv-tokens"):
+        config_from_args(
+            parser.parse_args(["--upstream", "http://a:1", "--kv-tokens", "1", "--kv-tokens", "2"])
+        )
+    with pytest.raises(ValueError, match="--tokenizer"):
+        config_from_args(
+            parser.parse_args(["--upstream", "http://a:1", "--tokenizer", str(tmp_path / "no")])
+        )
+    with pytest.raises(ValueError, match="http"):
+        GatewayConfig(upstreams=("127.0.0.1:8000",))
