@@ -63,7 +63,6 @@ class AdmissionQueue:
         return len(self._waiters)
 
     def _reject(self, need: int, output_cap: int, ahead: int, extra_need: int) -> Rejected:
-        self.ledger.record_rejection()
         # With staggering, unqueued rejections become promises, so clients turned away together
         # get times that each fit; a queued request's estimate counts those ahead of it instead.
         wait = self.ledger.retry_after(
@@ -72,6 +71,7 @@ class AdmissionQueue:
             duration=output_cap / self.ledger.decode_rate,
             promise=self.stagger and ahead == 0,
         )
+        self.ledger.record_rejection(need, wait)
         return Rejected(need=need, retry_after=wait, queued_ahead=ahead)
 
     def notify(self) -> None:

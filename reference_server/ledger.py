@@ -27,6 +27,7 @@ import itertools
 import math
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -35,9 +36,11 @@ from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_SAFETY_FRACTION",
+    "STAGGER_LIMIT",
     "STRATEGIES",
     "Handle",
     "KVAdmissionController",
+    "LedgerEvent",
     "LedgerStats",
     "Strategy",
 ]
@@ -52,6 +55,28 @@ DEFAULT_MAX_CONCURRENCY = 16
 #: Output lengths remembered for ``output_quantile``, and how many are needed before use.
 _OUTPUT_WINDOW = 256
 _MIN_OUTPUTS = 20
+#: Staggered advice (``promise=True``) is at most this many times the plain estimate: promises
+#: shape the spread of returning clients, and clients that come back early (each refusal adds a
+#: promise) must not push the advice far past the time capacity really returns.
+STAGGER_LIMIT = 2.0
+#: Promises remembered at most (the oldest are forgotten first): each estimate scans them all.
+_MAX_PROMISES = 64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LedgerEvent:
+    """One admission, release or refusal, for an observer (``on_event``) to log.
+
+    ``kind`` is ``"admit"``, ``"release"`` or ``"refuse"``; ``id`` the handle's (0 for a refusal);
+    ``tokens`` what was reserved, released or asked for; ``retry_after`` the seconds a refusal
+    advised. No time: the ledger has no clock, the observer stamps events as it receives them
+    (they arrive in the ledger's own order, under its lock).
+    """
+
+    kind: Literal["admit", "release", "refuse"]
+    id: int
+    tokens: int
+    retry_after: float = 0.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -145,6 +170,8 @@ class KVAdmissionController:
         max_concurrency: int | None = None,
         release_margin: float = 0.0,
         output_quantile: float | None = None,
+        overrun: float = 0.0,
+        on_event: Callable[[LedgerEvent], None] | None = None,
     ) -> None:
         if total_kv_tokens < 1:
             raise ValueError(f"total_kv_tokens must be >= 1, got {total_kv_tokens}")
@@ -162,6 +189,8 @@ class KVAdmissionController:
             raise ValueError(f"output_quantile must be in (0, 1], got {output_quantile}")
         if kv_bytes_per_token < 1:
             raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
+        if not (0.0 <= overrun < math.inf):
+            raise ValueError(f"overrun must be a finite number >= 0, got {overrun}")
         self.total_kv_tokens = total_kv_tokens
         self.context_window = context_window
         self.decode_rate = float(decode_rate)
@@ -174,6 +203,8 @@ class KVAdmissionController:
         self.max_concurrency = max_concurrency
         self.release_margin = release_margin
         self.output_quantile = output_quantile
+        self.overrun = float(overrun)
+        self._on_event = on_event
         self.usable_tokens = max(1, math.floor(total_kv_tokens * safety_fraction))
 
         self._lock = threading.Lock()
@@ -247,6 +278,8 @@ class KVAdmissionController:
             self._admitted_total += 1
             self._peak_reserved = max(self._peak_reserved, self._reserved)
             self._peak_inflight = max(self._peak_inflight, len(self._live))
+            if self._on_event is not None:
+                self._on_event(LedgerEvent(kind="admit", id=handle.id, tokens=need))
             return handle
 
     def _keep_promise(self, need: int, now: float) -> None:
@@ -257,10 +290,16 @@ class KVAdmissionController:
                 del self._promises[i]
                 return
 
-    def record_rejection(self) -> None:
-        """Count one rejection decided outside :meth:`try_admit` (a queued request timed out)."""
+    def record_rejection(self, need: int = 0, retry_after: float = 0.0) -> None:
+        """Count one rejection decided outside :meth:`try_admit` (the admission queue's answer).
+
+        ``need`` and ``retry_after`` (the advice it was given) go to the ``on_event`` observer.
+        """
         with self._lock:
             self._rejected_total += 1
+            if self._on_event is not None:
+                event = LedgerEvent(kind="refuse", id=0, tokens=need, retry_after=retry_after)
+                self._on_event(event)
 
     def release(self, handle: Handle) -> None:
         """Give a reservation back. Idempotent: a second release of the same handle is a no-op."""
@@ -272,6 +311,9 @@ class KVAdmissionController:
             handle.released = True
             self._reserved -= handle.reserved_tokens
             self._released_total += 1
+            if self._on_event is not None:
+                event = LedgerEvent(kind="release", id=handle.id, tokens=handle.reserved_tokens)
+                self._on_event(event)
 
     # --- back-pressure -----------------------------------------------------------------------
 
@@ -288,27 +330,40 @@ class KVAdmissionController:
         index = min(len(ordered) - 1, math.ceil(self.output_quantile * len(ordered)) - 1)
         return ordered[max(0, index)]
 
-    def _expected_end(self, handle: Handle, horizon: int | None) -> float:
-        if horizon is None:
-            return handle.due_at
-        likely = handle.admitted_at + horizon / self.decode_rate + self.release_margin
-        return min(handle.due_at, likely)
+    def _expected_end(self, handle: Handle, horizon: int | None, now: float) -> float:
+        """When ``handle`` is taken to free its reservation, always later than ``now``.
 
-    def _usage_at(self, t: float, live: list[tuple[float, Handle]]) -> tuple[int, int]:
+        By the ``output_quantile`` of recent outputs if that is still ahead and before its cap;
+        once it has outlived that expectation (or without one), at its cap at the decode rate
+        (``due_at``); past its cap (a client that does not read its stream, say) by ``overrun``
+        after it, when the server cuts it. Never at ``now`` or before: it is still held.
+        """
+        if horizon is not None:
+            likely = handle.admitted_at + horizon / self.decode_rate + self.release_margin
+            if now < likely < handle.due_at:
+                return likely
+        end = handle.due_at if handle.due_at > now else handle.due_at + self.overrun
+        return max(end, now + 1.0 / self.decode_rate)
+
+    def _usage_at(
+        self, t: float, live: list[tuple[float, Handle]], promises: list[_Promise]
+    ) -> tuple[int, int]:
         """Tokens and request slots held at time ``t`` by live handles and promised returns."""
         tokens = slots = 0
         for end, handle in live:
             if end > t:
                 tokens += handle.reserved_tokens
                 slots += 1
-        for promise in self._promises:
+        for promise in promises:
             if promise.start <= t < promise.end:
                 tokens += promise.tokens
                 slots += 1
         return tokens, slots
 
-    def _fits_at(self, need: int, t: float, live: list[tuple[float, Handle]]) -> bool:
-        tokens, slots = self._usage_at(t, live)
+    def _fits_at(
+        self, need: int, t: float, live: list[tuple[float, Handle]], promises: list[_Promise]
+    ) -> bool:
+        tokens, slots = self._usage_at(t, live, promises)
         if self.max_concurrency is not None and slots >= self.max_concurrency:
             return False
         return tokens + need <= self.usable_tokens
@@ -332,28 +387,50 @@ class KVAdmissionController:
         away together are told staggered times that each fit, instead of one time that fits
         only the first of them back. Promises only shape estimates; admission ignores them.
 
+        A live handle is never taken as released before it is (see ``_expected_end``): while
+        the budget is held, the answer is not "fits now", and it is never shorter than the time
+        until the handles it needs reach their caps once they have outlived the quantile.
+
+        Promised returns push the answer at most to ``STAGGER_LIMIT`` times the plain estimate
+        (the one without promises): clients that come back early add promises of their own,
+        and must not push the advice far past the time capacity really returns.
+
         Returns 0.0 when it fits now; callers clamp it for the header (whole seconds, >= 1).
         """
         with self._lock:
             self._promises = [p for p in self._promises if p.end > now]
             horizon = self._output_horizon()
-            live = [(self._expected_end(h, horizon), h) for h in self._live.values()]
+            live = [(self._expected_end(h, horizon, now), h) for h in self._live.values()]
             if horizon is not None:
                 duration = min(duration, horizon / self.decode_rate)
-            candidates = sorted(
-                {now} | {end for end, _ in live if end > now} | {p.end for p in self._promises}
-            )
-            chosen = candidates[-1]  # by then everything in sight is released
-            for t in candidates:
-                # It must fit when it starts and whenever a promised return starts after that.
-                checkpoints = [t] + [p.start for p in self._promises if t < p.start < t + duration]
-                if all(self._fits_at(need, c, live) for c in checkpoints):
-                    chosen = t
-                    break
+            plain = self._earliest_fit(need, now, live, [], 0.0)
+            chosen = plain
+            if self._promises:
+                staggered = self._earliest_fit(need, now, live, self._promises, duration)
+                limit = now + STAGGER_LIMIT * max(plain - now, self.release_margin)
+                chosen = min(staggered, max(plain, limit))
             if promise and chosen > now:
                 end = chosen + duration + self.release_margin
                 self._promises.append(_Promise(start=chosen, end=end, tokens=need))
+                del self._promises[:-_MAX_PROMISES]
             return max(0.0, chosen - now)
+
+    def _earliest_fit(
+        self,
+        need: int,
+        now: float,
+        live: list[tuple[float, Handle]],
+        promises: list[_Promise],
+        duration: float,
+    ) -> float:
+        """The first moment from ``now`` at which ``need`` fits among ``live`` and ``promises``."""
+        candidates = sorted({now} | {end for end, _ in live} | {p.end for p in promises})
+        for t in candidates:
+            # It must fit when it starts and whenever a promised return starts after that.
+            checkpoints = [t] + [p.start for p in promises if t < p.start < t + duration]
+            if all(self._fits_at(need, c, live, promises) for c in checkpoints):
+                return t
+        return candidates[-1]  # by then everything in sight is released
 
     def outstanding_promises(self) -> int:
         """Clients told to come back whose promised time has not run out."""
