@@ -27,7 +27,7 @@ import itertools
 import math
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -55,10 +55,11 @@ DEFAULT_MAX_CONCURRENCY = 16
 #: Output lengths remembered for ``output_quantile``, and how many are needed before use.
 _OUTPUT_WINDOW = 256
 _MIN_OUTPUTS = 20
-#: Staggered advice (``promise=True``) is at most this many times the plain estimate: promises
-#: shape the spread of returning clients, and clients that come back early (each refusal adds a
-#: promise) must not push the advice far past the time capacity really returns.
-STAGGER_LIMIT = 2.0
+#: Staggered advice (``promise=True``) is at most this many times the plain estimate: enough to
+#: spread a burst over eight rounds of returns, while clients that come back early on new
+#: connections (each refusal adds a promise) cannot push it further past the time capacity
+#: really returns. A client that comes back on the same connection replaces its own promise.
+STAGGER_LIMIT = 8.0
 #: Promises remembered at most (the oldest are forgotten first): each estimate scans them all.
 _MAX_PROMISES = 64
 
@@ -86,6 +87,7 @@ class _Promise:
     start: float
     end: float
     tokens: int
+    client: Hashable | None = None
 
 
 class Handle:
@@ -335,14 +337,19 @@ class KVAdmissionController:
 
         By the ``output_quantile`` of recent outputs if that is still ahead and before its cap;
         once it has outlived that expectation (or without one), at its cap at the decode rate
-        (``due_at``); past its cap (a client that does not read its stream, say) by ``overrun``
-        after it, when the server cuts it. Never at ``now`` or before: it is still held.
+        (``due_at``); a little late, within another ``release_margin``; later than that (a
+        client that does not read its stream, say), ``overrun`` after its cap, when the server
+        cuts it. Never at ``now`` or before: it is still held.
         """
         if horizon is not None:
             likely = handle.admitted_at + horizon / self.decode_rate + self.release_margin
             if now < likely < handle.due_at:
                 return likely
-        end = handle.due_at if handle.due_at > now else handle.due_at + self.overrun
+        end = handle.due_at
+        if end <= now:
+            end += self.release_margin
+        if end <= now:
+            end = handle.due_at + self.overrun
         return max(end, now + 1.0 / self.decode_rate)
 
     def _usage_at(
@@ -369,7 +376,13 @@ class KVAdmissionController:
         return tokens + need <= self.usable_tokens
 
     def retry_after(
-        self, need: int, now: float, *, duration: float = 0.0, promise: bool = False
+        self,
+        need: int,
+        now: float,
+        *,
+        duration: float = 0.0,
+        promise: bool = False,
+        client: Hashable | None = None,
     ) -> float:
         """Seconds until ``need`` tokens fit, from when in-flight reservations are due to end.
 
@@ -391,14 +404,20 @@ class KVAdmissionController:
         the budget is held, the answer is not "fits now", and it is never shorter than the time
         until the handles it needs reach their caps once they have outlived the quantile.
 
-        Promised returns push the answer at most to ``STAGGER_LIMIT`` times the plain estimate
-        (the one without promises): clients that come back early add promises of their own,
-        and must not push the advice far past the time capacity really returns.
+        ``client`` (the connection's address, say) identifies who is told: a client refused
+        again replaces the promise it was given before, so one that comes back early, however
+        often, holds one promise. Promised returns push the answer at most to
+        ``STAGGER_LIMIT`` times the plain estimate (the one without promises), whatever
+        clients do.
 
         Returns 0.0 when it fits now; callers clamp it for the header (whole seconds, >= 1).
         """
         with self._lock:
-            self._promises = [p for p in self._promises if p.end > now]
+            self._promises = [
+                p
+                for p in self._promises
+                if p.end > now and not (promise and client is not None and p.client == client)
+            ]
             horizon = self._output_horizon()
             live = [(self._expected_end(h, horizon, now), h) for h in self._live.values()]
             if horizon is not None:
@@ -411,7 +430,7 @@ class KVAdmissionController:
                 chosen = min(staggered, max(plain, limit))
             if promise and chosen > now:
                 end = chosen + duration + self.release_margin
-                self._promises.append(_Promise(start=chosen, end=end, tokens=need))
+                self._promises.append(_Promise(start=chosen, end=end, tokens=need, client=client))
                 del self._promises[:-_MAX_PROMISES]
             return max(0.0, chosen - now)
 
