@@ -18,6 +18,7 @@ from .config import (
     DEFAULT_MODEL_ID,
     DEFAULT_PROFILE,
     DEFAULT_RETRY_AFTER_QUANTILE,
+    DEFAULT_SEND_TIMEOUT,
     ServerConfig,
 )
 from .ledger import DEFAULT_SAFETY_FRACTION, STRATEGIES
@@ -128,6 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer_config.json, its chat template) for admission, /tokenize and usage "
         "(default: tiktoken cl100k_base and OpenAI's chat formula)",
     )
+    add(
+        "--send-timeout",
+        type=float,
+        default=DEFAULT_SEND_TIMEOUT,
+        metavar="S",
+        help="cut an answer still being written S seconds after its worst case (cap / decode "
+        "rate), e.g. to a client that stopped reading, and release its reservation "
+        "(default: %(default)s)",
+    )
+    add(
+        "--admission-log",
+        metavar="PATH",
+        help="append every admission, release and 429 (with its advice) to PATH as JSON lines, "
+        "for bench/soak.py's Retry-After check",
+    )
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -159,6 +175,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         seed=args.seed,
         fault_rate=args.fault_rate,
         max_body_bytes=args.max_body_bytes,
+        send_timeout=args.send_timeout,
+        admission_log=args.admission_log,
     )
 
 
@@ -171,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     import uvicorn
 
+    from ._protocol import HalfCloseH11Protocol
     from .app import create_app
 
     app = create_app(config)
@@ -183,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     uvicorn.run(
         app,
+        http=HalfCloseH11Protocol,
         host="127.0.0.1",
         port=args.port,
         workers=1,

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import uvicorn
 from starlette.applications import Starlette
 
+from ._protocol import HalfCloseH11Protocol
 from .app import ServerState, create_app
 from .config import ServerConfig
 from .engine import SimulatedEngine
@@ -90,6 +91,7 @@ def serve_in_thread(
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(
         app,
+        http=HalfCloseH11Protocol,
         log_level=log_level,
         lifespan=lifespan,
         access_log=False,
