@@ -23,6 +23,7 @@ Three admission strategies share one ledger so their failure modes can be measur
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import threading
@@ -55,6 +56,9 @@ DEFAULT_MAX_CONCURRENCY = 16
 #: Output lengths remembered for ``output_quantile``, and how many are needed before use.
 _OUTPUT_WINDOW = 256
 _MIN_OUTPUTS = 20
+#: Recent outputs longer than what a running holder has generated that are needed to estimate
+#: its end from them (fewer: its cap).
+_MIN_TAIL = 10
 #: Staggered advice (``promise=True``) is at most this many times the plain estimate: enough to
 #: spread a burst over eight rounds of returns, while clients that come back early on new
 #: connections (each refusal adds a promise) cannot push it further past the time capacity
@@ -324,27 +328,43 @@ class KVAdmissionController:
         with self._lock:
             self._outputs.append(max(0, completion_tokens))
 
-    def _output_horizon(self) -> int | None:
-        """The ``output_quantile`` of recent output lengths, once enough were seen."""
+    def _recent_outputs(self) -> list[int] | None:
+        """Recent output lengths in order, once enough were seen for ``output_quantile``."""
         if self.output_quantile is None or len(self._outputs) < _MIN_OUTPUTS:
             return None
-        ordered = sorted(self._outputs)
-        index = min(len(ordered) - 1, math.ceil(self.output_quantile * len(ordered)) - 1)
-        return ordered[max(0, index)]
+        return sorted(self._outputs)
 
-    def _expected_end(self, handle: Handle, horizon: int | None, now: float) -> float:
+    def _quantile_above(self, ordered: list[int], generated: float) -> int | None:
+        """The ``output_quantile`` of the recent outputs longer than ``generated`` tokens.
+
+        None when fewer than ``_MIN_TAIL`` were: nothing seen vouches for an end before the cap.
+        """
+        assert self.output_quantile is not None
+        first = bisect.bisect_right(ordered, generated)
+        tail = len(ordered) - first
+        if tail < _MIN_TAIL:
+            return None
+        return ordered[first + max(0, math.ceil(self.output_quantile * tail) - 1)]
+
+    def _expected_end(self, handle: Handle, ordered: list[int] | None, now: float) -> float:
         """When ``handle`` is taken to free its reservation, always later than ``now``.
 
-        By the ``output_quantile`` of recent outputs if that is still ahead and before its cap;
-        once it has outlived that expectation (or without one), at its cap at the decode rate
-        (``due_at``); a little late, within another ``release_margin``; later than that (a
-        client that does not read its stream, say), ``overrun`` after its cap, when the server
-        cuts it. Never at ``now`` or before: it is still held.
+        By the ``output_quantile`` of the recent outputs longer than what it has generated so
+        far (it is still running: shorter ones say nothing about it), if at least
+        ``_MIN_TAIL`` were and that is before its cap. Otherwise at its cap at the decode rate
+        (``due_at``): once a holder has outlived what the recent outputs can vouch for, its
+        remaining cap is all that is known. A little past its cap, within another
+        ``release_margin``; later than that (a client that does not read its stream, say),
+        ``overrun`` after its cap, when the server cuts it. Never at ``now`` or before: it is
+        still held.
         """
-        if horizon is not None:
-            likely = handle.admitted_at + horizon / self.decode_rate + self.release_margin
-            if now < likely < handle.due_at:
-                return likely
+        if ordered is not None:
+            generated = (now - handle.admitted_at) * self.decode_rate
+            length = self._quantile_above(ordered, generated)
+            if length is not None:
+                likely = handle.admitted_at + length / self.decode_rate + self.release_margin
+                if likely < handle.due_at:
+                    return max(likely, now + 1.0 / self.decode_rate)
         end = handle.due_at
         if end <= now:
             end += self.release_margin
@@ -418,9 +438,10 @@ class KVAdmissionController:
                 for p in self._promises
                 if p.end > now and not (promise and client is not None and p.client == client)
             ]
-            horizon = self._output_horizon()
-            live = [(self._expected_end(h, horizon, now), h) for h in self._live.values()]
-            if horizon is not None:
+            ordered = self._recent_outputs()
+            live = [(self._expected_end(h, ordered, now), h) for h in self._live.values()]
+            horizon = None if ordered is None else self._quantile_above(ordered, -1)
+            if horizon is not None:  # a new request's own likely length
                 duration = min(duration, horizon / self.decode_rate)
             plain = self._earliest_fit(need, now, live, [], 0.0)
             chosen = plain
