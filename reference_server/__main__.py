@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     add(
+        "--socket-send-buffer",
+        type=int,
+        metavar="BYTES",
+        help="SO_SNDBUF of every connection (default: the kernel's, megabytes on loopback); "
+        "smaller makes a client that stops reading block the server's writes sooner",
+    )
+    add(
         "--admission-log",
         metavar="PATH",
         help="append every admission, release and 429 (with its advice) to PATH as JSON lines, "
@@ -177,6 +184,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         send_timeout=args.send_timeout,
         admission_log=args.admission_log,
+        socket_send_buffer=args.socket_send_buffer,
     )
 
 
@@ -190,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from ._protocol import HalfCloseH11Protocol
+    from ._runner import bind_loopback
     from .app import create_app
 
     app = create_app(config)
@@ -200,15 +209,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"admission {config.admission}",
         file=sys.stderr,
     )
-    uvicorn.run(
-        app,
-        http=HalfCloseH11Protocol,
-        host="127.0.0.1",
-        port=args.port,
-        workers=1,
-        lifespan="off",
-        log_level=args.log_level,
+    # The socket is bound here (not by uvicorn) so that it carries --socket-send-buffer.
+    sock = bind_loopback("127.0.0.1", args.port, send_buffer=config.socket_send_buffer)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            http=HalfCloseH11Protocol,
+            workers=1,
+            lifespan="off",
+            log_level=args.log_level,
+        )
     )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
 
 

@@ -68,9 +68,12 @@ class RunningServer:
         return f"RunningServer({self.base_url!r}, admission={self.config.admission!r})"
 
 
-def _bind_loopback(host: str, port: int) -> socket.socket:
+def bind_loopback(host: str, port: int, *, send_buffer: int | None = None) -> socket.socket:
+    """A listening socket; accepted connections inherit ``send_buffer`` (SO_SNDBUF)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind((host, port))
     sock.listen(128)
     sock.set_inheritable(True)
@@ -87,7 +90,9 @@ def serve_in_thread(
     lifespan: Literal["on", "off"] = "off",
 ) -> Iterator[RunningServer]:
     """Serve ``app`` with uvicorn in a daemon thread until the block exits."""
-    sock = _bind_loopback(host, port)
+    state = getattr(getattr(app, "state", None), "server", None)
+    send_buffer = state.config.socket_send_buffer if isinstance(state, ServerState) else None
+    sock = bind_loopback(host, port, send_buffer=send_buffer)
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(
         app,

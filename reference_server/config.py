@@ -84,6 +84,10 @@ class ServerConfig:
     #: Append every admission, release and 429 (with its advice) to this file as JSON lines
     #: (``reference_server._journal``); None: no log.
     admission_log: str | None = None
+    #: SO_SNDBUF of every connection, in bytes; None: the kernel's (it grows to megabytes on
+    #: loopback). Smaller means a client that stops reading blocks the server's writes sooner.
+    #: Applied where the server binds its socket (``running_server``, ``python -m``).
+    socket_send_buffer: int | None = None
     tick_seconds: float = DEFAULT_TICK_SECONDS
     tokenizer: Tokenizer = field(default_factory=TiktokenCounter)
 
@@ -115,6 +119,8 @@ class ServerConfig:
         positive_number("decode_rate", self.decode_rate)
         positive_number("tick_seconds", self.tick_seconds)
         positive_number("send_timeout", self.send_timeout)
+        if self.socket_send_buffer is not None:
+            positive_int("socket_send_buffer", self.socket_send_buffer)
         if not (math.isfinite(self.mean_output_tokens) and self.mean_output_tokens >= 1):
             raise ValueError(f"mean_output_tokens must be >= 1, got {self.mean_output_tokens!r}")
         if self.admission not in STRATEGIES:
