@@ -233,6 +233,8 @@ class SoakSender:
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
+        # Their own threads: on anyio's default limiter (40) they would starve the client's.
+        self._stall_threads = anyio.CapacityLimiter(256)
         self._stream = _FaultAwareSender(self.client, stream=True, faulted=self.faulted)
         self._plain = _FaultAwareSender(self.client, stream=False, faulted=self.faulted)
 
@@ -249,7 +251,9 @@ class SoakSender:
             self.kinds["raw socket, stops reading"] += 1
             timer.mark_sent()
             timer.record.attempts = 1
-            timer.record.error = await anyio.to_thread.run_sync(self._stall, item)
+            timer.record.error = await anyio.to_thread.run_sync(
+                self._stall, item, limiter=self._stall_threads
+            )
             timer.mark_end()
             return
         if size < self.short_share:

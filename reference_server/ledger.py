@@ -355,22 +355,24 @@ class KVAdmissionController:
         (``due_at``): once a holder has outlived what the recent outputs can vouch for, its
         remaining cap is all that is known. A little past its cap, within another
         ``release_margin``; later than that (a client that does not read its stream, say),
-        ``overrun`` after its cap, when the server cuts it. Never at ``now`` or before: it is
-        still held.
+        ``overrun`` after its cap, when the server cuts it. Never sooner than
+        ``release_margin`` (or one token) from now: it is still held, and a sequence takes
+        that long to wind down.
         """
+        soonest = now + max(self.release_margin, 1.0 / self.decode_rate)
         if ordered is not None:
             generated = (now - handle.admitted_at) * self.decode_rate
             length = self._quantile_above(ordered, generated)
             if length is not None:
                 likely = handle.admitted_at + length / self.decode_rate + self.release_margin
                 if likely < handle.due_at:
-                    return max(likely, now + 1.0 / self.decode_rate)
+                    return max(likely, soonest)
         end = handle.due_at
         if end <= now:
             end += self.release_margin
         if end <= now:
             end = handle.due_at + self.overrun
-        return max(end, now + 1.0 / self.decode_rate)
+        return max(end, soonest)
 
     def _usage_at(
         self, t: float, live: list[tuple[float, Handle]], promises: list[_Promise]

@@ -3,7 +3,8 @@
 The invariants, for a request the ledger refuses now (``h`` ranges over the live handles; a
 handle's *cap end* is ``due_at``, when it reaches its output cap at the decode rate; once that
 has passed, ``due_at + release_margin`` while it is only a little late, then ``due_at +
-overrun``, when the server cuts it; and never sooner than one token from now):
+overrun``, when the server cuts it; and never sooner than ``release_margin``, or one token,
+from now):
 
 1. *Never "fits now" while held*: the advice is > 0.
 2. *Never shorter than what the evidence cannot vouch for*: a handle that has outlived the
@@ -150,7 +151,7 @@ def test_advice_is_never_shorter_than_what_the_evidence_cannot_vouch_for(
     def cap_end(h: object) -> float:
         due: float = h.due_at  # type: ignore[attr-defined]
         end = due if due > now else due + margin if due + margin > now else due + overrun
-        return max(end, now + 1.0 / rate)
+        return max(end, now + max(margin, 1.0 / rate))
 
     def vouched(h: object) -> bool:  # ends by the quantile, which is still ahead of now
         if quantile is None or count < 20:
