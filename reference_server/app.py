@@ -414,11 +414,22 @@ class GenerationEndpoint:
             deadline = anyio.current_time() + handle.due_at - handle.admitted_at
             group.cancel_scope.deadline = deadline + state.config.send_timeout
             done = False
+
+            async def watched_send(message: Message) -> None:
+                # While a write waits on the client, the ledger can tell a stalled reader.
+                handle.writing_since = time.monotonic()  # the admission queue's clock
+                try:
+                    await send(message)
+                finally:
+                    handle.writing_since = None
+
             try:
                 if request.stream:
-                    await self._stream(state, request, prompt_tokens, cap, send)
+                    await self._stream(state, request, prompt_tokens, cap, watched_send)
                 else:
-                    await self._complete(state, request, prompt_tokens, cap, scope, receive, send)
+                    await self._complete(
+                        state, request, prompt_tokens, cap, scope, receive, watched_send
+                    )
                 done = True
             finally:
                 state.ledger.release(handle)

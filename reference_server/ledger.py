@@ -99,6 +99,9 @@ class Handle:
 
     ``due_at`` is the worst-case release time: the moment the request reaches its output cap when
     decoding at the engine's rate from admission. Retry-After estimates are built from it.
+    ``writing_since`` is set by the server while a write of the answer waits on the client (the
+    ledger's clock), None otherwise: one waiting longer than the release margin is a client
+    that stopped reading, and the holder ends only when the server cuts it.
     """
 
     __slots__ = (
@@ -109,6 +112,7 @@ class Handle:
         "prompt_tokens",
         "released",
         "reserved_tokens",
+        "writing_since",
     )
 
     def __init__(
@@ -128,6 +132,7 @@ class Handle:
         self.admitted_at = admitted_at
         self.due_at = due_at
         self.released = False
+        self.writing_since: float | None = None
 
     def __repr__(self) -> str:
         state = "released" if self.released else "live"
@@ -360,6 +365,9 @@ class KVAdmissionController:
         that long to wind down.
         """
         soonest = now + max(self.release_margin, 1.0 / self.decode_rate)
+        writing = handle.writing_since
+        if writing is not None and now - writing > self.release_margin:
+            return max(handle.due_at + self.overrun, soonest)  # stalled: cut then
         if ordered is not None:
             generated = (now - handle.admitted_at) * self.decode_rate
             length = self._quantile_above(ordered, generated)

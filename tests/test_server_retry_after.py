@@ -271,3 +271,22 @@ def test_staggered_advice_stays_within_the_limit_whatever_clients_do(
         told = ledger.retry_after(need, now, duration=duration, promise=True, client=client)
         assert plain <= told <= STAGGER_LIMIT * max(plain, 0.03) + 1e-9
         assert math.isfinite(told)
+
+
+def test_a_holder_whose_write_waits_on_the_client_is_expected_when_the_server_cuts_it() -> None:
+    ledger = KVAdmissionController(
+        total_kv_tokens=2048,
+        safety_fraction=1.0,
+        context_window=4096,
+        decode_rate=200.0,
+        release_margin=0.05,
+        overrun=10.0,
+    )
+    holder = ledger.try_admit(16, 2000, now=0.0)  # due at 10.05
+    assert holder is not None
+    need = ledger.need_tokens(100, 100)
+    holder.writing_since = 3.0  # a write waiting since 3 s: the client stopped reading
+    assert ledger.retry_after(need, 3.02) == pytest.approx(10.05 - 3.02)  # not late yet
+    assert ledger.retry_after(need, 3.5) == pytest.approx(20.05 - 3.5)  # cut at due + overrun
+    holder.writing_since = None  # it read again
+    assert ledger.retry_after(need, 3.5) == pytest.approx(10.05 - 3.5)

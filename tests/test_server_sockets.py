@@ -57,6 +57,16 @@ def test_a_client_that_stops_reading_a_stream_is_cut_and_releases() -> None:
         reader.sendall(request_bytes("/v1/completions", body))
         wait_for(lambda: server.metrics()["kv_inflight_requests"] == 1)
         admitted = time.monotonic()
+        [handle] = server.ledger.live_handles()
+        # Once its writes wait on the client, the ledger expects it only when it is cut.
+        wait_for(
+            lambda: (
+                handle.writing_since is not None and time.monotonic() - handle.writing_since > 0.1
+            )
+        )
+        now = time.monotonic()
+        advice = server.ledger.retry_after(server.ledger.usable_tokens, now)
+        assert advice == pytest.approx(handle.due_at + 0.3 - now)
         # Not one byte read, the socket kept open: released once the answer is send_timeout
         # past its worst case (1.5 s), not when the client finally reads or hangs up.
         wait_for(lambda: at_zero(server), timeout=STALL_CAP / 1e6 + 0.3 + 3.0)
