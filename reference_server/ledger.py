@@ -420,9 +420,9 @@ class KVAdmissionController:
         the earliest of those moments at which ``need`` fits, so it is an upper bound for the
         current load: requests that stop early free their share sooner. With
         ``output_quantile`` (say 0.9) and enough finished requests seen, a handle is expected to
-        end by the time that quantile of recent output lengths takes to decode, if that is
-        sooner than its cap: an estimate that holds in most cases rather than in all, and is
-        much closer when outputs stop well before their caps.
+        end by the time that quantile of the recent outputs longer than what it has generated
+        takes to decode, if that is sooner than its cap: an estimate that holds in most cases
+        rather than in all, and is much closer when outputs stop well before their caps.
 
         With ``promise=True`` the answer is also remembered as a promise: a client told to come
         back at ``t`` is expected to hold ``need`` tokens from ``t`` for ``duration`` seconds
