@@ -37,7 +37,7 @@ from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_SAFETY_FRACTION",
-    "STAGGER_LIMIT",
+    "STAGGER_ROUNDS",
     "STRATEGIES",
     "Handle",
     "KVAdmissionController",
@@ -59,11 +59,12 @@ _MIN_OUTPUTS = 20
 #: Recent outputs longer than what a running holder has generated that are needed to estimate
 #: its end from them (fewer: its cap).
 _MIN_TAIL = 10
-#: Staggered advice (``promise=True``) is at most this many times the plain estimate: enough to
-#: spread a burst over eight rounds of returns, while clients that come back early on new
-#: connections (each refusal adds a promise) cannot push it further past the time capacity
-#: really returns. A client that comes back on the same connection replaces its own promise.
-STAGGER_LIMIT = 8.0
+#: Staggered advice (``promise=True``) is at most this many of the request's own durations
+#: after the plain estimate: enough to spread a burst over eight rounds of returns, while
+#: clients that come back early on new connections (each refusal adds a promise) cannot push it
+#: further past the time capacity really returns. A client that comes back on the same
+#: connection replaces its own promise.
+STAGGER_ROUNDS = 8
 #: Promises remembered at most (the oldest are forgotten first): each estimate scans them all.
 _MAX_PROMISES = 64
 
@@ -437,8 +438,8 @@ class KVAdmissionController:
         ``client`` (the connection's address, say) identifies who is told: a client refused
         again replaces the promise it was given before, so one that comes back early, however
         often, holds one promise. Promised returns push the answer at most to
-        ``STAGGER_LIMIT`` times the plain estimate (the one without promises), whatever
-        clients do.
+        ``STAGGER_ROUNDS`` of its own duration (plus the release margin) after the plain estimate
+        (the one without promises), whatever clients do.
 
         Returns 0.0 when it fits now; callers clamp it for the header (whole seconds, >= 1).
         """
@@ -457,8 +458,8 @@ class KVAdmissionController:
             chosen = plain
             if self._promises:
                 staggered = self._earliest_fit(need, now, live, self._promises, duration)
-                limit = now + STAGGER_LIMIT * max(plain - now, self.release_margin)
-                chosen = min(staggered, max(plain, limit))
+                limit = plain + STAGGER_ROUNDS * (duration + self.release_margin)
+                chosen = min(staggered, limit)
             if promise and chosen > now:
                 end = chosen + duration + self.release_margin
                 self._promises.append(_Promise(start=chosen, end=end, tokens=need, client=client))
