@@ -8,7 +8,15 @@ workload (Little's law: usable tokens / mean reservation / mean duration) for ``
 seconds, through:
 
 - ``kvclient.AsyncClient``, streamed and not (cooldown, Retry-After, retries);
-- raw ``httpx`` streams (``--hang-up-share``) that hang up at a random moment, mid-stream.
+- raw ``httpx`` streams (``--hang-up-share``) that hang up at a random moment, mid-stream;
+- raw sockets that stop reading (``--stall-share``): a small receive buffer, a few streamed
+  requests pipelined, nothing read for ``--stall-seconds``, then closed. The server runs with
+  ``--send-timeout`` and a small ``--socket-send-buffer``, so their answers really block its
+  writes and must be cut.
+
+Of the kvclient requests, ``--short-share`` ask for ``max_tokens: 1`` (short-output traffic
+that drags the quantile of recent outputs towards zero) and ``--long-share`` for 2,000 tokens
+(long holders), the issue-12 mix that made Retry-After say "fits now" while budget was held.
 
 The engine fails ``--fault-rate`` of the requests on purpose (500 ``injected_fault``, or an error
 event mid-stream). Every ``--sample-every`` seconds the server's RSS and ledger are sampled.
@@ -17,8 +25,13 @@ Criteria (exit code 1 if any fails): no KV-cache OOM; no 5xx other than the inje
 seen by a client, as a status or as a broken stream, none logged by the server on its stderr, and
 no 5xx status in its own count beyond the injected faults no client reported); the ledger at zero
 at the end (no reservation, no request in flight); RSS growth after warm-up (the first
-``--warm-up`` of the run) at most ``--max-rss-growth-mb``. The table and
-``bench/results/soak.json`` give the figures, the JSON also the samples.
+``--warm-up`` of the run) at most ``--max-rss-growth-mb``; no 429 told "fits now" (1 ms or
+less) while capacity really returned later. The table and ``bench/results/soak.json`` give the
+figures, the JSON also the samples.
+
+Retry-After is checked against the server's own admission log (``--admission-log``): for every
+429, the advice against the time until a request of that size would really have fitted beside
+the reservations held when it was refused (``reference_server._journal.check_advice``).
 
     python bench/soak.py                 # the full soak: 60 s of load, about 80 s in all
     python bench/soak.py --quick         # 10 s
@@ -29,10 +42,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,7 +55,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -67,6 +82,7 @@ from kvclient.loadgen import (
 )
 from kvclient.loadgen._kvsender import KVClientSender
 from kvclient.loadgen._report import parse_prometheus_text
+from reference_server._journal import AdviceCheck, check_advice, read_log
 from reference_server.config import (
     DEFAULT_CONTEXT_WINDOW,
     DEFAULT_DECODE_RATE,
@@ -79,6 +95,11 @@ SEED = 2026
 MEGABYTE = 1024 * 1024
 #: How long the server may take to notice every hang-up once the load is over.
 SETTLE_SECONDS = 10.0
+#: Long holders ask for this many tokens; stalled readers pipeline STALL_PIPELINE of them.
+LONG_MAX_TOKENS = 2000
+STALL_PIPELINE = 32
+#: Advice this much shorter than the real wait is timing noise (two ticks of the engine).
+ADVICE_TOLERANCE = 0.02
 _RESPONSES = re.compile(r'^kv_http_responses_total\{route="([^"]*)",status="(\d+)"\} (\S+)$', re.M)
 
 
@@ -102,6 +123,7 @@ class ServerProcess:
     url: str
     pid: int
     log: Any  # the server's stderr, a temporary file
+    admission_log: str  # the server's --admission-log
 
     def internal_errors(self) -> list[str]:
         """Log lines of unexpected exceptions (the generic 500 path), ours or uvicorn's."""
@@ -125,7 +147,9 @@ def server_process(args: Sequence[str], cpu: int | None) -> Iterator[ServerProce
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
 
-    with tempfile.TemporaryFile() as log:
+    with tempfile.TemporaryFile() as log, tempfile.TemporaryDirectory() as tmp:
+        admission_log = os.path.join(tmp, "admission.jsonl")
+        cmd += ["--admission-log", admission_log]
         proc = subprocess.Popen(
             [*cmd, *args], stderr=log, preexec_fn=pin if cpu is not None else None
         )
@@ -140,7 +164,7 @@ def server_process(args: Sequence[str], cpu: int | None) -> Iterator[ServerProce
                     if time.monotonic() > deadline or proc.poll() is not None:
                         raise RuntimeError("the reference server did not start") from None
                     time.sleep(0.05)
-            yield ServerProcess(url, proc.pid, log)
+            yield ServerProcess(url, proc.pid, log, admission_log)
         finally:
             proc.terminate()
             proc.wait(timeout=10)
@@ -199,22 +223,46 @@ class SoakSender:
     raw: httpx.AsyncClient
     hang_up_share: float
     seed: int
+    stall_share: float = 0.0
+    stall_seconds: float = 5.0
+    short_share: float = 0.0
+    long_share: float = 0.0
+    address: tuple[str, int] = ("127.0.0.1", 0)
     faulted: set[int] = field(default_factory=set)
     kinds: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
+        # Their own threads: on anyio's default limiter (40) they would starve the client's.
+        self._stall_threads = anyio.CapacityLimiter(256)
         self._stream = _FaultAwareSender(self.client, stream=True, faulted=self.faulted)
         self._plain = _FaultAwareSender(self.client, stream=False, faulted=self.faulted)
 
     async def send(self, item: WorkItem, timer: RecordTimer) -> None:
         roll = self._rng.random()
         hang_up_after = self._rng.uniform(0.0, 0.6)
+        size = self._rng.random()
         if roll < self.hang_up_share:
             self.kinds["raw stream, hangs up"] += 1
             await self._hang_up(item, timer, hang_up_after)
             return
-        streamed = roll < self.hang_up_share + (1 - self.hang_up_share) / 2
+        raw = self.hang_up_share + self.stall_share
+        if roll < raw:
+            self.kinds["raw socket, stops reading"] += 1
+            timer.mark_sent()
+            timer.record.attempts = 1
+            timer.record.error = await anyio.to_thread.run_sync(
+                self._stall, item, limiter=self._stall_threads
+            )
+            timer.mark_end()
+            return
+        if size < self.short_share:
+            item = replace(item, max_tokens=1)
+            self.kinds["  of which max_tokens 1"] += 1
+        elif size < self.short_share + self.long_share:
+            item = replace(item, max_tokens=LONG_MAX_TOKENS)
+            self.kinds[f"  of which max_tokens {LONG_MAX_TOKENS}"] += 1
+        streamed = roll < raw + (1 - raw) / 2
         self.kinds["kvclient, streamed" if streamed else "kvclient"] += 1
         await (self._stream if streamed else self._plain).send(item, timer)
         record = timer.record
@@ -222,6 +270,25 @@ class SoakSender:
             record.error = "injected_fault"
         elif record.error == "bad_response" and record.index in self.faulted:
             record.error = "injected_fault (mid-stream)"
+
+    def _stall(self, item: WorkItem) -> str:
+        """A client that stops reading: streamed requests pipelined on one small-buffered
+        socket, nothing read for ``stall_seconds``, then closed (in a worker thread)."""
+        body = json.dumps({"prompt": item.prompt, "stream": True, "max_tokens": LONG_MAX_TOKENS})
+        request = (
+            "POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body.encode())}\r\n\r\n{body}"
+        ).encode()
+        try:
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.settimeout(5)
+                sock.connect(self.address)
+                sock.sendall(request * STALL_PIPELINE)
+                time.sleep(self.stall_seconds)
+        except OSError as exc:
+            return f"raw: {type(exc).__name__}"
+        return "stopped reading (on purpose)"
 
     async def _hang_up(self, item: WorkItem, timer: RecordTimer, after: float) -> None:
         """A client that goes away: it reads the answer for ``after`` seconds, then hangs up."""
@@ -319,7 +386,9 @@ async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any
     print(
         f"soak: {len(offsets)} requests at {rate:.1f}/s ({args.load:g}x the estimated capacity "
         f"of {capacity:.1f}/s) for {args.duration:g} s, fault rate {args.fault_rate:g}, "
-        f"{args.hang_up_share:.0%} raw hang-ups, kvclient deadline {deadline:g} s",
+        f"{args.hang_up_share:.0%} raw hang-ups, {args.stall_share:.0%} stalled readers, "
+        f"kvclient {args.short_share:.0%} max_tokens 1 and {args.long_share:.0%} "
+        f"max_tokens {LONG_MAX_TOKENS}, deadline {deadline:g} s",
         flush=True,
     )
     sampler = Sampler(url, pid, args.sample_every)
@@ -336,7 +405,18 @@ async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any
         anyio.create_task_group() as group,
     ):
         group.start_soon(sampler.run, start)
-        sender = SoakSender(client, raw, args.hang_up_share, args.seed)
+        host, port = url.removeprefix("http://").split(":")
+        sender = SoakSender(
+            client,
+            raw,
+            args.hang_up_share,
+            args.seed,
+            stall_share=args.stall_share,
+            stall_seconds=args.stall_seconds,
+            short_share=args.short_share,
+            long_share=args.long_share,
+            address=(host, int(port)),
+        )
         records, wall = await run_load(
             items, sender, offsets=offsets, duration=args.duration, grace=deadline + 10
         )
@@ -347,6 +427,11 @@ async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any
         await sampler.sample(http, start)
     await client._http.aclose()  # passed in, so not closed by the client
     rss_end = rss_bytes(pid)
+    advice = check_advice(
+        read_log(server.admission_log),
+        round(final["kv_usable_tokens"]),
+        tolerance=ADVICE_TOLERANCE,
+    )
     return report(
         args,
         records,
@@ -359,6 +444,7 @@ async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, Any
         rss_start,
         rss_end,
         rate,
+        advice,
     )
 
 
@@ -374,6 +460,7 @@ def report(
     rss_start: int | None,
     rss_end: int | None,
     rate: float,
+    advice: AdviceCheck | None = None,
 ) -> dict[str, Any]:
     summary = summarize(records, duration=wall)
     causes = summary.failed_by_cause
@@ -405,6 +492,7 @@ def report(
         "ledger at zero": final["kv_reserved_tokens"] == 0 and final["kv_inflight_requests"] == 0,
         f"RSS growth <= {args.max_rss_growth_mb:g} MB": growth is None
         or growth <= args.max_rss_growth_mb,
+        'no 429 told "fits now" while held': advice is None or advice.fits_now_lies == 0,
     }
     return {
         "duration": args.duration,
@@ -440,9 +528,27 @@ def report(
             "max": round(max([*rss, rss_end_mb or 0.0]), 1) if rss else None,
             "growth_after_warm_up": None if growth is None else round(growth, 1) + 0.0,
         },
+        "send_timeouts": final.get("kv_send_timeouts_total", 0.0),
+        "retry_after": None if advice is None else advice_summary(advice),
         "samples": sampler.samples,
         "criteria": criteria,
         "passed": all(criteria.values()),
+    }
+
+
+def advice_summary(advice: AdviceCheck) -> dict[str, Any]:
+    return {
+        "refused": advice.refused,
+        "checked": advice.checked,
+        "told_less": advice.told_less,
+        "told_less_share": round(advice.told_less_share, 4),
+        "tolerance_seconds": advice.tolerance,
+        "fits_now_lies": advice.fits_now_lies,
+        "worst_shortfall_seconds": round(advice.worst_shortfall, 3),
+        "advised_over_real": {
+            q: round(advice.ratio_quantile(p), 3)
+            for q, p in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9))
+        },
     }
 
 
@@ -484,7 +590,27 @@ def print_report(data: dict[str, Any]) -> None:
             f"{mb(rss['after_warm_up'])} / {mb(rss['end'])} / {mb(rss['max'])}",
         ],
         ["RSS growth after warm-up", mb(rss["growth_after_warm_up"])],
+        ["answers cut by the send timeout", f"{data['send_timeouts']:.0f}"],
     ]
+    advice = data.get("retry_after")
+    if advice:
+        ratios = advice["advised_over_real"]
+        rows += [
+            [
+                "429s checked against the admission log",
+                f"{advice['checked']} of {advice['refused']}",
+            ],
+            [
+                f"  told less than the real wait (> {advice['tolerance_seconds']:g} s short)",
+                f"{advice['told_less']} ({advice['told_less_share']:.1%}), worst "
+                f"{advice['worst_shortfall_seconds']:.3f} s short",
+            ],
+            ['  told "fits now" (<= 1 ms) while held', f"{advice['fits_now_lies']}"],
+            [
+                "  advised / real wait, p10 / p50 / p90",
+                f"{ratios['p10']} / {ratios['p50']} / {ratios['p90']}",
+            ],
+        ]
     print_table(
         f"Soak: {data['duration']:g} s of the seed's mix at {data['rate']}/s "
         f"({data['load']:g}x the estimated capacity), fault rate {data['fault_rate']:g}, "
@@ -506,6 +632,20 @@ def build_parser() -> argparse.ArgumentParser:
     add("--load", type=float, default=1.75, help="x the estimated capacity (default: %(default)s)")
     add("--fault-rate", type=float, default=0.02, help="injected faults (default: %(default)s)")
     add("--hang-up-share", type=float, default=0.15, help="raw clients that hang up")
+    add("--stall-share", type=float, default=0.01, help="raw clients that stop reading")
+    add(
+        "--stall-seconds",
+        type=float,
+        help="how long they keep the socket open (default: 12, at most --duration)",
+    )
+    add("--short-share", type=float, default=0.3, help="kvclient requests with max_tokens 1")
+    add(
+        "--long-share",
+        type=float,
+        default=0.05,
+        help=f"kvclient requests with max_tokens {LONG_MAX_TOKENS}",
+    )
+    add("--send-timeout", type=float, default=2.0, help="the server's (default: %(default)s)")
     add("--seed", type=int, default=SEED)
     add("--sample-every", type=float, help="seconds between samples (default: duration / 30)")
     add("--warm-up", type=float, help="seconds before the RSS baseline (default: duration / 4)")
@@ -526,8 +666,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.duration = args.duration or (10.0 if args.quick else 60.0)
     args.sample_every = args.sample_every or max(0.25, args.duration / 30)
     args.warm_up = args.duration / 4 if args.warm_up is None else args.warm_up
+    args.stall_seconds = args.stall_seconds or min(12.0, args.duration)
     pinned = pin_to_cpu(0)
     server_args = ["--fault-rate", str(args.fault_rate), "--seed", str(args.seed)]
+    server_args += ["--send-timeout", str(args.send_timeout), "--socket-send-buffer", "16384"]
     server_args += args.server_arg
     with server_process(server_args, 1 if pinned else None) as server:
         data = anyio.run(soak, args, server)

@@ -18,6 +18,7 @@ from .config import (
     DEFAULT_MODEL_ID,
     DEFAULT_PROFILE,
     DEFAULT_RETRY_AFTER_QUANTILE,
+    DEFAULT_SEND_TIMEOUT,
     ServerConfig,
 )
 from .ledger import DEFAULT_SAFETY_FRACTION, STRATEGIES
@@ -128,6 +129,28 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer_config.json, its chat template) for admission, /tokenize and usage "
         "(default: tiktoken cl100k_base and OpenAI's chat formula)",
     )
+    add(
+        "--send-timeout",
+        type=float,
+        default=DEFAULT_SEND_TIMEOUT,
+        metavar="S",
+        help="cut an answer still being written S seconds after its worst case (cap / decode "
+        "rate), e.g. to a client that stopped reading, and release its reservation "
+        "(default: %(default)s)",
+    )
+    add(
+        "--socket-send-buffer",
+        type=int,
+        metavar="BYTES",
+        help="SO_SNDBUF of every connection (default: the kernel's, megabytes on loopback); "
+        "smaller makes a client that stops reading block the server's writes sooner",
+    )
+    add(
+        "--admission-log",
+        metavar="PATH",
+        help="append every admission, release and 429 (with its advice) to PATH as JSON lines, "
+        "for bench/soak.py's Retry-After check",
+    )
     add("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -159,6 +182,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         seed=args.seed,
         fault_rate=args.fault_rate,
         max_body_bytes=args.max_body_bytes,
+        send_timeout=args.send_timeout,
+        admission_log=args.admission_log,
+        socket_send_buffer=args.socket_send_buffer,
     )
 
 
@@ -171,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     import uvicorn
 
+    from ._protocol import HalfCloseH11Protocol
+    from ._runner import bind_loopback
     from .app import create_app
 
     app = create_app(config)
@@ -181,14 +209,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"admission {config.admission}",
         file=sys.stderr,
     )
-    uvicorn.run(
-        app,
-        host="127.0.0.1",
-        port=args.port,
-        workers=1,
-        lifespan="off",
-        log_level=args.log_level,
+    # The socket is bound here (not by uvicorn) so that it carries --socket-send-buffer.
+    sock = bind_loopback("127.0.0.1", args.port, send_buffer=config.socket_send_buffer)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            http=HalfCloseH11Protocol,
+            workers=1,
+            lifespan="off",
+            log_level=args.log_level,
+        )
     )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
 
 

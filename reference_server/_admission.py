@@ -12,7 +12,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import anyio
 from starlette.responses import JSONResponse
@@ -62,8 +62,9 @@ class AdmissionQueue:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    def _reject(self, need: int, output_cap: int, ahead: int, extra_need: int) -> Rejected:
-        self.ledger.record_rejection()
+    def _reject(
+        self, need: int, output_cap: int, ahead: int, extra_need: int, client: Hashable | None
+    ) -> Rejected:
         # With staggering, unqueued rejections become promises, so clients turned away together
         # get times that each fit; a queued request's estimate counts those ahead of it instead.
         wait = self.ledger.retry_after(
@@ -71,7 +72,9 @@ class AdmissionQueue:
             self._clock(),
             duration=output_cap / self.ledger.decode_rate,
             promise=self.stagger and ahead == 0,
+            client=client,
         )
+        self.ledger.record_rejection(need, wait)
         return Rejected(need=need, retry_after=wait, queued_ahead=ahead)
 
     def notify(self) -> None:
@@ -79,8 +82,13 @@ class AdmissionQueue:
         if self._waiters:
             self._waiters[0].event.set()
 
-    async def acquire(self, prompt_tokens: int, output_cap: int) -> Handle:
-        """A handle for the request, or :class:`Rejected` after at most ``max_wait`` seconds."""
+    async def acquire(
+        self, prompt_tokens: int, output_cap: int, *, client: Hashable | None = None
+    ) -> Handle:
+        """A handle for the request, or :class:`Rejected` after at most ``max_wait`` seconds.
+
+        ``client`` identifies the caller for staggered advice (its connection's address).
+        """
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
         if not self._waiters:
             handle = self.ledger.try_admit(
@@ -90,7 +98,7 @@ class AdmissionQueue:
                 return handle
         if self.max_wait <= 0:
             raise self._reject(
-                need, output_cap, len(self._waiters), sum(w.need for w in self._waiters)
+                need, output_cap, len(self._waiters), sum(w.need for w in self._waiters), client
             )
 
         waiter = _Waiter(need)
@@ -108,7 +116,7 @@ class AdmissionQueue:
                     waiter.event = anyio.Event()
             ahead = self._waiters.index(waiter)
             extra = sum(self._waiters[i].need for i in range(ahead))
-            raise self._reject(need, output_cap, ahead, extra)
+            raise self._reject(need, output_cap, ahead, extra, client)
         finally:
             was_head = bool(self._waiters) and self._waiters[0] is waiter
             with contextlib.suppress(ValueError):  # always queued here; belt and braces

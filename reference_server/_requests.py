@@ -112,12 +112,41 @@ class GenerationRequest:
 
     @property
     def size_hint(self) -> int:
-        """Rough characters to tokenize (to decide whether to count off the event loop)."""
+        """Rough characters to tokenize (to decide whether to count off the event loop).
+
+        Every field of every message counts, not only ``content``: a 4 MB ``name`` is
+        tokenized as surely as a 4 MB prompt.
+        """
         if self.prompt is not None:
             return len(self.prompt)
         if self.messages is not None:
-            return sum(len(str(m.get("content", ""))) for m in self.messages)
+            return _json_size(self.messages)
         return 0
+
+
+def _json_size(value: object) -> int:
+    """Characters of the strings in a parsed JSON value, plus one per other item.
+
+    A loop over an explicit stack, not recursion: the value may nest as deeply as the JSON
+    parser allows (about a thousand levels), and ``str()`` or a recursive walk of that can
+    exhaust the interpreter's stack.
+    """
+    size = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            size += len(item)
+        elif isinstance(item, dict):
+            size += 1
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            size += 1
+            stack.extend(item)
+        else:
+            size += 1
+    return size
 
 
 def _parse_prompt(body: Mapping[str, Any]) -> tuple[str | None, list[int] | None]:
@@ -218,5 +247,9 @@ def count_prompt(request: GenerationRequest, counter: TokenCounter) -> int:
         return counter.count(request.prompt)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), param="messages") from None
+    except RecursionError:
+        # Structured message fields are serialised to be counted; nesting close to the JSON
+        # parser's own limit can still exhaust the stack there.
+        raise bad_request("a message field is nested too deeply", param="messages") from None
     except (TypeError, ValueError, UnicodeError) as exc:
         raise bad_request(f"cannot tokenize the prompt: {type(exc).__name__}") from None

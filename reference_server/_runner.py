@@ -21,6 +21,7 @@ from typing import Any, Literal
 import uvicorn
 from starlette.applications import Starlette
 
+from ._protocol import HalfCloseH11Protocol
 from .app import ServerState, create_app
 from .config import ServerConfig
 from .engine import SimulatedEngine
@@ -67,9 +68,12 @@ class RunningServer:
         return f"RunningServer({self.base_url!r}, admission={self.config.admission!r})"
 
 
-def _bind_loopback(host: str, port: int) -> socket.socket:
+def bind_loopback(host: str, port: int, *, send_buffer: int | None = None) -> socket.socket:
+    """A listening socket; accepted connections inherit ``send_buffer`` (SO_SNDBUF)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind((host, port))
     sock.listen(128)
     sock.set_inheritable(True)
@@ -86,10 +90,13 @@ def serve_in_thread(
     lifespan: Literal["on", "off"] = "off",
 ) -> Iterator[RunningServer]:
     """Serve ``app`` with uvicorn in a daemon thread until the block exits."""
-    sock = _bind_loopback(host, port)
+    state = getattr(getattr(app, "state", None), "server", None)
+    send_buffer = state.config.socket_send_buffer if isinstance(state, ServerState) else None
+    sock = bind_loopback(host, port, send_buffer=send_buffer)
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(
         app,
+        http=HalfCloseH11Protocol,
         log_level=log_level,
         lifespan=lifespan,
         access_log=False,

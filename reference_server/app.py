@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._admission import AdmissionQueue, Rejected, admissible_cap, too_busy
 from ._errors import APIError, error_response
+from ._journal import AdmissionLog
 from ._metrics import build_registry
 from ._requests import (
     GenerationRequest,
@@ -72,6 +73,9 @@ class ServerState:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        self.admission_log = (
+            AdmissionLog(config.admission_log) if config.admission_log is not None else None
+        )
         self.engine = SimulatedEngine(
             tokenizer=config.tokenizer,
             capacity_tokens=config.total_kv_tokens,
@@ -94,6 +98,10 @@ class ServerState:
             # A sequence finishes within a few ticks of cap / rate; the estimate says so.
             release_margin=3 * config.tick_seconds + 0.02,
             output_quantile=config.retry_after_quantile,
+            # An answer nobody reads is cut send_timeout after its worst case (see
+            # _admit_and_run): a holder past its cap is expected to end then.
+            overrun=config.send_timeout,
+            on_event=self.admission_log,
         )
         self.queue = AdmissionQueue(
             self.ledger, max_wait=config.max_queue_wait, stagger=config.stagger_retry_after
@@ -105,6 +113,7 @@ class ServerState:
         self._lock = threading.Lock()
         self._requests = 0
         self._generation_requests = 0
+        self._send_timeouts = 0
         self._responses: Counter[tuple[str, int]] = Counter()
         self.registry = build_registry(self.snapshot, self.responses)
 
@@ -117,6 +126,10 @@ class ServerState:
             self._requests += 1
             if generation:
                 self._generation_requests += 1
+
+    def count_send_timeout(self) -> None:
+        with self._lock:
+            self._send_timeouts += 1
 
     def count_response(self, path: str, status: int) -> None:
         route = path if path in _ROUTES else "other"
@@ -133,6 +146,7 @@ class ServerState:
         engine = self.engine.stats()
         with self._lock:
             requests, generation = self._requests, self._generation_requests
+            send_timeouts = self._send_timeouts
         return {
             "kv_usable_tokens": ledger.usable_tokens,
             "kv_usable_bytes": ledger.usable_bytes,
@@ -150,6 +164,7 @@ class ServerState:
             "kv_oom_failed_requests_total": engine.oom_failed_sequences_total,
             "kv_injected_faults_total": engine.faults_total,
             "kv_generated_tokens_total": engine.generated_tokens_total,
+            "kv_send_timeouts_total": send_timeouts,
             "kv_http_requests_total": requests,
             "kv_generation_requests_total": generation,
         }
@@ -386,19 +401,42 @@ class GenerationEndpoint:
             watch = _DisconnectWatch(receive, group.cancel_scope)
             group.start_soon(watch.run)
             try:
-                handle = await state.queue.acquire(prompt_tokens, cap)
+                client = scope.get("client")  # (host, port): staggered advice per connection
+                handle = await state.queue.acquire(
+                    prompt_tokens, cap, client=tuple(client) if client else None
+                )
             except Rejected as rejected:
                 await too_busy(state.ledger, rejected, prompt_tokens, cap)(scope, receive, send)
                 await watch.finish()
                 return
+            # A client that stops reading must not pin the reservation: the answer may run
+            # send_timeout past its worst case, then the group is cancelled (a cut stream).
+            deadline = anyio.current_time() + handle.due_at - handle.admitted_at
+            group.cancel_scope.deadline = deadline + state.config.send_timeout
+            done = False
+
+            async def watched_send(message: Message) -> None:
+                # While a write waits on the client, the ledger can tell a stalled reader.
+                handle.writing_since = time.monotonic()  # the admission queue's clock
+                try:
+                    await send(message)
+                finally:
+                    handle.writing_since = None
+
             try:
                 if request.stream:
-                    await self._stream(state, request, prompt_tokens, cap, send)
+                    await self._stream(state, request, prompt_tokens, cap, watched_send)
                 else:
-                    await self._complete(state, request, prompt_tokens, cap, scope, receive, send)
+                    await self._complete(
+                        state, request, prompt_tokens, cap, scope, receive, watched_send
+                    )
+                done = True
             finally:
                 state.ledger.release(handle)
                 state.queue.notify()
+                if not done and anyio.current_time() >= group.cancel_scope.deadline:
+                    state.count_send_timeout()
+                    logger.warning("an answer was cut: not read within the send timeout")
             await watch.finish()
 
     async def _complete(

@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_MEAN_OUTPUT_TOKENS",
     "DEFAULT_MODEL_ID",
     "DEFAULT_PROFILE",
+    "DEFAULT_SEND_TIMEOUT",
     "DEFAULT_TICK_SECONDS",
     "ServerConfig",
 ]
@@ -31,6 +32,9 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_TICK_SECONDS = 0.01
 #: Retry-After is estimated from this quantile of recent output lengths (see ServerConfig).
 DEFAULT_RETRY_AFTER_QUANTILE = 0.9
+#: Seconds an admitted request's answer may run past its worst case (its output cap at the decode
+#: rate) when the client does not read it; then it is cut and its reservation released.
+DEFAULT_SEND_TIMEOUT = 10.0
 #: Bytes per token of the simulated model's KV cache (for the byte gauges): Llama-3.1-8B's.
 DEFAULT_PROFILE = ModelProfile.preset("llama-3.1-8b")
 
@@ -72,6 +76,18 @@ class ServerConfig:
     #: seeded by ``seed``. Answered as 500 ``injected_fault`` (in a stream: an error event).
     fault_rate: float = 0.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: A client that stops reading (its socket buffers full, the server's writes waiting) must
+    #: not pin its reservation: an answer still being written this many seconds after its worst
+    #: case (cap / decode rate, from admission) is cut and its reservation released. The
+    #: ledger's Retry-After counts such a holder as ending then.
+    send_timeout: float = DEFAULT_SEND_TIMEOUT
+    #: Append every admission, release and 429 (with its advice) to this file as JSON lines
+    #: (``reference_server._journal``); None: no log.
+    admission_log: str | None = None
+    #: SO_SNDBUF of every connection, in bytes; None: the kernel's (it grows to megabytes on
+    #: loopback). Smaller means a client that stops reading blocks the server's writes sooner.
+    #: Applied where the server binds its socket (``running_server``, ``python -m``).
+    socket_send_buffer: int | None = None
     tick_seconds: float = DEFAULT_TICK_SECONDS
     tokenizer: Tokenizer = field(default_factory=TiktokenCounter)
 
@@ -102,6 +118,9 @@ class ServerConfig:
             raise ValueError(f"safety_fraction must be in (0, 1], got {self.safety_fraction!r}")
         positive_number("decode_rate", self.decode_rate)
         positive_number("tick_seconds", self.tick_seconds)
+        positive_number("send_timeout", self.send_timeout)
+        if self.socket_send_buffer is not None:
+            positive_int("socket_send_buffer", self.socket_send_buffer)
         if not (math.isfinite(self.mean_output_tokens) and self.mean_output_tokens >= 1):
             raise ValueError(f"mean_output_tokens must be >= 1, got {self.mean_output_tokens!r}")
         if self.admission not in STRATEGIES:

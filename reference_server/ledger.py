@@ -23,10 +23,12 @@ Three admission strategies share one ledger so their failure modes can be measur
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import threading
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -35,9 +37,11 @@ from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_SAFETY_FRACTION",
+    "STAGGER_ROUNDS",
     "STRATEGIES",
     "Handle",
     "KVAdmissionController",
+    "LedgerEvent",
     "LedgerStats",
     "Strategy",
 ]
@@ -52,6 +56,33 @@ DEFAULT_MAX_CONCURRENCY = 16
 #: Output lengths remembered for ``output_quantile``, and how many are needed before use.
 _OUTPUT_WINDOW = 256
 _MIN_OUTPUTS = 20
+#: Recent outputs longer than what a running holder has generated that are needed to estimate
+#: its end from them (fewer: its cap).
+_MIN_TAIL = 10
+#: Staggered advice (``promise=True``) is at most this many of the request's own durations
+#: after the plain estimate: enough to spread a burst over eight rounds of returns, while
+#: clients that come back early on new connections (each refusal adds a promise) cannot push it
+#: further past the time capacity really returns. A client that comes back on the same
+#: connection replaces its own promise.
+STAGGER_ROUNDS = 8
+#: Promises remembered at most (the oldest are forgotten first): each estimate scans them all.
+_MAX_PROMISES = 64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LedgerEvent:
+    """One admission, release or refusal, for an observer (``on_event``) to log.
+
+    ``kind`` is ``"admit"``, ``"release"`` or ``"refuse"``; ``id`` the handle's (0 for a refusal);
+    ``tokens`` what was reserved, released or asked for; ``retry_after`` the seconds a refusal
+    advised. No time: the ledger has no clock, the observer stamps events as it receives them
+    (they arrive in the ledger's own order, under its lock).
+    """
+
+    kind: Literal["admit", "release", "refuse"]
+    id: int
+    tokens: int
+    retry_after: float = 0.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -61,6 +92,7 @@ class _Promise:
     start: float
     end: float
     tokens: int
+    client: Hashable | None = None
 
 
 class Handle:
@@ -68,6 +100,9 @@ class Handle:
 
     ``due_at`` is the worst-case release time: the moment the request reaches its output cap when
     decoding at the engine's rate from admission. Retry-After estimates are built from it.
+    ``writing_since`` is set by the server while a write of the answer waits on the client (the
+    ledger's clock), None otherwise: one waiting longer than the release margin is a client
+    that stopped reading, and the holder ends only when the server cuts it.
     """
 
     __slots__ = (
@@ -78,6 +113,7 @@ class Handle:
         "prompt_tokens",
         "released",
         "reserved_tokens",
+        "writing_since",
     )
 
     def __init__(
@@ -97,6 +133,7 @@ class Handle:
         self.admitted_at = admitted_at
         self.due_at = due_at
         self.released = False
+        self.writing_since: float | None = None
 
     def __repr__(self) -> str:
         state = "released" if self.released else "live"
@@ -145,6 +182,8 @@ class KVAdmissionController:
         max_concurrency: int | None = None,
         release_margin: float = 0.0,
         output_quantile: float | None = None,
+        overrun: float = 0.0,
+        on_event: Callable[[LedgerEvent], None] | None = None,
     ) -> None:
         if total_kv_tokens < 1:
             raise ValueError(f"total_kv_tokens must be >= 1, got {total_kv_tokens}")
@@ -162,6 +201,8 @@ class KVAdmissionController:
             raise ValueError(f"output_quantile must be in (0, 1], got {output_quantile}")
         if kv_bytes_per_token < 1:
             raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
+        if not (0.0 <= overrun < math.inf):
+            raise ValueError(f"overrun must be a finite number >= 0, got {overrun}")
         self.total_kv_tokens = total_kv_tokens
         self.context_window = context_window
         self.decode_rate = float(decode_rate)
@@ -174,6 +215,8 @@ class KVAdmissionController:
         self.max_concurrency = max_concurrency
         self.release_margin = release_margin
         self.output_quantile = output_quantile
+        self.overrun = float(overrun)
+        self._on_event = on_event
         self.usable_tokens = max(1, math.floor(total_kv_tokens * safety_fraction))
 
         self._lock = threading.Lock()
@@ -247,6 +290,8 @@ class KVAdmissionController:
             self._admitted_total += 1
             self._peak_reserved = max(self._peak_reserved, self._reserved)
             self._peak_inflight = max(self._peak_inflight, len(self._live))
+            if self._on_event is not None:
+                self._on_event(LedgerEvent(kind="admit", id=handle.id, tokens=need))
             return handle
 
     def _keep_promise(self, need: int, now: float) -> None:
@@ -257,10 +302,16 @@ class KVAdmissionController:
                 del self._promises[i]
                 return
 
-    def record_rejection(self) -> None:
-        """Count one rejection decided outside :meth:`try_admit` (a queued request timed out)."""
+    def record_rejection(self, need: int = 0, retry_after: float = 0.0) -> None:
+        """Count one rejection decided outside :meth:`try_admit` (the admission queue's answer).
+
+        ``need`` and ``retry_after`` (the advice it was given) go to the ``on_event`` observer.
+        """
         with self._lock:
             self._rejected_total += 1
+            if self._on_event is not None:
+                event = LedgerEvent(kind="refuse", id=0, tokens=need, retry_after=retry_after)
+                self._on_event(event)
 
     def release(self, handle: Handle) -> None:
         """Give a reservation back. Idempotent: a second release of the same handle is a no-op."""
@@ -272,6 +323,9 @@ class KVAdmissionController:
             handle.released = True
             self._reserved -= handle.reserved_tokens
             self._released_total += 1
+            if self._on_event is not None:
+                event = LedgerEvent(kind="release", id=handle.id, tokens=handle.reserved_tokens)
+                self._on_event(event)
 
     # --- back-pressure -----------------------------------------------------------------------
 
@@ -280,41 +334,86 @@ class KVAdmissionController:
         with self._lock:
             self._outputs.append(max(0, completion_tokens))
 
-    def _output_horizon(self) -> int | None:
-        """The ``output_quantile`` of recent output lengths, once enough were seen."""
+    def _recent_outputs(self) -> list[int] | None:
+        """Recent output lengths in order, once enough were seen for ``output_quantile``."""
         if self.output_quantile is None or len(self._outputs) < _MIN_OUTPUTS:
             return None
-        ordered = sorted(self._outputs)
-        index = min(len(ordered) - 1, math.ceil(self.output_quantile * len(ordered)) - 1)
-        return ordered[max(0, index)]
+        return sorted(self._outputs)
 
-    def _expected_end(self, handle: Handle, horizon: int | None) -> float:
-        if horizon is None:
-            return handle.due_at
-        likely = handle.admitted_at + horizon / self.decode_rate + self.release_margin
-        return min(handle.due_at, likely)
+    def _quantile_above(self, ordered: list[int], generated: float) -> int | None:
+        """The ``output_quantile`` of the recent outputs longer than ``generated`` tokens.
 
-    def _usage_at(self, t: float, live: list[tuple[float, Handle]]) -> tuple[int, int]:
+        None when fewer than ``_MIN_TAIL`` were: nothing seen vouches for an end before the cap.
+        """
+        assert self.output_quantile is not None
+        first = bisect.bisect_right(ordered, generated)
+        tail = len(ordered) - first
+        if tail < _MIN_TAIL:
+            return None
+        return ordered[first + max(0, math.ceil(self.output_quantile * tail) - 1)]
+
+    def _expected_end(self, handle: Handle, ordered: list[int] | None, now: float) -> float:
+        """When ``handle`` is taken to free its reservation, always later than ``now``.
+
+        By the ``output_quantile`` of the recent outputs longer than what it has generated so
+        far (it is still running: shorter ones say nothing about it), if at least
+        ``_MIN_TAIL`` were and that is before its cap. Otherwise at its cap at the decode rate
+        (``due_at``): once a holder has outlived what the recent outputs can vouch for, its
+        remaining cap is all that is known. A little past its cap, within another
+        ``release_margin``; later than that (a client that does not read its stream, say),
+        ``overrun`` after its cap, when the server cuts it. Never sooner than
+        ``release_margin`` (or one token) from now: it is still held, and a sequence takes
+        that long to wind down.
+        """
+        soonest = now + max(self.release_margin, 1.0 / self.decode_rate)
+        writing = handle.writing_since
+        if writing is not None and now - writing > self.release_margin:
+            return max(handle.due_at + self.overrun, soonest)  # stalled: cut then
+        if ordered is not None:
+            generated = (now - handle.admitted_at) * self.decode_rate
+            length = self._quantile_above(ordered, generated)
+            if length is not None:
+                likely = handle.admitted_at + length / self.decode_rate + self.release_margin
+                if likely < handle.due_at:
+                    return max(likely, soonest)
+        end = handle.due_at
+        if end <= now:
+            end += self.release_margin
+        if end <= now:
+            end = handle.due_at + self.overrun
+        return max(end, soonest)
+
+    def _usage_at(
+        self, t: float, live: list[tuple[float, Handle]], promises: list[_Promise]
+    ) -> tuple[int, int]:
         """Tokens and request slots held at time ``t`` by live handles and promised returns."""
         tokens = slots = 0
         for end, handle in live:
             if end > t:
                 tokens += handle.reserved_tokens
                 slots += 1
-        for promise in self._promises:
+        for promise in promises:
             if promise.start <= t < promise.end:
                 tokens += promise.tokens
                 slots += 1
         return tokens, slots
 
-    def _fits_at(self, need: int, t: float, live: list[tuple[float, Handle]]) -> bool:
-        tokens, slots = self._usage_at(t, live)
+    def _fits_at(
+        self, need: int, t: float, live: list[tuple[float, Handle]], promises: list[_Promise]
+    ) -> bool:
+        tokens, slots = self._usage_at(t, live, promises)
         if self.max_concurrency is not None and slots >= self.max_concurrency:
             return False
         return tokens + need <= self.usable_tokens
 
     def retry_after(
-        self, need: int, now: float, *, duration: float = 0.0, promise: bool = False
+        self,
+        need: int,
+        now: float,
+        *,
+        duration: float = 0.0,
+        promise: bool = False,
+        client: Hashable | None = None,
     ) -> float:
         """Seconds until ``need`` tokens fit, from when in-flight reservations are due to end.
 
@@ -322,9 +421,9 @@ class KVAdmissionController:
         the earliest of those moments at which ``need`` fits, so it is an upper bound for the
         current load: requests that stop early free their share sooner. With
         ``output_quantile`` (say 0.9) and enough finished requests seen, a handle is expected to
-        end by the time that quantile of recent output lengths takes to decode, if that is
-        sooner than its cap: an estimate that holds in most cases rather than in all, and is
-        much closer when outputs stop well before their caps.
+        end by the time that quantile of the recent outputs longer than what it has generated
+        takes to decode, if that is sooner than its cap: an estimate that holds in most cases
+        rather than in all, and is much closer when outputs stop well before their caps.
 
         With ``promise=True`` the answer is also remembered as a promise: a client told to come
         back at ``t`` is expected to hold ``need`` tokens from ``t`` for ``duration`` seconds
@@ -332,28 +431,57 @@ class KVAdmissionController:
         away together are told staggered times that each fit, instead of one time that fits
         only the first of them back. Promises only shape estimates; admission ignores them.
 
+        A live handle is never taken as released before it is (see ``_expected_end``): while
+        the budget is held, the answer is not "fits now", and it is never shorter than the time
+        until the handles it needs reach their caps once they have outlived the quantile.
+
+        ``client`` (the connection's address, say) identifies who is told: a client refused
+        again replaces the promise it was given before, so one that comes back early, however
+        often, holds one promise. Promised returns push the answer at most to
+        ``STAGGER_ROUNDS`` of its own duration (plus the release margin) after the plain estimate
+        (the one without promises), whatever clients do.
+
         Returns 0.0 when it fits now; callers clamp it for the header (whole seconds, >= 1).
         """
         with self._lock:
-            self._promises = [p for p in self._promises if p.end > now]
-            horizon = self._output_horizon()
-            live = [(self._expected_end(h, horizon), h) for h in self._live.values()]
-            if horizon is not None:
+            self._promises = [
+                p
+                for p in self._promises
+                if p.end > now and not (promise and client is not None and p.client == client)
+            ]
+            ordered = self._recent_outputs()
+            live = [(self._expected_end(h, ordered, now), h) for h in self._live.values()]
+            horizon = None if ordered is None else self._quantile_above(ordered, -1)
+            if horizon is not None:  # a new request's own likely length
                 duration = min(duration, horizon / self.decode_rate)
-            candidates = sorted(
-                {now} | {end for end, _ in live if end > now} | {p.end for p in self._promises}
-            )
-            chosen = candidates[-1]  # by then everything in sight is released
-            for t in candidates:
-                # It must fit when it starts and whenever a promised return starts after that.
-                checkpoints = [t] + [p.start for p in self._promises if t < p.start < t + duration]
-                if all(self._fits_at(need, c, live) for c in checkpoints):
-                    chosen = t
-                    break
+            plain = self._earliest_fit(need, now, live, [], 0.0)
+            chosen = plain
+            if self._promises:
+                staggered = self._earliest_fit(need, now, live, self._promises, duration)
+                limit = plain + STAGGER_ROUNDS * (duration + self.release_margin)
+                chosen = min(staggered, limit)
             if promise and chosen > now:
                 end = chosen + duration + self.release_margin
-                self._promises.append(_Promise(start=chosen, end=end, tokens=need))
+                self._promises.append(_Promise(start=chosen, end=end, tokens=need, client=client))
+                del self._promises[:-_MAX_PROMISES]
             return max(0.0, chosen - now)
+
+    def _earliest_fit(
+        self,
+        need: int,
+        now: float,
+        live: list[tuple[float, Handle]],
+        promises: list[_Promise],
+        duration: float,
+    ) -> float:
+        """The first moment from ``now`` at which ``need`` fits among ``live`` and ``promises``."""
+        candidates = sorted({now} | {end for end, _ in live} | {p.end for p in promises})
+        for t in candidates:
+            # It must fit when it starts and whenever a promised return starts after that.
+            checkpoints = [t] + [p.start for p in promises if t < p.start < t + duration]
+            if all(self._fits_at(need, c, live, promises) for c in checkpoints):
+                return t
+        return candidates[-1]  # by then everything in sight is released
 
     def outstanding_promises(self) -> int:
         """Clients told to come back whose promised time has not run out."""

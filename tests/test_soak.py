@@ -60,13 +60,18 @@ def test_short_soak_meets_every_criterion(tmp_path: Path) -> None:
     assert data["completed"] > 0
     assert data["injected_faults"] >= 1
     assert data["by_kind"]["raw stream, hangs up"] > 0
+    assert data["by_kind"]["raw socket, stops reading"] > 0
+    assert data["by_kind"]["  of which max_tokens 1"] > 0
+    advice = data["retry_after"]
+    assert advice["checked"] == advice["refused"] == data["server_rejected_429"] > 0
+    assert advice["fits_now_lies"] == 0
     rss = data["rss_mb"]
     if sys.platform.startswith("linux"):
         assert 0 < rss["start"] <= rss["max"]
         assert rss["end"] is not None
 
 
-def report_of(soak: ModuleType, **final: float) -> dict[str, Any]:
+def report_of(soak: ModuleType, advice: Any = None, **final: float) -> dict[str, Any]:
     """The soak's verdicts on made-up results."""
     args = argparse.Namespace(
         duration=5.0,
@@ -92,7 +97,18 @@ def report_of(soak: ModuleType, **final: float) -> dict[str, Any]:
     sampler.samples = [{"t": 0.0, "rss_mb": 50.0}, {"t": 2.0, "rss_mb": 80.0}]
     sender = soak.SoakSender(client=None, raw=None, hang_up_share=0.1, seed=1)  # type: ignore[arg-type]
     return soak.report(  # type: ignore[no-any-return]
-        args, [record], 1.0, sender, sampler, metrics, text, [], 50 * 2**20, 85 * 2**20, 10.0
+        args,
+        [record],
+        1.0,
+        sender,
+        sampler,
+        metrics,
+        text,
+        [],
+        50 * 2**20,
+        85 * 2**20,
+        10.0,
+        advice,
     )
 
 
@@ -109,6 +125,15 @@ def test_the_soak_fails_on_each_criterion() -> None:
     unseen = report_of(soak, error="timeout", kv_injected_faults_total=0.0)
     assert unseen["criteria"]["no unexpected 5xx"] is False
     assert report_of(soak, error="timeout")["criteria"]["no unexpected 5xx"] is True
+    # A 429 told 1 ms (t=0.5) while the holder it needed (1000 of 1000 tokens) held until t=3.
+    log = [
+        {"t": 0.0, "kind": "admit", "id": 1, "tokens": 1000},
+        {"t": 0.5, "kind": "refuse", "id": 0, "tokens": 16, "retry_after": 0.001},
+        {"t": 3.0, "kind": "release", "id": 1, "tokens": 1000},
+    ]
+    lied = report_of(soak, advice=soak.check_advice(log, 1000, tolerance=0.02))
+    assert lied["retry_after"]["fits_now_lies"] == 1
+    assert lied["criteria"]['no 429 told "fits now" while held'] is False
     grown = report_of(soak)
     assert grown["rss_mb"]["growth_after_warm_up"] == 5.0
     assert report_of(soak)["passed"]
