@@ -34,7 +34,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from kvclient import TiktokenCounter, TokenCounter
 from kvclient._dialects import (
@@ -60,7 +60,7 @@ from ._requests import (
     parse_json_object,
 )
 from .app import _ClientGone, _DisconnectWatch, _read_body, build_app
-from .config import DEFAULT_MAX_BODY_BYTES
+from .config import DEFAULT_MAX_BODY_BYTES, DEFAULT_SEND_TIMEOUT
 from .ledger import DEFAULT_SAFETY_FRACTION, Handle, KVAdmissionController
 
 __all__ = ["GatewayConfig", "GatewayState", "Upstream", "create_gateway_app"]
@@ -115,6 +115,9 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout: float = 10.0
     read_timeout: float = 600.0
+    #: A write to the client that waits longer than this ends the request (a stalled reader must
+    #: not pin its reservation).
+    send_timeout: float = DEFAULT_SEND_TIMEOUT
     failure_threshold: int = DEFAULT_FAILURE_THRESHOLD
     out_of_service_seconds: float = DEFAULT_OUT_OF_SERVICE_SECONDS
 
@@ -487,9 +490,21 @@ class GatewayGeneration:
         content = json.dumps(body).encode()
         headers = _forward_headers(scope)
         tried: set[int] = set()
+        client = scope.get("client")  # (host, port): staggered advice per connection
         async with anyio.create_task_group() as group:
             watch = _DisconnectWatch(receive, group.cancel_scope)
             group.start_soon(watch.run)
+            limit = state.config.send_timeout
+
+            async def bounded_send(message: Message) -> None:
+                # A client that stops reading ends its request (released in finally below).
+                with anyio.move_on_after(limit) as waited:
+                    await send(message)
+                if waited.cancelled_caught:
+                    logger.warning("an answer was cut: not read within the send timeout")
+                    group.cancel_scope.cancel()
+                    await anyio.lowlevel.checkpoint()
+
             while True:
                 upstream = self._route(known, prompt_tokens, cap, tried)
                 if upstream is None:
@@ -500,7 +515,9 @@ class GatewayGeneration:
                 assert upstream.queue is not None
                 assert upstream.ledger is not None
                 try:
-                    handle = await upstream.queue.acquire(prompt_tokens, cap)
+                    handle = await upstream.queue.acquire(
+                        prompt_tokens, cap, client=tuple(client) if client else None
+                    )
                 except Rejected as rejected:
                     await too_busy(upstream.ledger, rejected, prompt_tokens, cap)(
                         scope, receive, send
@@ -508,7 +525,7 @@ class GatewayGeneration:
                     break
                 try:
                     sent = await self._forward(
-                        upstream, handle, request, content, headers, scope, receive, send
+                        upstream, handle, request, content, headers, scope, receive, bounded_send
                     )
                 finally:
                     upstream.ledger.release(handle)

@@ -5,6 +5,7 @@ upstreams for the failure paths."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import httpx
 import llama_engine
 import pytest
@@ -437,3 +439,38 @@ def test_the_cli_builds_its_config_and_refuses_what_cannot_work(tmp_path: Path) 
         )
     with pytest.raises(ValueError, match="http"):
         GatewayConfig(upstreams=("127.0.0.1:8000",))
+
+
+def test_a_client_that_stops_reading_is_cut_after_the_send_timeout() -> None:
+    closed = threading.Event()
+    blob = "x" * 60_000
+
+    async def firehose(request: Request) -> Response:
+        async def events() -> Any:
+            try:
+                for _ in range(100_000):
+                    yield f'data: {{"choices":[{{"index":0,"text":"{blob}"}}]}}\n\n'.encode()
+                    await anyio.lowlevel.checkpoint()
+            finally:
+                closed.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = _discoverable([Route("/v1/completions", firehose, methods=["POST"])], kv=4096)
+    with scripted_upstream(app) as up:
+        config = GatewayConfig(upstreams=(up.base_url,), send_timeout=0.3)
+        with running_gateway(config) as gateway:
+            reader = socket.socket()
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+            reader.connect((gateway.host, gateway.port))
+            payload = json.dumps({"prompt": "x", "max_tokens": 100, "stream": True}).encode()
+            reader.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            wait_for(lambda: not gateway_at_zero(gateway))
+            # Not one byte read, the socket kept open: cut and released all the same.
+            wait_for(lambda: gateway_at_zero(gateway), timeout=10)
+            assert closed.wait(5), "the upstream stream was not closed"
+            reader.close()
