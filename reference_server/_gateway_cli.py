@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvclient import HuggingFaceCounter, KVClientError, TokenCounter
 
+from .config import DEFAULT_SEND_TIMEOUT
 from .gateway import DEFAULT_DECODE_RATE, GatewayConfig
 from .ledger import DEFAULT_SAFETY_FRACTION
 
@@ -56,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-sequence decode rate assumed for Retry-After estimates",
     )  # fmt: skip
     parser.add_argument(
+        "--send-timeout", type=float, default=DEFAULT_SEND_TIMEOUT, metavar="S",
+        help="end a request whose client has not read for S seconds (releases its reservation)",
+    )  # fmt: skip
+    parser.add_argument(
         "--tokenizer", type=Path, metavar="PATH",
         help="count with this local model directory (tokenizer.json, tokenizer_config.json, "
         "its chat template) instead of the upstream's /tokenize",
@@ -79,6 +84,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         safety_fraction=args.safety_fraction,
         max_queue_wait=args.max_queue_wait,
         decode_rate=args.decode_rate,
+        send_timeout=args.send_timeout,
         counter=counter,
         api_key=args.api_key,
     )
