@@ -251,14 +251,32 @@ def percentile(values: list[float], q: float) -> float:
 # --- probes ------------------------------------------------------------------------------------
 
 
-def _answers(upstream: str, status: int) -> int:
+def _metric(upstream: str, name: str) -> float:
     import httpx
 
     text = httpx.get(upstream + "/metrics").text
     for line in text.splitlines():
-        if line.startswith(f'instant_answers_total{{status="{status}"}}'):
-            return int(float(line.split()[-1]))
-    return 0
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _answers(upstream: str, status: int) -> int:
+    return int(_metric(upstream, f'instant_answers_total{{status="{status}"}}'))
+
+
+def _cpu_of(pid: int | None, upstream: str) -> float:
+    """The proxy's CPU seconds; without a proxy, the upstream's own."""
+    return cpu_seconds(pid) if pid else _metric(upstream, "process_cpu_seconds_total")
+
+
+def uvicorn_stack() -> str:
+    """What uvicorn's ``auto`` picks here: httptools or h11, uvloop or asyncio."""
+    import importlib.util
+
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    return f"{http} + {loop}"
 
 
 def probes(upstream: str, cpu: int | None) -> dict[str, Any]:
@@ -360,12 +378,11 @@ def main() -> None:
         for _ in range(rounds):
             for name, (url, pid) in paths.items():
                 for connections in CONNECTIONS:
-                    before = cpu_seconds(pid) if pid else 0.0
+                    # The direct row's CPU is the upstream's own (as it reports it).
+                    before = _cpu_of(pid, upstream)
                     lat, bad, _ = load(url, body, requests, connections)
-                    if pid:
-                        cpu[(name, connections)] = cpu.get((name, connections), 0.0) + (
-                            cpu_seconds(pid) - before
-                        )
+                    spent = _cpu_of(pid, upstream) - before
+                    cpu[(name, connections)] = cpu.get((name, connections), 0.0) + spent
                     latencies.setdefault((name, connections), []).extend(lat)
                     failed[name] = failed.get(name, 0) + bad
 
@@ -425,9 +442,11 @@ def main() -> None:
                 ]
             )
     where = "proxies and load on CPU 0, upstream on CPU 1" if pinned else "not pinned"
+    stack = uvicorn_stack()
     print_table(
         f"Non-streamed completions ({requests:,} per path, connection count and round, "
-        f"{rounds} interleaved round(s); {where})",
+        f"{rounds} interleaved round(s); {where}; uvicorn on {stack}; CPU of the direct "
+        "rows: the upstream's own)",
         ["path", "conns", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "CPU ms/request"],
         rows,
     )
@@ -490,6 +509,7 @@ def main() -> None:
         {
             "command": " ".join(["python", "bench/gateway_overhead.py", *sys.argv[1:]]),
             "pinned": pinned,
+            "uvicorn": stack,
             "load_average": {"before": load_before[0], "after": load_after[0]},
             "requests": requests,
             "rounds": rounds,

@@ -15,7 +15,8 @@ reference server's budget line), and ``POST /tokenize`` in vLLM's shape (``{"pro
 ``{"messages"}`` -> ``{"count"}``; the count is whitespace-separated words plus 4 per message, a
 cheap stand-in: only its cost and shape matter here). A prompt of exactly ``instant:500`` is
 answered 500 and ``instant:429`` 429 with ``Retry-After: 7``; ``/metrics`` counts generation
-requests by status (``instant_answers_total``), so a bench can see whether a proxy retried.
+requests by status (``instant_answers_total``), so a bench can see whether a proxy retried, and
+its own CPU time (``process_cpu_seconds_total``).
 """
 
 from __future__ import annotations
@@ -133,7 +134,11 @@ async def tokenize(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    lines = [f"kv_physical_capacity_tokens {KV_TOKENS}"]
+    times = os.times()
+    lines = [
+        f"kv_physical_capacity_tokens {KV_TOKENS}",
+        f"process_cpu_seconds_total {times.user + times.system}",
+    ]
     lines += [f'instant_answers_total{{status="{k}"}} {v}' for k, v in sorted(ANSWERS.items())]
     return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
