@@ -6,7 +6,8 @@ process on CPU 1. Four paths to it:
 
 - direct;
 - nginx as a plain reverse proxy (Debian's package; one worker, ``proxy_buffering off``, HTTP/1.1
-  keep-alive to the upstream), skipped with a note when ``nginx`` is not installed;
+  keep-alive both ways, ``keepalive_requests`` raised from its 1,000), skipped with a note when
+  ``nginx`` is not installed;
 - ``kvclient gateway`` counting each prompt with the upstream's ``/tokenize`` (its default);
 - ``kvclient gateway --tokenizer tokenizer.json`` counting locally (the Llama-3 tokenizer that
   ``scripts/test_setup.py`` caches, or ``--tokenizer``), skipped when there is none.
@@ -77,6 +78,7 @@ error_log {prefix}/error.log warn;
 events {{ worker_connections 1024; }}
 http {{
     access_log off;
+    keepalive_requests 1000000;
     client_body_temp_path {prefix}/body;
     proxy_temp_path {prefix}/proxy;
     fastcgi_temp_path {prefix}/fastcgi;
@@ -85,6 +87,7 @@ http {{
     upstream engine {{
         server 127.0.0.1:{upstream_port};
         keepalive 64;
+        keepalive_requests 1000000;
     }}
     server {{
         listen 127.0.0.1:{port};
