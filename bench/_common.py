@@ -90,8 +90,8 @@ def serve_app(app: Any) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def instant_server_process(*, cpu: int | None = None) -> Iterator[str]:
-    """bench/instant_server.py in its own process (own core when ``cpu`` is given)."""
+def instant_server_process(*args: str, cpu: int | None = None) -> Iterator[str]:
+    """bench/instant_server.py ARGS in its own process (own core when ``cpu`` is given)."""
     import subprocess
     import sys
     import urllib.request
@@ -100,7 +100,7 @@ def instant_server_process(*, cpu: int | None = None) -> Iterator[str]:
     cmd = [sys.executable, str(Path(__file__).parent / "instant_server.py"), "--port", str(port)]
     if cpu is not None:
         cmd += ["--cpu", str(cpu)]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen([*cmd, *args])
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 20

@@ -90,3 +90,24 @@ def test_ledger_server(tmp_path: Path) -> None:
     assert server["non_200"] == {"reference": 0, "bare": 0}
     assert server["reference_rps"] > 0
     assert server["bare_rps"] > 0
+
+
+def test_gateway_overhead(tmp_path: Path) -> None:
+    out, data = run_script(
+        tmp_path,
+        "gateway_overhead.py",
+        *("--quick", "--requests", "30", "--streams", "2", "--events", "5"),
+    )
+    assert "| path" in out
+    assert "gateway (upstream /tokenize) goals" in out
+    paths = {r["path"] for r in data["results"]}
+    assert {"direct", "gateway (upstream /tokenize)"} <= paths
+    for r in data["results"]:
+        assert r["requests"] == 30
+    for name, s in data["streams"].items():
+        assert s["events_received"] == s["events_expected"] == 2 * 7, name
+        assert s["non_200"] == 0
+    assert data["non_200"] == dict.fromkeys(paths, 0)
+    # The correctness probes: one attempt at an upstream 500, the 429's Retry-After relayed.
+    assert data["probes"]["500"] == {"status": 500, "upstream_attempts": 1, "ok": True}
+    assert data["probes"]["429"] == {"status": 429, "retry_after": "7", "ok": True}
