@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any, TypeVar
 
 import anyio
@@ -186,7 +187,12 @@ class Upstream:
         if self.http is None:
             timeout = httpx.Timeout(self.config.read_timeout, connect=self.config.connect_timeout)
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
+            # No cookie jar: one client serves every caller, and a Set-Cookie meant for one
+            # must not ride along on everyone's next request (it passes through to its caller).
+            jar = CookieJar(DefaultCookiePolicy(allowed_domains=[]))
+            self.http = httpx.AsyncClient(
+                base_url=self.url, timeout=timeout, limits=limits, cookies=jar
+            )
         return self.http
 
     async def _drive(self, driver: Generator[Probe, Answer, T], *, text: bool = False) -> T:

@@ -474,3 +474,22 @@ def test_a_client_that_stops_reading_is_cut_after_the_send_timeout() -> None:
             wait_for(lambda: gateway_at_zero(gateway), timeout=10)
             assert closed.wait(5), "the upstream stream was not closed"
             reader.close()
+
+
+def test_an_upstreams_cookie_reaches_its_caller_and_nobody_else() -> None:
+    cookies_seen: list[str | None] = []
+
+    async def sets_cookie(request: Request) -> Response:
+        cookies_seen.append(request.headers.get("cookie"))
+        body = {"choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]}
+        return JSONResponse(body, headers={"set-cookie": "session=alice; Path=/"})
+
+    app = _discoverable([Route("/v1/completions", sets_cookie, methods=["POST"])])
+    with (
+        scripted_upstream(app) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+    ):
+        first = httpx.post(gw.base_url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        httpx.post(gw.base_url + "/v1/completions", json={"prompt": "b", "max_tokens": 1})
+    assert first.headers["set-cookie"].startswith("session=alice")
+    assert cookies_seen == [None, None]
