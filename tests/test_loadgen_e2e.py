@@ -56,7 +56,10 @@ def test_bench_counts_add_up_and_match_the_server(tmp_path: Path, stream: bool) 
 
 def test_bench_closed_loop_and_naive_baseline(tmp_path: Path) -> None:
     with running_server(kv_tokens=12_288, decode_rate=5000, mean_output_tokens=200) as server:
-        data = _bench(server.base_url, tmp_path, "--concurrency", "8", "--naive")
+        # The naive client gives up on some requests: that is its point, not a failed run.
+        data = _bench(
+            server.base_url, tmp_path, "--concurrency", "8", "--naive", "--max-failure-rate", "1"
+        )
         metrics = server.metrics()
     summary = data["summary"]
     assert isinstance(summary, dict)
@@ -75,20 +78,22 @@ def test_bench_plot_draws_latency_and_rejections(
     assert png.stat().st_size > 10_000  # two panels with points, not an empty canvas
 
 
-def test_bench_plot_without_matplotlib_says_what_to_install(
+def test_bench_plot_without_matplotlib_fails_before_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     png = tmp_path / "run.png"
     with running_server(kv_tokens=4096, decode_rate=5000, mean_output_tokens=50) as server:
-        _bench(server.base_url, tmp_path, "--concurrency", "2", "--plot", str(png))
+        argv = [server.base_url, "--concurrency", "2", "--plot", str(png)]
+        assert cli.main(argv) == 2
+        assert server.metrics()["kv_admitted_total"] == 0  # nothing was run
     assert "pip install 'kvclient[plot]'" in capsys.readouterr().err
     assert not png.exists()
 
 
 def test_bench_needs_one_loop_kind(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        cli.main(["http://127.0.0.1:9", "--num-requests", "1"])
+    assert cli.main(["http://127.0.0.1:9", "--num-requests", "1"]) == 2
+    assert "exactly one of --rate, --concurrency and --sweep" in capsys.readouterr().err
 
 
 def test_demo_shows_the_contract(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
