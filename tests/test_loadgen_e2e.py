@@ -10,6 +10,7 @@ import pytest
 
 from kvclient import demo
 from kvclient.loadgen import cli
+from kvclient.loadgen._metrics import RequestRecord, summarize
 from reference_server import running_server
 
 
@@ -73,7 +74,9 @@ def test_bench_plot_draws_latency_and_rejections(
     monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mpl"))  # its font cache, not in $HOME
     png = tmp_path / "run.png"
     with running_server(kv_tokens=4096, decode_rate=5000, mean_output_tokens=200) as server:
-        _bench(server.base_url, tmp_path, "--concurrency", "8", "--plot", str(png))
+        # Requests of the default mix that can never fit a 4,096-token budget fail, in red.
+        argv = ["--concurrency", "8", "--plot", str(png), "--max-failure-rate", "1"]
+        _bench(server.base_url, tmp_path, *argv)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000  # two panels with points, not an empty canvas
 
@@ -98,10 +101,14 @@ def test_bench_needs_one_loop_kind(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_demo_shows_the_contract(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
-    assert demo.main(["--requests", "50", "--json", str(out)]) == 0
+    assert demo.main(["--requests", "50", "--repeat", "1", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     assert "naive client" in table
     assert "kvclient" in table
+    # Its own reading of the figures, and what one run cannot tell.
+    assert "- The server kept its half: no OOM event" in table
+    assert "- kvclient kept the client's half:" in table
+    assert "- Variance: this is one run." in table
     data = json.loads(out.read_text())
     naive, ours = data["naive client"], data["kvclient"]
     assert naive["server"]["kv_oom_events_total"] == 0
@@ -113,7 +120,42 @@ def test_demo_shows_the_contract(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 def test_demo_prompt_admission_shows_ooms(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
-    assert demo.main(["--admission", "prompt", "--json", str(out)]) == 0
+    assert demo.main(["--admission", "prompt", "--repeat", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["kvclient"]["server"]["kv_oom_events_total"] >= 1
     assert data["kvclient"]["summary"]["failed_by_cause"]["oom"] >= 1
+
+
+def _run(name: str, completed: int, http_429: int, oom: float = 0.0) -> demo.DemoRun:
+    records = []
+    for i in range(10):
+        r = RequestRecord(index=i, planned=0.0, prompt_tokens=1, max_tokens_requested=None)
+        r.sent, r.end, r.attempts, r.ok = 0.0, 0.1 * (i + 1), 1 + http_429 // 10, i < completed
+        r.http_429 = http_429 // 10
+        r.error = None if r.ok else "gave_up:http_429"
+        records.append(r)
+    summary = summarize(records, duration=2.0, deadline=45.0)
+    server = {
+        "kv_oom_events_total": oom,
+        "kv_peak_reserved_tokens": 90.0,
+        "kv_usable_tokens": 100.0,
+    }
+    return demo.DemoRun(name, summary, server)
+
+
+def test_demo_table_shows_median_and_range_over_repeats() -> None:
+    rounds = [
+        [_run("naive client", 9, 300), _run("kvclient", 10, 10)],
+        [_run("naive client", 8, 900), _run("kvclient", 10, 20)],
+        [_run("naive client", 10, 500), _run("kvclient", 10, 10)],
+    ]
+    rows = {row[0]: row[1:] for row in demo.comparison_rows(rounds)}
+    assert rows["429s received"] == ["500 (300–900)", "10 (10–20)"]
+    assert rows["completed"] == ["9 (8–10)", "10"]
+    assert rows["peak reserved KV (% of usable)"] == ["90%", "90%"]
+    assert rows["  why (all runs)"] == ["gave_up:http_429 3", "-"]
+    lines = demo.interpret(rounds)
+    assert any("500 429s" not in line and "10 429s against 500" in line for line in lines)
+    assert lines[-1].startswith("Variance: each cell is the median of 3 runs")
+    oom = demo.interpret([[_run("naive client", 5, 0, oom=1), _run("kvclient", 5, 0, oom=2)]])
+    assert oom[0].startswith("The server admitted more than its KV cache holds: 3 OOM events")
