@@ -55,14 +55,15 @@ def explain(error: KVClientError, url: str) -> str:
                 f"(http://host:port, with or without /v1): {error}"
             )
         return f"{url}/v1/models answered {error.status_code}: {error}"
-    return f"{url}: {error}"
-
-
-def _listed(payload: Any) -> list[str]:
-    data = payload.get("data") if isinstance(payload, dict) else None
-    if not isinstance(data, list):
-        return []
-    return [str(e.get("id")) for e in data if isinstance(e, dict)]
+    # The client's hints name its arguments; here they are the command's flags.
+    text = str(error).replace("context_window=", "--context-window").replace("model=", "--model")
+    if "/v1/models -> 404" in text:
+        # Every engine answers GET /v1/models: a 404 there means a path on the URL, not the server.
+        return (
+            f"GET {url}/v1/models answered 404: is {url} the server's base URL "
+            f"(http://host:port, with or without /v1)? {text}"
+        )
+    return text if text.startswith(url) else f"{url}: {text}"
 
 
 async def preflight(
@@ -94,15 +95,7 @@ async def preflight(
                 if client._needs_discovery():
                     await client._discover()
                 else:
-                    # Both given: discovery has nothing to learn, but the server must still be
-                    # there, take the key and serve the model.
-                    payload = await _models(client)
-                    listed = _listed(payload)
-                    if listed and model not in listed:
-                        raise PreflightError(
-                            f"model {model!r} is not served at {client.base_url} "
-                            f"(it serves: {', '.join(listed)})"
-                        )
+                    await _check_served(client)
     except TimeoutError:
         raise PreflightError(f"{url} did not answer within {limit:g} s") from None
     except KVClientError as exc:
@@ -111,11 +104,19 @@ async def preflight(
     return Served(model=client.model, context_window=client.context_window)
 
 
-async def _models(client: Any) -> Any:
-    call = client._new_call()
+async def _check_served(client: Any) -> None:
+    """Model and window both given: the client has nothing to discover, but the server must
+    still answer, take the key and serve the model. The dialects' discovery, told it needs no
+    window, checks just that, through the client's own probes."""
+    from .._dialects import discover_context
 
-    async def attempt(call: Any) -> Any:
-        request = client._models_request(client._http, call)
-        return client._json(await client._send_request(request, stream=False))
-
-    return await client._run(call, attempt)
+    driver = discover_context(client.model, need_window=False)
+    probe = next(driver)
+    while True:
+        answer = await client._probe(probe)
+        try:
+            probe = driver.send(answer)
+        except StopIteration as stop:
+            if stop.value.problem is not None:
+                raise PreflightError(f"{client.base_url}: {stop.value.problem}") from None
+            return
