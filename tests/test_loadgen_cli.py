@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from kvclient import AsyncClient, RetryPolicy, TiktokenCounter
-from kvclient.loadgen import Shape, SyntheticWorkload, cli, run_load, summarize
+from kvclient.loadgen import SLO, Shape, SyntheticWorkload, cli, run_load, summarize
 from kvclient.loadgen._kvsender import KVClientSender
 from reference_server import RunningServer, running_server
 from reference_server._runner import serve_in_thread
@@ -248,10 +248,37 @@ def test_sweep_finds_the_knee_near_the_measured_capacity(
     sweep = json.loads(out.read_text())["sweep"]
     knee = sweep["knee_rate"]
     assert knee is not None
-    print(f"knee {knee:.2f} req/s, capacity {capacity:.2f} req/s")
     assert abs(knee - capacity) / capacity <= 0.25, (knee, capacity)
     rates = [p["rate"] for p in sweep["points"]]
     assert rates == sorted(rates)
     failing = [p["rate"] for p in sweep["points"] if not p["passed"]]
     assert failing
     assert min(failing) > knee  # the knee is bounded from above by a failure
+
+
+def test_sweep_table_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mpl"))
+    from kvclient.loadgen._metrics import RequestRecord
+    from kvclient.loadgen._sweep import SweepPoint
+
+    def run(rate: float, within: int) -> cli.BenchResult:
+        records = []
+        for i in range(10):
+            r = RequestRecord(index=i, planned=0.0, prompt_tokens=1, max_tokens_requested=1)
+            r.sent, r.ok, r.end = 0.0, True, 0.1 if i < within else 5.0
+            records.append(r)
+        summary = summarize(records, duration=10 / rate, slo=SLO(latency=1.0), deadline=9.0)
+        return cli.BenchResult(summary, records, {})
+
+    probe = run(10.0, 10)
+    runs = [run(6.0, 10), run(9.0, 10), run(12.0, 5)]
+    verdicts = zip((6.0, 9.0, 12.0), runs, (True, True, False), strict=True)
+    points = [SweepPoint(rate, b.summary, ok) for rate, b, ok in verdicts]
+    sweep = cli.SweepResult(probe, points, runs, knee=9.0)
+    rows = cli.sweep_rows(sweep)
+    assert [row[-1] for row in rows] == ["pass", "knee", "fail"]
+    assert rows[2][3] == "50%"  # within the SLOs
+    png = tmp_path / "sweep.png"
+    cli._plot_sweep(sweep, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sweep.to_json()["sweep"]["knee_rate"] == 9.0

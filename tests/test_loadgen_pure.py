@@ -302,8 +302,8 @@ def test_sweep_grid_then_bisection() -> None:
 def test_sweep_extends_up_or_down_and_knee_ignores_passes_above_a_failure() -> None:
     from kvclient.loadgen._sweep import knee, next_rate
 
-    all_pass = [_point(r, True) for r in (6.0, 9.0, 12.0, 15.0)]
-    assert next_rate(all_pass, capacity=10.0, budget=9) == pytest.approx(19.5)
+    all_pass = [_point(r, True) for r in (6.0, 9.0, 12.0, 16.0)]
+    assert next_rate(all_pass, capacity=10.0, budget=9) == pytest.approx(20.8)
     first_fails = [_point(6.0, False)]
     assert next_rate(first_fails, capacity=10.0, budget=9) == pytest.approx(3.0)
     assert knee(first_fails) is None

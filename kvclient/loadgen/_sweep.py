@@ -25,7 +25,7 @@ __all__ = [
 #: Share of offered requests that must complete within the SLOs for a rate to pass.
 DEFAULT_ATTAINMENT = 0.9
 #: The first rates tried, as multiples of the measured flat-out throughput.
-GRID = (0.6, 0.9, 1.2, 1.5)
+GRID = (0.6, 0.9, 1.2, 1.6)
 
 
 @dataclass(frozen=True, slots=True)
