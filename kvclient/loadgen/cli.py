@@ -133,8 +133,8 @@ def _parser() -> argparse.ArgumentParser:
         "--probe-requests", type=int, help="requests of the probe (default 4 x its concurrency)"
     )
     work = p.add_argument_group(
-        "workload (default: the seed post's adversarial mix: 60%% short prompts with large or "
-        "unset caps, 40%% long prompts with small caps)"
+        "workload (default: the seed post's adversarial mix: 60% short prompts with large or "
+        "unset caps, 40% long prompts with small caps)"
     )
     work.add_argument(
         "--dataset",
