@@ -370,8 +370,7 @@ class GenerationEndpoint:
                 # vLLM's answer to an unknown model, so that a typo is not served anyway.
                 raise APIError(
                     404,
-                    f"The model `{payload['model']}` does not exist. "
-                    f"Served: {state.config.model}.",
+                    f"The model `{payload['model']}` does not exist. Served: {state.config.model}.",
                     type="NotFoundError",
                     code="model_not_found",
                     param="model",
