@@ -239,6 +239,7 @@ def test_sweep_finds_the_knee_near_the_measured_capacity(
                 "--max-tokens", str(KNEE_CAP),
                 "--no-stream",
                 "--slo-latency", "0.6",  # about 3.5x the service time of one request
+                "--sweep-attainment", "0.85",  # room for a stall of a loaded machine
                 "--json", str(out),
             ]
         )  # fmt: skip
@@ -248,7 +249,7 @@ def test_sweep_finds_the_knee_near_the_measured_capacity(
     sweep = json.loads(out.read_text())["sweep"]
     knee = sweep["knee_rate"]
     assert knee is not None
-    assert abs(knee - capacity) / capacity <= 0.25, (knee, capacity)
+    assert abs(knee - capacity) / capacity <= 0.25, (knee, capacity, table)
     rates = [p["rate"] for p in sweep["points"]]
     assert rates == sorted(rates)
     failing = [p["rate"] for p in sweep["points"] if not p["passed"]]
