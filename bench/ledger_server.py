@@ -37,7 +37,8 @@ from _common import (
 from reference_server import KVAdmissionController
 
 GOAL_RATIO = 0.7
-BODY = json.dumps({"model": "m", "prompt": "Say hi", "max_tokens": 1}).encode()
+# The served model's id: the reference server answers any other with 404, as vLLM does.
+BODY = json.dumps({"model": "kvclient-sim", "prompt": "Say hi", "max_tokens": 1}).encode()
 
 
 # --- the ledger --------------------------------------------------------------------------------

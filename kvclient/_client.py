@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import threading
 import time
 import uuid
@@ -257,6 +258,19 @@ def _parsed_url(url: str) -> httpx.URL:
     return httpx.URL(url)
 
 
+#: Read when ``base_url`` / ``api_key`` are not passed; the first one set wins.
+BASE_URL_ENV = ("KVCLIENT_BASE_URL", "OPENAI_BASE_URL")
+API_KEY_ENV = ("KVCLIENT_API_KEY", "OPENAI_API_KEY")
+
+
+def _from_env(names: Sequence[str]) -> str | None:
+    for name in names:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
 def _redact_url(url: str) -> str:
     """``url`` with any password in its userinfo replaced by ``[secure]`` (as httpx's repr)."""
     scheme, sep, rest = url.partition("://")
@@ -288,12 +302,16 @@ def _normalize_base_url(base_url: str | httpx.URL) -> tuple[str, tuple[str, str]
 
 
 class BaseClient:
-    """Everything a client decides without I/O: URLs, headers, bodies, clamping, errors."""
+    """Everything a client decides without I/O: URLs, headers, bodies, clamping, errors.
+
+    ``base_url`` and ``api_key`` not passed are read from ``KVCLIENT_BASE_URL`` /
+    ``OPENAI_BASE_URL`` and ``KVCLIENT_API_KEY`` / ``OPENAI_API_KEY`` (the first set wins).
+    """
 
     def __init__(
         self,
         *,
-        base_url: str | httpx.URL,
+        base_url: str | httpx.URL | None = None,
         model: str | None = None,
         context_window: int | None = None,
         api_key: str | None = None,
@@ -326,6 +344,12 @@ class BaseClient:
             raise ValueError(
                 f"safety_margin_tokens must be an integer >= 0, got {safety_margin_tokens!r}"
             )
+        if base_url is None:
+            base_url = _from_env(BASE_URL_ENV)
+            if base_url is None:
+                raise ValueError(f"pass base_url= or set {' or '.join(BASE_URL_ENV)}")
+        if api_key is None:
+            api_key = _from_env(API_KEY_ENV)
         self.base_url, self._credentials = _normalize_base_url(base_url)
         self.model = model
         self.context_window = context_window
@@ -1013,7 +1037,7 @@ class Client(BaseClient):
     def __init__(
         self,
         *,
-        base_url: str | httpx.URL,
+        base_url: str | httpx.URL | None = None,
         model: str | None = None,
         context_window: int | None = None,
         api_key: str | None = None,
@@ -1239,7 +1263,7 @@ class AsyncClient(BaseClient):
     def __init__(
         self,
         *,
-        base_url: str | httpx.URL,
+        base_url: str | httpx.URL | None = None,
         model: str | None = None,
         context_window: int | None = None,
         api_key: str | None = None,

@@ -364,7 +364,17 @@ class GenerationEndpoint:
         try:
             check_content_type(Headers(scope=scope).get("content-type"))
             body = await _read_body(scope, receive, state.config.max_body_bytes)
-            request = parse_generation(self.kind, parse_json_object(body))
+            payload = parse_json_object(body)
+            request = parse_generation(self.kind, payload)
+            if payload.get("model") not in (None, state.config.model):
+                # vLLM's answer to an unknown model, so that a typo is not served anyway.
+                raise APIError(
+                    404,
+                    f"The model `{payload['model']}` does not exist. Served: {state.config.model}.",
+                    type="NotFoundError",
+                    code="model_not_found",
+                    param="model",
+                )
             prompt_tokens = await self._count(state, request)
             cap = admissible_cap(
                 state.ledger,

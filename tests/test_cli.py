@@ -56,3 +56,10 @@ def test_console_script_entry_point() -> None:
     )
     assert out.returncode == 0
     assert "kvclient" in out.stdout
+
+
+def test_serve_help_names_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: kvclient serve ")

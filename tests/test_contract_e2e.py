@@ -141,7 +141,9 @@ class ModelsWithout:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/models":
-            body = json.dumps({"object": "list", "data": [{"id": "sim", "object": "model"}]})
+            # The served model's id: the reference server answers any other with 404.
+            model = {"id": "kvclient-sim", "object": "model"}
+            body = json.dumps({"object": "list", "data": [model]})
             headers = [(b"content-type", b"application/json")]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": body.encode()})

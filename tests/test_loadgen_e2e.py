@@ -10,6 +10,7 @@ import pytest
 
 from kvclient import demo
 from kvclient.loadgen import cli
+from kvclient.loadgen._metrics import RequestRecord, summarize
 from reference_server import running_server
 
 
@@ -56,7 +57,10 @@ def test_bench_counts_add_up_and_match_the_server(tmp_path: Path, stream: bool) 
 
 def test_bench_closed_loop_and_naive_baseline(tmp_path: Path) -> None:
     with running_server(kv_tokens=12_288, decode_rate=5000, mean_output_tokens=200) as server:
-        data = _bench(server.base_url, tmp_path, "--concurrency", "8", "--naive")
+        # The naive client gives up on some requests: that is its point, not a failed run.
+        data = _bench(
+            server.base_url, tmp_path, "--concurrency", "8", "--naive", "--max-failure-rate", "1"
+        )
         metrics = server.metrics()
     summary = data["summary"]
     assert isinstance(summary, dict)
@@ -70,33 +74,41 @@ def test_bench_plot_draws_latency_and_rejections(
     monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mpl"))  # its font cache, not in $HOME
     png = tmp_path / "run.png"
     with running_server(kv_tokens=4096, decode_rate=5000, mean_output_tokens=200) as server:
-        _bench(server.base_url, tmp_path, "--concurrency", "8", "--plot", str(png))
+        # Requests of the default mix that can never fit a 4,096-token budget fail, in red.
+        argv = ["--concurrency", "8", "--plot", str(png), "--max-failure-rate", "1"]
+        _bench(server.base_url, tmp_path, *argv)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000  # two panels with points, not an empty canvas
 
 
-def test_bench_plot_without_matplotlib_says_what_to_install(
+def test_bench_plot_without_matplotlib_fails_before_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     png = tmp_path / "run.png"
     with running_server(kv_tokens=4096, decode_rate=5000, mean_output_tokens=50) as server:
-        _bench(server.base_url, tmp_path, "--concurrency", "2", "--plot", str(png))
+        argv = [server.base_url, "--concurrency", "2", "--plot", str(png)]
+        assert cli.main(argv) == 2
+        assert server.metrics()["kv_admitted_total"] == 0  # nothing was run
     assert "pip install 'kvclient[plot]'" in capsys.readouterr().err
     assert not png.exists()
 
 
 def test_bench_needs_one_loop_kind(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        cli.main(["http://127.0.0.1:9", "--num-requests", "1"])
+    assert cli.main(["http://127.0.0.1:9", "--num-requests", "1"]) == 2
+    assert "exactly one of --rate, --concurrency and --sweep" in capsys.readouterr().err
 
 
 def test_demo_shows_the_contract(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
-    assert demo.main(["--requests", "50", "--json", str(out)]) == 0
+    assert demo.main(["--requests", "50", "--repeat", "1", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     assert "naive client" in table
     assert "kvclient" in table
+    # Its own reading of the figures, and what one run cannot tell.
+    assert "- The server kept its half: no OOM event" in table
+    assert "- kvclient kept the client's half:" in table
+    assert "- Variance: this is one run." in table
     data = json.loads(out.read_text())
     naive, ours = data["naive client"], data["kvclient"]
     assert naive["server"]["kv_oom_events_total"] == 0
@@ -108,7 +120,42 @@ def test_demo_shows_the_contract(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 def test_demo_prompt_admission_shows_ooms(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
-    assert demo.main(["--admission", "prompt", "--json", str(out)]) == 0
+    assert demo.main(["--admission", "prompt", "--repeat", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["kvclient"]["server"]["kv_oom_events_total"] >= 1
     assert data["kvclient"]["summary"]["failed_by_cause"]["oom"] >= 1
+
+
+def _run(name: str, completed: int, http_429: int, oom: float = 0.0) -> demo.DemoRun:
+    records = []
+    for i in range(10):
+        r = RequestRecord(index=i, planned=0.0, prompt_tokens=1, max_tokens_requested=None)
+        r.sent, r.end, r.attempts, r.ok = 0.0, 0.1 * (i + 1), 1 + http_429 // 10, i < completed
+        r.http_429 = http_429 // 10
+        r.error = None if r.ok else "gave_up:http_429"
+        records.append(r)
+    summary = summarize(records, duration=2.0, deadline=45.0)
+    server = {
+        "kv_oom_events_total": oom,
+        "kv_peak_reserved_tokens": 90.0,
+        "kv_usable_tokens": 100.0,
+    }
+    return demo.DemoRun(name, summary, server)
+
+
+def test_demo_table_shows_median_and_range_over_repeats() -> None:
+    rounds = [
+        [_run("naive client", 9, 300), _run("kvclient", 10, 10)],
+        [_run("naive client", 8, 900), _run("kvclient", 10, 20)],
+        [_run("naive client", 10, 500), _run("kvclient", 10, 10)],
+    ]
+    rows = {row[0]: row[1:] for row in demo.comparison_rows(rounds)}
+    assert rows["429s received"] == ["500 (300–900)", "10 (10–20)"]
+    assert rows["completed"] == ["9 (8–10)", "10"]
+    assert rows["peak reserved KV (% of usable)"] == ["90%", "90%"]
+    assert rows["  why (all runs)"] == ["gave_up:http_429 3", "-"]
+    lines = demo.interpret(rounds)
+    assert any("500 429s" not in line and "10 429s against 500" in line for line in lines)
+    assert lines[-1].startswith("Variance: each cell is the median of 3 runs")
+    oom = demo.interpret([[_run("naive client", 5, 0, oom=1), _run("kvclient", 5, 0, oom=2)]])
+    assert oom[0].startswith("The server admitted more than its KV cache holds: 3 OOM events")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvclient import TiktokenCounter
 from kvclient.loadgen._metrics import SLO, Distribution, RequestRecord, percentile, summarize
 from kvclient.loadgen._schedule import arrival_offsets
+from kvclient.loadgen._sweep import SweepPoint
 from kvclient.loadgen._workload import MIXED, Shape, SyntheticWorkload, load_jsonl, make_prompt
 
 COUNTER = TiktokenCounter()
@@ -220,3 +221,119 @@ def test_load_jsonl_errors_name_the_line(tmp_path: Path, line: str, match: str) 
     path.write_text(line + "\n")
     with pytest.raises(ValueError, match=match):
         load_jsonl(path, COUNTER)
+
+
+def test_refused_locally_is_counted_apart_from_sent() -> None:
+    refused = _record(0, ok=False, error="prompt_too_long", end=0.01, refused_locally=True)
+    refused.message = "prompt of 9000 tokens leaves no room for output; nothing was sent"
+    done = _record(1, ok=True, attempts=1, admitted=True, end=0.5)
+    busy = _record(2, ok=False, attempts=6, error="server_busy", end=3.0, message="told 9 s")
+    s = summarize([refused, done, busy], duration=3.0, deadline=60.0)
+    assert (s.offered, s.refused_locally, s.sent, s.admitted, s.completed) == (3, 1, 2, 1, 1)
+    assert s.failed == 1  # of the sent ones
+    assert s.failed_by_cause == {"prompt_too_long": 1, "server_busy": 1}
+    assert s.failure_rate == pytest.approx(2 / 3)
+    assert [(g.cause, g.message) for g in s.failures] == [
+        ("prompt_too_long", refused.message),
+        ("server_busy", "told 9 s"),
+    ]
+
+
+def test_latency_over_all_requests_counts_failures_at_the_deadline() -> None:
+    fast = [_record(i, ok=True, end=0.2) for i in range(8)]
+    failed = [_record(8 + i, ok=False, error="http_429", end=0.05) for i in range(2)]
+    s = summarize([*fast, *failed], duration=1.0, deadline=30.0)
+    assert s.latency.p99 == pytest.approx(0.2)  # completed only: the refusals dropped out
+    assert s.latency_all.count == 10
+    assert s.latency_all.max == 30.0
+    assert s.latency_all.p50 == pytest.approx(0.2)
+    (warning,) = s.warnings
+    assert "2 of 10 requests did not complete" in warning
+    assert "looks better than it is" in warning
+    # Nothing failed: no warning, and both views agree.
+    clean = summarize(fast, duration=1.0, deadline=30.0)
+    assert clean.warnings == ()
+    assert clean.latency_all == clean.latency
+
+
+def test_goodput_and_attainment_over_offered() -> None:
+    records = [_record(i, ok=True, end=0.1 * (i + 1)) for i in range(4)]
+    records.append(_record(4, ok=False, error="timeout", end=9.0))
+    s = summarize(records, duration=2.0, slo=SLO(latency=0.25))
+    assert s.slo_met == 2
+    assert s.goodput == pytest.approx(1.0)
+    assert s.slo_attainment == pytest.approx(2 / 5)
+
+
+def test_report_rows_show_causes_messages_and_dashes() -> None:
+    from kvclient.loadgen._report import format_seconds, summary_rows
+
+    failed = _record(0, ok=False, error="http_404:model_not_found", end=0.1)
+    failed.message = "POST /v1/completions -> 404: The model `x` does not exist."
+    rows = dict(summary_rows(summarize([failed], duration=1.0, deadline=10.0)))
+    assert rows["  http_404:model_not_found ×1"] == failed.message
+    assert rows["time per output token (after the first)"] == "-"  # not "0 ms"
+    assert "the 10 s deadline" in "".join(rows)
+    assert format_seconds(0.00025) == "0.25 ms"
+
+
+# --- the sweep ---------------------------------------------------------------------------------
+
+
+def _point(rate: float, passed: bool) -> SweepPoint:
+    return SweepPoint(rate, summarize([], duration=1.0), passed)
+
+
+def test_sweep_grid_then_bisection() -> None:
+    from kvclient.loadgen._sweep import GRID, knee, next_rate
+
+    points: list[SweepPoint] = []
+    verdicts = {6.0: True, 9.0: True, 12.0: False}
+    assert GRID[:3] == (0.6, 0.9, 1.2)
+    for expected in (6.0, 9.0, 12.0, 10.5, 9.75):
+        rate = next_rate(points, capacity=10.0, budget=5)
+        assert rate == pytest.approx(expected)
+        assert rate is not None
+        points.append(_point(rate, verdicts.get(rate, rate < 10.0)))
+    assert next_rate(points, capacity=10.0, budget=5) is None
+    assert knee(points) == pytest.approx(9.75)
+
+
+def test_sweep_extends_up_or_down_and_knee_ignores_passes_above_a_failure() -> None:
+    from kvclient.loadgen._sweep import knee, next_rate
+
+    all_pass = [_point(r, True) for r in (6.0, 9.0, 12.0, 16.0)]
+    assert next_rate(all_pass, capacity=10.0, budget=9) == pytest.approx(20.8)
+    first_fails = [_point(6.0, False)]
+    assert next_rate(first_fails, capacity=10.0, budget=9) == pytest.approx(3.0)
+    assert knee(first_fails) is None
+    noisy = [_point(6.0, True), _point(9.0, False), _point(12.0, True)]
+    assert knee(noisy) == 6.0
+
+
+# --- the HTML page -----------------------------------------------------------------------------
+
+
+def test_html_page_is_self_contained_with_every_part() -> None:
+    import re
+
+    from kvclient.loadgen._html import render_html
+
+    records = [
+        _record(i, ok=True, admitted=True, end=0.2 + i / 10, http_429=i % 2) for i in range(5)
+    ]
+    records.append(_record(5, ok=False, error="oom", end=1.0, message="KV <cache> & OOM"))
+    summary = summarize(records, duration=1.5, deadline=5.0)
+    page = render_html(
+        title="run <1>",
+        summary=summary,
+        records=records,
+        sweep=[(1.0, 1.0, 1.0), (2.0, 1.5, 0.5)],
+        knee_rate=1.0,
+    )
+    assert page.count("<svg") == 3
+    assert "knee 1 req/s" in page
+    assert "run &lt;1&gt;" in page
+    assert "KV &lt;cache&gt; &amp; OOM" in page  # failure messages, escaped, in full
+    assert "warning:" in page
+    assert not re.search(r"<script|\bsrc=|\bhref=|url\(|@import", page)

@@ -85,7 +85,8 @@ async def test_sender_bug_is_reported_not_raised() -> None:
             raise RuntimeError("oops")
 
     records, _ = await run_load(ITEMS[:2], Broken(), concurrency=1)
-    assert [r.error for r in records] == ["internal:RuntimeError: oops"] * 2
+    assert [r.error for r in records] == ["internal:RuntimeError"] * 2
+    assert [r.message for r in records] == ["the sender raised RuntimeError: oops"] * 2
 
 
 async def test_argument_checks() -> None:

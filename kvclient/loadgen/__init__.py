@@ -1,21 +1,42 @@
 """A load generator that behaves well: it paces itself by the server's Retry-After and hides
-nothing (every 429, 503 and failure is counted, and latencies include the time spent backing off).
+nothing (every 429, 503 and failure is counted with its message, latencies include the time spent
+backing off, and failures count at the deadline in the all-requests latency).
 
 Used by ``kvclient bench`` and ``kvclient demo``; the pieces are public for scripts and benchmarks.
 """
 
 from ._kvsender import KVClientSender, failure_cause
-from ._metrics import SLO, Distribution, RecordTimer, RequestRecord, Summary, percentile, summarize
+from ._metrics import (
+    SLO,
+    Distribution,
+    FailureGroup,
+    RecordTimer,
+    RequestRecord,
+    Summary,
+    percentile,
+    summarize,
+)
 from ._naive import NaiveSender
 from ._runner import Sender, run_load
 from ._schedule import ArrivalKind, arrival_offsets
-from ._workload import MIXED, Shape, SyntheticWorkload, WorkItem, load_jsonl, make_prompt
+from ._workload import (
+    MIXED,
+    Shape,
+    SyntheticWorkload,
+    WorkItem,
+    exact_prompt,
+    load_dataset,
+    load_jsonl,
+    load_sharegpt,
+    make_prompt,
+)
 
 __all__ = [
     "MIXED",
     "SLO",
     "ArrivalKind",
     "Distribution",
+    "FailureGroup",
     "KVClientSender",
     "NaiveSender",
     "RecordTimer",
@@ -26,8 +47,11 @@ __all__ = [
     "SyntheticWorkload",
     "WorkItem",
     "arrival_offsets",
+    "exact_prompt",
     "failure_cause",
+    "load_dataset",
     "load_jsonl",
+    "load_sharegpt",
     "make_prompt",
     "percentile",
     "run_load",

@@ -67,8 +67,7 @@ class KVClientSender:
                 result = await self._client.chat(item.messages, **params)
             else:
                 result = await self._client.complete(item.prompt or "", **params)
-            timer.mark_first_token()
-            return result
+            return result  # no first token to time: TTFT and TPOT stay unknown, not zero
         if item.messages is not None:
             stream = self._client.chat_stream(item.messages, **params)
         else:
@@ -89,9 +88,16 @@ class KVClientSender:
             completion = await self._call(item, timer)
         except KVClientError as exc:
             record.error = failure_cause(exc)
+            record.message = str(exc)
             record.attempts = max(1, int(getattr(exc, "attempts", 0) or 0))
             if isinstance(exc, PromptTooLongError) and exc.response is None:
                 record.attempts = 0  # refused locally: nothing was sent
+                record.refused_locally = True
+            code = getattr(exc, "status_code", None)
+            # A server error other than a gateway's or an overload's came after it took the work.
+            record.admitted = record.first_token is not None or (
+                isinstance(code, int) and code >= 500 and code not in (502, 503, 504)
+            )
             history: Sequence[RetryEvent] = getattr(exc, "history", ()) or ()
             _count_statuses(record, history)
             record.backoff = sum(e.wait for e in history)
@@ -104,6 +110,7 @@ class KVClientSender:
                 record.http_503 += 1
         else:
             record.ok = True
+            record.admitted = True
             record.attempts = completion.attempts
             record.backoff = completion.retry_wait
             record.max_tokens_sent = completion.max_tokens

@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "SLO",
     "Distribution",
+    "FailureGroup",
     "RecordTimer",
     "RequestRecord",
     "Summary",
@@ -85,6 +86,9 @@ class RequestRecord:
     backoff: float = 0.0
     ok: bool = False
     error: str | None = None  # the cause when not ok: "server_busy", "prompt_too_long", ...
+    message: str | None = None  # the error's own words, kept whole
+    refused_locally: bool = False  # the client refused it before sending (nothing was sent)
+    admitted: bool = False  # the server started work on it (an answer or its first byte)
     finish_reason: str | None = None
     #: The server's own count (``usage.prompt_tokens``), to compare with ``prompt_tokens``.
     server_prompt_tokens: int | None = None
@@ -171,11 +175,38 @@ class SLO:
 
 
 @dataclass(frozen=True, slots=True)
+class FailureGroup:
+    """The failures of one cause, with each distinct message and how often it came."""
+
+    cause: str
+    count: int
+    messages: tuple[tuple[str, int], ...]  # most common first
+
+    @property
+    def message(self) -> str:
+        """The most common message (the cause itself when no message was kept)."""
+        return self.messages[0][0] if self.messages else self.cause
+
+
+@dataclass(frozen=True, slots=True)
 class Summary:
+    """A run, counted so that nothing hides.
+
+    ``offered`` requests were planned; ``refused_locally`` of them never left the client (a
+    prompt that cannot fit); ``sent`` the rest that were sent; ``admitted`` the ones the server
+    started work on; ``completed`` the ones answered; ``failed`` = ``sent`` - ``completed``.
+    ``latency`` is over completed requests; ``latency_all`` over every offered request with
+    each failure counted at the deadline, so a server that refuses cannot look faster for it.
+    """
+
+    offered: int
+    refused_locally: int
     sent: int
+    admitted: int
     completed: int
     failed: int
     failed_by_cause: dict[str, int]
+    failures: tuple[FailureGroup, ...]
     http_429: int
     http_503: int
     attempts: int
@@ -185,24 +216,92 @@ class Summary:
     request_throughput: float
     output_token_throughput: float
     goodput: float | None
+    slo_met: int | None
+    deadline: float | None
     latency: Distribution
+    latency_all: Distribution
     ttft: Distribution
     tpot: Distribution
     itl: Distribution
     schedule_lag: Distribution
+    warnings: tuple[str, ...]
+
+    @property
+    def failure_rate(self) -> float:
+        """Share of offered requests not completed (refused locally or failed)."""
+        return (self.offered - self.completed) / self.offered if self.offered else 0.0
+
+    @property
+    def slo_attainment(self) -> float | None:
+        """Share of offered requests completed within the SLOs."""
+        if self.slo_met is None:
+            return None
+        return self.slo_met / self.offered if self.offered else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["failures"] = [
+            {"cause": g.cause, "count": g.count, "messages": [list(m) for m in g.messages]}
+            for g in self.failures
+        ]
+        data["warnings"] = list(self.warnings)
+        data["failure_rate"] = self.failure_rate
+        data["slo_attainment"] = self.slo_attainment
+        return data
+
+
+def _failure_groups(failed: Sequence[RequestRecord]) -> tuple[FailureGroup, ...]:
+    by_cause: dict[str, Counter[str]] = {}
+    for r in failed:
+        cause = r.error or "unknown"
+        by_cause.setdefault(cause, Counter())[r.message or cause] += 1
+    groups = [
+        FailureGroup(cause, sum(messages.values()), tuple(messages.most_common()))
+        for cause, messages in by_cause.items()
+    ]
+    groups.sort(key=lambda g: (-g.count, g.cause))
+    return tuple(groups)
+
+
+def latency_warnings(
+    *, offered: int, completed: int, latency: Distribution, latency_all: Distribution
+) -> tuple[str, ...]:
+    """A warning when failures dropped out of the latency percentiles would flatter them."""
+    missing = offered - completed
+    if not missing or latency.p99 is None:
+        return ()
+    if latency_all.p99 is not None and latency_all.p99 <= latency.p99 * 1.05:
+        return ()
+    over_all = (
+        "no request completed"
+        if latency_all.p50 is None
+        else (f"p50 {latency_all.p50:.3g} s, p99 {latency_all.p99:.3g} s")
+    )
+    return (
+        f"{missing} of {offered} requests did not complete: the latency of completed requests "
+        f"(p50 {latency.p50:.3g} s, p99 {latency.p99:.3g} s) leaves them out and looks better "
+        f"than it is; over all requests, failures at the deadline: {over_all}",
+    )
 
 
 def summarize(
-    records: Iterable[RequestRecord], *, duration: float, slo: SLO | None = None
+    records: Iterable[RequestRecord],
+    *,
+    duration: float,
+    slo: SLO | None = None,
+    deadline: float | None = None,
 ) -> Summary:
-    """Aggregate a run. ``duration`` is the wall time of the run in seconds."""
+    """Aggregate a run. ``duration`` is the wall time of the run in seconds; ``deadline`` the
+    per-request deadline at which failures are counted in ``latency_all`` (without one, at their
+    own latency or the longest completed one, whichever is longer)."""
     records = list(records)
-    sent = [r for r in records if r.sent is not None]
+    # A record neither sent nor failed was planned but never started (a hand-made one).
+    offered = [r for r in records if r.sent is not None or r.error is not None]
+    refused = [r for r in offered if r.refused_locally and not r.ok]
+    sent = [r for r in offered if not (r.refused_locally and not r.ok)]
     done = [r for r in sent if r.ok]
-    causes = Counter(r.error or "unknown" for r in sent if not r.ok)
+    not_done = [r for r in offered if not r.ok]
+    causes = Counter(r.error or "unknown" for r in not_done)
     attempts = sum(r.attempts for r in sent)
     itl: list[float] = []
     for r in done:
@@ -212,11 +311,24 @@ def summarize(
     def collect(values: Iterable[float | None]) -> list[float]:
         return [v for v in values if v is not None]
 
+    latency = Distribution.of(collect(r.latency for r in done))
+    worst = deadline if deadline is not None else (latency.max or 0.0)
+    latency_all = Distribution.of(
+        [
+            r.latency if r.ok and r.latency is not None else max(worst, r.latency or 0.0)
+            for r in offered
+        ]
+    )
+    met = None if slo is None else sum(slo.met_by(r) for r in done)
     return Summary(
+        offered=len(offered),
+        refused_locally=len(refused),
         sent=len(sent),
+        admitted=sum(r.ok or r.admitted for r in sent),
         completed=len(done),
         failed=len(sent) - len(done),
         failed_by_cause=dict(sorted(causes.items())),
+        failures=_failure_groups(not_done),
         http_429=sum(r.http_429 for r in sent),
         http_503=sum(r.http_503 for r in sent),
         attempts=attempts,
@@ -225,10 +337,16 @@ def summarize(
         duration=duration,
         request_throughput=len(done) / wall,
         output_token_throughput=sum(r.output_tokens for r in done) / wall,
-        goodput=None if slo is None else sum(slo.met_by(r) for r in done) / wall,
-        latency=Distribution.of(collect(r.latency for r in done)),
+        goodput=None if met is None else met / wall,
+        slo_met=met,
+        deadline=deadline,
+        latency=latency,
+        latency_all=latency_all,
         ttft=Distribution.of(collect(r.ttft for r in done)),
         tpot=Distribution.of(collect(r.tpot for r in done)),
         itl=Distribution.of(itl),
-        schedule_lag=Distribution.of(collect(r.schedule_lag for r in sent)),
+        schedule_lag=Distribution.of(collect(r.schedule_lag for r in offered)),
+        warnings=latency_warnings(
+            offered=len(offered), completed=len(done), latency=latency, latency_all=latency_all
+        ),
     )

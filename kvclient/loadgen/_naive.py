@@ -58,6 +58,7 @@ class NaiveSender:
                     response = await self._http.post(path, json=body)
                 except httpx.TransportError as exc:
                     r.error = f"connection:{type(exc).__name__}"
+                    r.message = f"{type(exc).__name__}: {exc}"
                     continue  # straight back in: no backoff is the point
                 if response.status_code == 429:
                     r.http_429 += 1
@@ -65,10 +66,13 @@ class NaiveSender:
                     r.http_503 += 1
                 if response.status_code in RETRY_STATUSES:
                     r.error = f"http_{response.status_code}"
+                    r.message = _message(response)
                     await anyio.lowlevel.checkpoint()  # yield to the loop, and nothing more
                     continue
                 if response.status_code >= 400:
                     r.error = _cause(response)
+                    r.message = _message(response)
+                    r.admitted = response.status_code >= 500
                     timer.mark_end()
                     return
                 try:
@@ -78,19 +82,23 @@ class NaiveSender:
                     r.finish_reason = choice.get("finish_reason")
                 except (ValueError, KeyError, IndexError, TypeError) as exc:
                     r.error = f"bad_response:{type(exc).__name__}"
+                    r.message = f"{path} answered 200 with a body it could not read: {exc!r}"
                     timer.mark_end()
                     return
                 r.ok = True
+                r.admitted = True
                 r.error = None
-                timer.mark_first_token()
-                timer.mark_end()
+                r.message = None
+                timer.mark_end()  # not streamed: no first token to time
                 return
         if scope.cancelled_caught:
             r.error = "deadline"
+            r.message = f"no answer within the {self._deadline:g} s deadline"
         elif not r.ok and r.error is None:
             r.error = "gave_up"
         else:
             r.error = f"gave_up:{r.error}"
+            r.message = f"gave up after {r.attempts} attempts; the last: {r.message}"
         timer.mark_end()
 
 
@@ -103,3 +111,16 @@ def _cause(response: httpx.Response) -> str:
     if code == "kv_cache_oom":
         return "oom"
     return f"http_{response.status_code}" + (f":{code}" if code else "")
+
+
+def _message(response: httpx.Response) -> str:
+    """``POST /path -> 429: the server's message`` (the body's start when it is not OpenAI's)."""
+    where = f"{response.request.method} {response.request.url.path} -> {response.status_code}"
+    try:
+        error = response.json().get("error")
+        text = error.get("message") if isinstance(error, dict) else None
+    except (ValueError, AttributeError):
+        text = None
+    if not isinstance(text, str):
+        text = response.text[:200]
+    return f"{where}: {text}"

@@ -25,6 +25,8 @@ __all__ = [
 def format_seconds(value: float | None) -> str:
     if value is None or not math.isfinite(value):
         return "-"
+    if value < 0.01:
+        return f"{value * 1000:.2g} ms"
     if value < 1.0:
         return f"{value * 1000:.0f} ms"
     return f"{value:.2f} s"
@@ -46,28 +48,53 @@ def _dist(d: Distribution) -> str:
     )
 
 
-def summary_rows(s: Summary) -> list[tuple[str, str]]:
+def _share(part: int, whole: int) -> str:
+    return f"{part:,} ({part / whole:.0%})" if whole else f"{part:,}"
+
+
+def summary_rows(s: Summary, *, top_failures: int = 3) -> list[tuple[str, str]]:
     """The rows of a bench summary, in reading order."""
     causes = ", ".join(f"{k} {v}" for k, v in s.failed_by_cause.items()) or "-"
+    deadline = f"the {s.deadline:g} s deadline" if s.deadline is not None else "their latency"
     rows = [
-        ("requests sent", format_count(s.sent)),
-        ("completed", format_count(s.completed)),
-        ("failed", f"{s.failed} ({causes})" if s.failed else "0"),
+        ("offered (requests planned)", format_count(s.offered)),
+        ("refused locally (prompt cannot fit; never sent)", _share(s.refused_locally, s.offered)),
+        ("sent", _share(s.sent, s.offered)),
+        ("admitted (the server started work)", _share(s.admitted, s.offered)),
+        ("completed", _share(s.completed, s.offered)),
+        (
+            "not completed (by cause)",
+            f"{s.offered - s.completed} ({causes})" if s.offered > s.completed else "0",
+        ),
+    ]
+    for group in s.failures[:top_failures]:
+        rows.append((f"  {group.cause} ×{group.count}", group.message[:120]))
+    rows += [
         ("429s received", format_count(s.http_429)),
         ("503s received", format_count(s.http_503)),
         ("attempts per completed request", format_count(s.attempts_per_completed)),
-        ("time spent backing off", format_seconds(s.backoff_seconds)),
-        ("end-to-end latency", _dist(s.latency)),
-        ("time to first token", _dist(s.ttft)),
-        ("time per output token", _dist(s.tpot)),
-        ("inter-token latency", _dist(s.itl)),
-        ("request throughput", f"{s.request_throughput:.2f} req/s"),
+        (
+            "backoff per request (mean; summed over all)",
+            f"{format_seconds(s.backoff_seconds / s.sent if s.sent else None)} "
+            f"({format_seconds(s.backoff_seconds)})",
+        ),
+        ("end-to-end latency, completed requests", _dist(s.latency)),
+        (f"end-to-end latency, all (failures at {deadline})", _dist(s.latency_all)),
+        ("time to first token (streamed)", _dist(s.ttft)),
+        ("time per output token (after the first)", _dist(s.tpot)),
+        ("inter-chunk latency (between streamed chunks)", _dist(s.itl)),
+        ("request throughput (completed)", f"{s.request_throughput:.2f} req/s"),
         ("output token throughput", f"{s.output_token_throughput:.1f} tok/s"),
         ("schedule lag (planned → sent)", _dist(s.schedule_lag)),
         ("wall time", format_seconds(s.duration)),
     ]
-    if s.goodput is not None:
-        rows.append(("goodput (within SLOs)", f"{s.goodput:.2f} req/s"))
+    if s.goodput is not None and s.slo_met is not None:
+        rows.append(
+            (
+                "goodput (completed within the SLOs)",
+                f"{s.goodput:.2f} req/s ({_share(s.slo_met, s.offered)} of offered)",
+            )
+        )
     return rows
 
 

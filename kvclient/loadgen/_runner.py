@@ -21,6 +21,8 @@ from ._workload import WorkItem
 
 __all__ = ["Sender", "run_load"]
 
+_CANCELLED = "still in flight when the run ended (its duration + grace): cancelled"
+
 
 class Sender(Protocol):
     async def send(self, item: WorkItem, timer: RecordTimer) -> None:
@@ -50,11 +52,13 @@ async def _send_one(
         if record.end is None:
             record.ok = False
             record.error = "cancelled_at_end"
+            record.message = _CANCELLED
             record.end = timer.now()
         raise
     except Exception as exc:  # a bug in a sender must not end the whole run unreported
         timer.record.ok = False
-        timer.record.error = f"internal:{type(exc).__name__}: {exc}"
+        timer.record.error = f"internal:{type(exc).__name__}"
+        timer.record.message = f"the sender raised {type(exc).__name__}: {exc}"
         timer.mark_end()
     if on_done is not None:
         on_done(timer.record)
@@ -125,6 +129,7 @@ async def run_load(
         if record.end is None:
             record.ok = False
             record.error = record.error or "cancelled_at_end"
+            record.message = record.message or _CANCELLED
             record.end = clock() - start
     records.sort(key=lambda r: r.index)
     return records, clock() - start

@@ -1,8 +1,10 @@
 """Workloads: what each request of a run asks for (pure, seeded, reproducible).
 
-Either a JSONL file (one ``{"prompt": ...}`` or ``{"messages": [...]}`` per line, optional
-``"max_tokens"``), or synthetic draws of prompt length and output cap, with a share of unset caps:
-the traffic the seed post warns about.
+Either a dataset file: our JSONL (one ``{"prompt": ...}`` or ``{"messages": [...]}`` per line,
+optional ``"max_tokens"``) or ShareGPT's JSON (a list of ``{"conversations": [{"from": "human",
+"value": ...}, {"from": "gpt", "value": ...}]}``); or synthetic draws of prompt length and output
+cap, with a share of unset caps: the traffic the seed post warns about. Synthetic prompts have
+exactly the drawn number of tokens for the run's tokenizer.
 """
 
 from __future__ import annotations
@@ -14,9 +16,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._tokens import TokenCounter
+from .._tokens import TokenCounter, Tokenizer
 
-__all__ = ["MIXED", "Shape", "SyntheticWorkload", "WorkItem", "load_jsonl", "make_prompt"]
+__all__ = [
+    "MIXED",
+    "Shape",
+    "SyntheticWorkload",
+    "WorkItem",
+    "exact_prompt",
+    "load_dataset",
+    "load_jsonl",
+    "load_sharegpt",
+    "make_prompt",
+]
 
 # Common English words that cl100k_base encodes as one token each when preceded by a space, so a
 # prompt of N words is N tokens and synthetic prompt lengths are exact.
@@ -34,6 +46,36 @@ _WORDS = (
 def make_prompt(num_tokens: int, rng: random.Random) -> str:
     """A prompt of ``num_tokens`` words (tokens, for cl100k_base and most BPE vocabularies)."""
     return "".join(" " + rng.choice(_WORDS) for _ in range(num_tokens))
+
+
+_EXACT_ROUNDS = 16
+
+
+def exact_prompt(num_tokens: int, counter: TokenCounter, rng: random.Random) -> str:
+    """A prompt of exactly ``num_tokens`` tokens as ``counter`` counts them.
+
+    Common words first (exact at once for cl100k_base); for another tokenizer the text is cut
+    back or topped up, token by token, until its count is exact.
+    """
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+    text = make_prompt(num_tokens, rng)
+    for _ in range(_EXACT_ROUNDS):
+        n = counter.count(text)
+        if n == num_tokens:
+            return text
+        if n < num_tokens:
+            text += make_prompt(num_tokens - n, rng)
+        elif isinstance(counter, Tokenizer):
+            ids = counter.encode(text)
+            text = counter.decode(ids[: max(1, len(ids) - (n - num_tokens))])
+        else:
+            words = text.split(" ")
+            text = " ".join(words[: max(2, len(words) - (n - num_tokens))])
+    raise ValueError(
+        f"could not make a prompt of exactly {num_tokens} tokens for this tokenizer "
+        f"(it counts {counter.count(text)} for the closest text tried)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +146,7 @@ class SyntheticWorkload:
         items = []
         for _ in range(count):
             shape = rng.choices(self.shapes, weights)[0]
-            prompt = make_prompt(rng.randint(*shape.prompt_tokens), rng)
+            prompt = exact_prompt(rng.randint(*shape.prompt_tokens), counter, rng)
             cap: int | None = rng.randint(*shape.max_tokens)
             if rng.random() < shape.unset_cap_share:
                 cap = None
@@ -161,3 +203,74 @@ def cycle(items: Sequence[WorkItem], count: int) -> Iterator[WorkItem]:
     """``count`` items, repeating the file's requests in order when it is shorter."""
     for i in range(count):
         yield items[i % len(items)]
+
+
+_HUMAN = ("human", "user")
+_MODEL = ("gpt", "assistant", "chatgpt", "bard", "model")
+
+
+def _turn(turn: Any) -> tuple[str, str] | None:
+    if not isinstance(turn, dict):
+        return None
+    who = turn.get("from", turn.get("role"))
+    text = turn.get("value", turn.get("content"))
+    if not isinstance(who, str) or not isinstance(text, str):
+        return None
+    return who.lower(), text
+
+
+def load_sharegpt(path: str | Path, counter: TokenCounter, *, chat: bool = False) -> list[WorkItem]:
+    """Read a ShareGPT JSON file as vLLM's ``bench serve`` does: each conversation's first human
+    turn is the prompt, and the reply after it sets ``max_tokens`` (its length in tokens).
+
+    Conversations with no human turn, or an empty one, are skipped; ``chat=True`` sends each
+    prompt as one user message.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
+    items = []
+    for entry in data:
+        turns = (
+            entry.get("conversations", entry.get("conversation"))
+            if isinstance(entry, dict)
+            else None
+        )
+        if not isinstance(turns, list):
+            continue
+        parsed = [t for t in map(_turn, turns) if t is not None]
+        first = next((i for i, (who, text) in enumerate(parsed) if who in _HUMAN and text), None)
+        if first is None:
+            continue
+        prompt = parsed[first][1]
+        reply = next((text for who, text in parsed[first + 1 :] if who in _MODEL), None)
+        cap = max(1, counter.count(reply)) if reply else None
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            items.append(
+                WorkItem(
+                    messages=messages,
+                    max_tokens=cap,
+                    prompt_tokens=counter.count_messages(messages),
+                )
+            )
+        else:
+            items.append(
+                WorkItem(prompt=prompt, max_tokens=cap, prompt_tokens=counter.count(prompt))
+            )
+    if not items:
+        raise ValueError(f"{path}: no conversation with a human turn (ShareGPT format)")
+    return items
+
+
+def load_dataset(path: str | Path, counter: TokenCounter, *, chat: bool = False) -> list[WorkItem]:
+    """Our JSONL or ShareGPT JSON, told apart by the first character (``{`` or ``[``)."""
+    with open(path, encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith("["):
+        return load_sharegpt(path, counter, chat=chat)
+    return load_jsonl(path, counter)

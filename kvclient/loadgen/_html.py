@@ -1,0 +1,312 @@
+"""``kvclient bench --html FILE``: one self-contained page (pure: records in, HTML text out).
+
+Inline SVG only (no script, no stylesheet or font fetched from anywhere), so the page opens
+offline, can be mailed, and renders the same in any browser: the summary table, the latency
+distributions, the timeline of in-flight KV tokens and refusals, and the sweep curve.
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._metrics import RequestRecord, Summary
+from ._report import summary_rows
+
+__all__ = ["COLORS", "Sample", "Series", "render_html", "svg_chart"]
+
+#: One colour per plotted quantity (the screenshot test looks for them).
+COLORS = {
+    "latency": "#1f77b4",
+    "latency_all": "#ff7f0e",
+    "ttft": "#17becf",
+    "kv": "#2ca02c",
+    "refusals": "#d62728",
+    "goodput": "#9467bd",
+    "throughput": "#8c564b",
+}
+_W, _H = 760, 300
+_PAD_L, _PAD_R, _PAD_T, _PAD_B = 70, 20, 16, 44
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """The server's gauges at one moment of the run (seconds from its start)."""
+
+    t: float
+    kv_reserved: float | None
+    refused_total: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    label: str
+    color: str
+    points: Sequence[tuple[float, float]]
+    step: bool = False
+    dots: bool = False
+    dashed: bool = False
+    axis: str = "left"  # "right": scaled to its own axis, drawn on the right
+
+
+def _ticks(low: float, high: float, n: int = 5) -> list[float]:
+    if high <= low:
+        return [low]
+    raw = (high - low) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(low / step) * step
+    return [first + i * step for i in range(int((high - first) / step) + 1)]
+
+
+def _fmt(value: float) -> str:
+    if value == 0:
+        return "0"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
+def _extent(values: Sequence[float]) -> tuple[float, float]:
+    if not values:
+        return 0.0, 1.0
+    low, high = min(0.0, min(values)), max(values)
+    return (low, high if high > low else low + 1.0)
+
+
+def svg_chart(
+    series: Sequence[Series],
+    *,
+    x_label: str,
+    y_label: str,
+    y2_label: str | None = None,
+    marker: tuple[float, str] | None = None,
+) -> str:
+    """A line chart as inline SVG; ``marker`` draws a labelled vertical line at an x value."""
+    left = [s for s in series if s.axis == "left"]
+    right = [s for s in series if s.axis == "right"]
+    xs = [x for s in series for x, _ in s.points]
+    x0, x1 = _extent(xs)
+    y0, y1 = _extent([y for s in left for _, y in s.points])
+    r0, r1 = _extent([y for s in right for _, y in s.points])
+    iw, ih = _W - _PAD_L - _PAD_R, _H - _PAD_T - _PAD_B
+
+    def px(x: float) -> float:
+        return _PAD_L + (x - x0) / (x1 - x0) * iw
+
+    def py(y: float, axis: str = "left") -> float:
+        lo, hi = (y0, y1) if axis == "left" else (r0, r1)
+        return _PAD_T + ih - (y - lo) / (hi - lo) * ih
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" '
+        f'viewBox="0 0 {_W} {_H}" role="img">',
+        f'<rect x="{_PAD_L}" y="{_PAD_T}" width="{iw}" height="{ih}" fill="#fff" stroke="#999"/>',
+    ]
+    for t in _ticks(x0, x1):
+        out.append(
+            f'<text x="{px(t):.1f}" y="{_PAD_T + ih + 16}" font-size="11" '
+            f'text-anchor="middle">{_fmt(t)}</text>'
+        )
+    for t in _ticks(y0, y1):
+        out.append(
+            f'<line x1="{_PAD_L}" x2="{_PAD_L + iw}" y1="{py(t):.1f}" y2="{py(t):.1f}" '
+            'stroke="#eee"/>'
+            f'<text x="{_PAD_L - 6}" y="{py(t) + 4:.1f}" font-size="11" '
+            f'text-anchor="end">{_fmt(t)}</text>'
+        )
+    if right:
+        for t in _ticks(r0, r1):
+            out.append(
+                f'<text x="{_PAD_L + iw + 4}" y="{py(t, "right") + 4:.1f}" font-size="11">'
+                f"{_fmt(t)}</text>"
+            )
+    out.append(
+        f'<text x="{_PAD_L + iw / 2}" y="{_H - 8}" font-size="12" '
+        f'text-anchor="middle">{html.escape(x_label)}</text>'
+        f'<text x="14" y="{_PAD_T + ih / 2}" font-size="12" text-anchor="middle" '
+        f'transform="rotate(-90 14 {_PAD_T + ih / 2})">{html.escape(y_label)}</text>'
+    )
+    if marker is not None:
+        mx, label = marker
+        out.append(
+            f'<line x1="{px(mx):.1f}" x2="{px(mx):.1f}" y1="{_PAD_T}" y2="{_PAD_T + ih}" '
+            'stroke="#333" stroke-dasharray="4 3"/>'
+            f'<text x="{px(mx) + 4:.1f}" y="{_PAD_T + 14}" font-size="12">'
+            f"{html.escape(label)}</text>"
+        )
+    for s in series:
+        points = list(s.points)
+        if s.step and points:
+            stepped = [points[0]]
+            for (_, ya), (xb, yb) in itertools.pairwise(points):
+                stepped += [(xb, ya), (xb, yb)]
+            points = stepped
+        coords = " ".join(f"{px(x):.1f},{py(y, s.axis):.1f}" for x, y in points)
+        if s.dots:
+            out += [
+                f'<circle cx="{px(x):.1f}" cy="{py(y, s.axis):.1f}" r="4" fill="{s.color}"/>'
+                for x, y in points
+            ]
+        if len(points) > 1:
+            out.append(
+                f'<polyline points="{coords}" fill="none" stroke="{s.color}" stroke-width="3"'
+                + (' stroke-dasharray="9 7"/>' if s.dashed else "/>")
+            )
+    legend_x = _PAD_L + 10
+    for i, s in enumerate(series):
+        y = _PAD_T + 16 + i * 16
+        out.append(
+            f'<rect x="{legend_x}" y="{y - 9}" width="14" height="4" fill="{s.color}"/>'
+            f'<text x="{legend_x + 20}" y="{y - 4}" font-size="11">{html.escape(s.label)}'
+            "</text>"
+        )
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _cdf(values: Sequence[float]) -> list[tuple[float, float]]:
+    ordered = sorted(values)
+    n = len(ordered)
+    return [(v, (i + 1) / n) for i, v in enumerate(ordered)]
+
+
+def latency_chart(records: Sequence[RequestRecord], summary: Summary) -> str:
+    done = [r.latency for r in records if r.ok and r.latency is not None]
+    worst = summary.deadline if summary.deadline is not None else max(done, default=0.0)
+    offered = [r for r in records if r.sent is not None or r.error is not None]
+    every = [
+        r.latency if r.ok and r.latency is not None else max(worst, r.latency or 0.0)
+        for r in offered
+    ]
+    ttft = [r.ttft for r in records if r.ok and r.ttft is not None]
+    # Drawn dashed over the other: where the two agree (no failures), both stay visible.
+    series = [
+        Series("end-to-end, completed requests", COLORS["latency"], _cdf(done)),
+        Series(
+            "end-to-end, all requests (failures at the deadline)",
+            COLORS["latency_all"],
+            _cdf(every),
+            dashed=True,
+        ),
+    ]
+    if ttft:
+        series.append(Series("time to first token", COLORS["ttft"], _cdf(ttft)))
+    return svg_chart(series, x_label="seconds", y_label="share of requests (CDF)")
+
+
+def timeline_chart(records: Sequence[RequestRecord], samples: Sequence[Sample]) -> str:
+    """In-flight KV tokens (the server's reserved gauge, or the client's estimate) and the
+    refusals (429s) so far, over the run."""
+    kv = [(s.t, s.kv_reserved) for s in samples if s.kv_reserved is not None]
+    refused = [(s.t, s.refused_total) for s in samples if s.refused_total is not None]
+    kv_label = "KV tokens reserved (the server's /metrics)"
+    if not kv:
+        kv_label = "KV tokens in flight (client's estimate: prompt + cap sent)"
+        events: list[tuple[float, float]] = []
+        for r in records:
+            if r.sent is None or r.end is None or not r.admitted:
+                continue
+            size = r.prompt_tokens + (r.max_tokens_sent or r.max_tokens_requested or 0)
+            events += [(r.sent + r.backoff, size), (r.end, -size)]
+        level = 0.0
+        kv = [(0.0, 0.0)]
+        for t, delta in sorted(events):
+            level += delta
+            kv.append((t, level))
+    if not refused:
+        total = 0.0
+        refused = [(0.0, 0.0)]
+        for r in sorted((r for r in records if r.end is not None), key=lambda r: r.end or 0.0):
+            total += r.http_429
+            refused.append((r.end or 0.0, total))
+    series = [
+        Series(kv_label, COLORS["kv"], kv, step=True),
+        Series("429s so far (right axis)", COLORS["refusals"], refused, step=True, axis="right"),
+    ]
+    return svg_chart(series, x_label="seconds from the start", y_label="KV tokens", y2_label="429s")
+
+
+def sweep_chart(points: Sequence[tuple[float, float, float]], knee_rate: float | None) -> str:
+    """``points``: (offered rate, completed per second, goodput per second)."""
+    top = max((p[0] for p in points), default=1.0)
+    series = [
+        Series("offered = served (ideal)", "#bbbbbb", [(0.0, 0.0), (top, top)]),
+        Series("completed req/s", COLORS["throughput"], [(p[0], p[1]) for p in points], dots=True),
+        Series(
+            "goodput (within the SLOs) req/s",
+            COLORS["goodput"],
+            [(p[0], p[2]) for p in points],
+            dots=True,
+        ),
+    ]
+    marker = None if knee_rate is None else (knee_rate, f"knee {knee_rate:.3g} req/s")
+    return svg_chart(series, x_label="offered arrival rate (req/s)", y_label="req/s", marker=marker)
+
+
+_STYLE = """
+body { font-family: sans-serif; margin: 24px; color: #222; max-width: 900px; }
+table { border-collapse: collapse; margin: 8px 0 16px; }
+td, th { border-bottom: 1px solid #ddd; padding: 3px 10px; text-align: left; font-size: 13px; }
+td.v { text-align: right; font-variant-numeric: tabular-nums; }
+.warn { background: #fff3cd; border: 1px solid #e0c36c; padding: 8px; margin: 8px 0; }
+h2 { font-size: 17px; margin-top: 28px; }
+"""
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = []
+    for row in rows:
+        cells = [f"<td>{html.escape(row[0])}</td>"]
+        cells += [f'<td class="v">{html.escape(c)}</td>' for c in row[1:]]
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def render_html(
+    *,
+    title: str,
+    summary: Summary,
+    records: Sequence[RequestRecord],
+    samples: Sequence[Sample] = (),
+    sweep: Sequence[tuple[float, float, float]] = (),
+    sweep_rows: Sequence[Sequence[str]] = (),
+    sweep_headers: Sequence[str] = (),
+    knee_rate: float | None = None,
+) -> str:
+    """The whole page. With a sweep, ``summary`` and ``records`` are the knee's run."""
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    parts += [f'<div class="warn">warning: {html.escape(w)}</div>' for w in summary.warnings]
+    if sweep:
+        parts.append("<h2>Sweep: goodput against the offered rate</h2>")
+        parts.append(sweep_chart(sweep, knee_rate))
+        if sweep_rows:
+            parts.append(_table(sweep_headers, sweep_rows))
+        parts.append(
+            "<p>The summary and plots below are of the run at the knee.</p>"
+            if knee_rate is not None
+            else "<p>No rate met the SLOs.</p>"
+        )
+    parts.append("<h2>Summary</h2>")
+    parts.append(_table(["metric", "value"], summary_rows(summary)))
+    parts.append("<h2>Latency distributions</h2>")
+    parts.append(latency_chart(records, summary))
+    parts.append("<h2>Timeline: in-flight KV and refusals</h2>")
+    parts.append(timeline_chart(records, samples))
+    full = [
+        f"<li>{html.escape(g.cause)} ×{g.count}: {html.escape(m)} (×{n})</li>"
+        for g in summary.failures
+        for m, n in g.messages
+    ]
+    if full:
+        parts.append("<h2>Every failure message</h2><ul>" + "".join(full) + "</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts)

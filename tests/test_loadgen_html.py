@@ -1,0 +1,123 @@
+"""``kvclient bench --html``: one self-contained page whose plots a real browser draws.
+
+The screenshot test runs Debian's headless Chromium. Locally, without it, the test skips and
+says why; in CI (``CI=true``) a missing Chromium fails the test: ``scripts/ci-setup-chromium.sh``
+installs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kvclient.loadgen import cli
+from kvclient.loadgen._html import COLORS, render_html
+from kvclient.loadgen._metrics import RequestRecord, summarize
+from reference_server import running_server
+
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
+# Drawn lines are 3 px wide across hundreds of px; a legend swatch is 56 px.
+MIN_LINE_PIXELS = 300
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        reason = "headless Chromium is not installed (scripts/ci-setup-chromium.sh installs it)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return found
+
+
+@pytest.fixture(scope="module")
+def bench_page(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[RequestRecord]]:
+    """A real run's page and records, against a server small enough to say 429 sometimes."""
+    tmp_path = tmp_path_factory.mktemp("html")
+    page = tmp_path / "report.html"
+    out = tmp_path / "run.json"
+    with running_server(kv_tokens=4096, decode_rate=4000, mean_output_tokens=400, seed=2) as s:
+        argv = [s.base_url, "--rate", "60", "--num-requests", "40", "--seed", "2"]
+        argv += ["--prompt-tokens", "50:300", "--max-tokens", "300:1500", "--no-progress"]
+        argv += ["--html", str(page), "--json", str(out), "--records", "--max-failure-rate", "1"]
+        assert cli.main(argv) == 0
+    data = json.loads(out.read_text())
+    records = []
+    for r in data["records"]:
+        for key in ("latency", "ttft", "tpot"):
+            r.pop(key)
+        records.append(RequestRecord(**r))
+    return page, records
+
+
+def test_the_page_is_self_contained_and_has_its_parts(
+    bench_page: tuple[Path, list[RequestRecord]],
+) -> None:
+    page, _ = bench_page
+    text = page.read_text()
+    assert text.count("<svg") == 2  # latency distributions, timeline (no sweep in this run)
+    for heading in ("Summary", "Latency distributions", "Timeline: in-flight KV and refusals"):
+        assert heading in text
+    assert "KV tokens reserved (the server&#x27;s /metrics)" in text  # sampled from the server
+    # Nothing fetched from anywhere: no script, no external source, stylesheet or font.
+    assert not re.search(r"<script|\bsrc=|\bhref=|url\(|@import", text)
+
+
+def _pixels(png: Path) -> Counter[str]:
+    from PIL import Image
+
+    with Image.open(png) as image:
+        rgb = image.convert("RGB")
+        counts: Counter[str] = Counter()
+        for n, (r, g, b) in rgb.getcolors(maxcolors=1 << 24) or []:
+            counts[f"#{r:02x}{g:02x}{b:02x}"] += n
+    return counts
+
+
+def test_chromium_renders_every_plot(
+    tmp_path: Path, bench_page: tuple[Path, list[RequestRecord]]
+) -> None:
+    chromium = _chromium()
+    _, records = bench_page
+    summary = summarize(records, duration=2.0, deadline=60.0)
+    # The sweep curve from made-up points (a sweep run takes too long here): the page's last plot.
+    curve = [(2.0, 2.0, 2.0), (4.0, 3.9, 3.8), (6.0, 5.1, 3.0), (8.0, 5.2, 1.0)]
+    page = tmp_path / "all.html"
+    page.write_text(
+        render_html(title="t", summary=summary, records=records, sweep=curve, knee_rate=4.0)
+    )
+    png = tmp_path / "shot.png"
+    subprocess.run(
+        [
+            chromium,
+            *CHROMIUM_FLAGS,
+            f"--user-data-dir={tmp_path / 'profile'}",
+            f"--screenshot={png}",
+            "--window-size=1000,2400",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=90,
+    )
+    pixels = _pixels(png)
+    drawn = {name: pixels[color] for name, color in COLORS.items()}
+    expected = ("latency", "latency_all", "kv", "refusals", "goodput", "throughput")
+    missing = [name for name in expected if drawn[name] < MIN_LINE_PIXELS]
+    assert not missing, drawn
