@@ -252,9 +252,10 @@ def test_sweep_finds_the_knee_near_the_measured_capacity(
     assert abs(knee - capacity) / capacity <= 0.25, (knee, capacity, table)
     rates = [p["rate"] for p in sweep["points"]]
     assert rates == sorted(rates)
+    # A failing rate, when the grid reached one, lies above the knee. (On an idle machine the
+    # grid's top, 1.6x the probe, may still pass; the knee is then that top, checked above.)
     failing = [p["rate"] for p in sweep["points"] if not p["passed"]]
-    assert failing
-    assert min(failing) > knee  # the knee is bounded from above by a failure
+    assert all(rate > knee for rate in failing)
 
 
 def test_sweep_table_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
