@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 import tenacity
 
+from ._accounting import DEFAULT_BLOCK_SIZE
 from ._exceptions import (
     APIConnectionError,
     APIStatusError,
@@ -523,12 +524,14 @@ class RetryCall:
         pacer = self.pacer
         if pacer is None:
             return 0.0
-        wait = pacer.take(now, self.size)
+        # The server reserves whole KV blocks: count as it will (16 tokens, the usual size).
+        need = -(-self.size // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
+        wait = pacer.take(now, need)
         if wait > 0 and wait >= self.time_left():
-            pacer.send_anyway(now, self.size)  # a hint never fails a call: the server decides
+            pacer.send_anyway(now, need)  # a hint never fails a call: the server decides
             wait = 0.0
         if wait == 0.0:
-            self.paced = (now, self.size)  # its answer's hint accounts for it: Pacer.observe
+            self.paced = (now, need)  # its answer's hint accounts for it: Pacer.observe
         return wait
 
     def held(self, seconds: float) -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvclient import RetryPolicy
 from kvclient._pacing import (
     PACE_POLL,
+    PACE_TRICKLE,
     Pacer,
     RoomHint,
     format_ratelimit,
@@ -114,6 +115,7 @@ def test_a_live_hint_is_never_oversubscribed(
     now = 0.0
     hint: RoomHint | None = None
     seen = expires = 0.0
+    trickle = -1.0
     granted = 0
     quota = 4000
     for op, step, amount, reset in ops:
@@ -123,15 +125,22 @@ def test_a_live_hint_is_never_oversubscribed(
             pacer.observe(now, hint)
             seen = now
             granted = sum(a for t, a in sends if t >= now - lag)
-            expires = seen + (min(age, reset) if reset else age)
+            expires = seen + (min(age, reset + lag) if reset else age)
             continue
         wait = pacer.take(now, amount)
         if wait == 0.0:
             sends.append((now, amount))
-        live = hint is not None and now < expires
-        if not live or amount > quota:
+        if hint is None or amount > quota:
             assert wait == 0.0
             granted += amount
+            continue
+        if now >= expires:  # aged out: one request per PACE_TRICKLE, until forgotten
+            if now >= trickle or now >= expires + 10 * age:
+                assert wait == 0.0
+                trickle = now + PACE_TRICKLE
+                granted += amount
+            else:
+                assert 0 < wait <= PACE_POLL
             continue
         assert hint is not None
         if wait == 0.0:
@@ -153,6 +162,16 @@ def test_an_answer_settles_its_own_send_but_not_the_others() -> None:
     pacer.observe(0.15, RoomHint(quota=1000, remaining=500, reset=None), own=(0.1, 400))
     assert pacer.take(0.2, 250) > 0
     assert pacer.take(0.2, 200) == 0.0
+
+
+def test_an_aged_out_hint_lets_requests_trickle_then_is_forgotten() -> None:
+    pacer = Pacer(max_age=1.0)
+    pacer.observe(0.0, RoomHint(quota=1000, remaining=0, reset=None))
+    assert pacer.take(0.5, 100) > 0  # live, no room
+    assert pacer.take(1.0, 100) == 0.0  # aged out: one goes (its answer brings a fresh hint)
+    assert pacer.take(1.01, 100) > 0  # not a herd
+    assert pacer.take(1.0 + PACE_TRICKLE, 100) == 0.0
+    assert [pacer.take(11.0, 100) for _ in range(3)] == [0.0, 0.0, 0.0]  # forgotten
 
 
 def test_a_late_older_answer_does_not_replace_a_newer_one() -> None:
@@ -178,11 +197,11 @@ def _call(pacer: Pacer, clock: FakeClock, *, size: int | None = 600, **policy: o
 def test_a_request_that_would_not_fit_is_held_until_room_is_advertised() -> None:
     clock = FakeClock()
     pacer = Pacer()
-    pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=1000, reset=2))
+    pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=1200, reset=2))
     first, second = _call(pacer, clock), _call(pacer, clock)
     assert first.hold_time() == 0.0
-    assert second.hold_time() == PACE_POLL  # 600 + 600 > 1000
-    clock.advance(0.1)  # past the lag: the first send reached the server before the hint
+    assert second.hold_time() == PACE_POLL  # 608 + 608 > 1200: counted in whole 16-token blocks
+    clock.advance(0.3)  # past the lag: the first send reached the server before the hint
     pacer.observe(
         clock.monotonic(), RoomHint(quota=4000, remaining=700, reset=2)
     )  # an answer came back
