@@ -261,6 +261,14 @@ class Pacer:
                 return 0.0
             return min(PACE_POLL, self._expires - now)
 
+    def take_if_fits(self, now: float, need: int) -> bool:
+        """Whether a live hint has room for ``need`` now (then it is counted as sent)."""
+        with self._lock:
+            if now < self._expires and self._sent + need <= self._free:
+                self._note(now, need)
+                return True
+            return False
+
     def send_anyway(self, now: float, need: int) -> None:
         """Count a request that goes despite the hint (its deadline would not wait)."""
         with self._lock:

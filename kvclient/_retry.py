@@ -468,6 +468,8 @@ class RetryCall:
         # KV tokens the request reserves (prompt + output cap), what the send window counts;
         # 1 when unknown (GET /v1/models).
         self.size = 1 if size is None else size
+        # The server reserves whole KV blocks: count as it will (16 tokens, the usual size).
+        self._pace_need = -(-self.size // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
         # The size the cooldown goes by: None (every size) unless the policy sorts by size.
         self._cooldown_size = size if policy.cooldown_by_size else None
         self.on_retry = on_retry
@@ -509,6 +511,11 @@ class RetryCall:
         remaining = self.cooldown.remaining(now, self._cooldown_size)
         if remaining <= 0:
             return self._pace_time(now)
+        # The room the server advertised since its 429 is newer than its Retry-After: a request
+        # that fits it need not wait the cooldown out.
+        if self.pacer is not None and self.pacer.take_if_fits(now, self._pace_need):
+            self.paced = (now, self._pace_need)
+            return 0.0
         if remaining > self.policy.max_wait or remaining >= self.time_left():
             raise self._busy(
                 f"client is cooling down for {remaining:.3g}s more after the server's "
@@ -524,8 +531,7 @@ class RetryCall:
         pacer = self.pacer
         if pacer is None:
             return 0.0
-        # The server reserves whole KV blocks: count as it will (16 tokens, the usual size).
-        need = -(-self.size // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
+        need = self._pace_need
         wait = pacer.take(now, need)
         if wait > 0 and wait >= self.time_left():
             pacer.send_anyway(now, need)  # a hint never fails a call: the server decides

@@ -124,7 +124,7 @@ def test_a_live_hint_is_never_oversubscribed(
             hint = RoomHint(quota=quota, remaining=amount, reset=reset)
             pacer.observe(now, hint)
             seen = now
-            granted = sum(a for t, a in sends if t >= now - lag)
+            granted = sum(a for t, a in sends if lag > 0 and t >= now - lag)
             expires = seen + (min(age, reset + lag) if reset else age)
             continue
         wait = pacer.take(now, amount)
@@ -206,6 +206,21 @@ def test_a_request_that_would_not_fit_is_held_until_room_is_advertised() -> None
         clock.monotonic(), RoomHint(quota=4000, remaining=700, reset=2)
     )  # an answer came back
     assert second.hold_time() == 0.0
+
+
+def test_room_advertised_since_a_429_beats_its_cooldown() -> None:
+    clock = FakeClock()
+    pacer = Pacer()
+    cooldown = Cooldown()
+    cooldown.extend(clock.monotonic(), 2.0)  # a 429 said: come back in 2 s
+    pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=700, reset=2))
+    policy = RetryPolicy(clock=clock.monotonic)
+    fits = RetryCall(policy, cooldown, size=600, pacer=pacer)
+    assert fits.hold_time() == 0.0  # 608 fit in the 700 free
+    too_big = RetryCall(policy, cooldown, size=600, pacer=pacer)
+    assert too_big.hold_time() >= 2.0  # 608 more do not: the cooldown holds it
+    unpaced = RetryCall(RetryPolicy(clock=clock.monotonic, pace=False), cooldown, size=1)
+    assert unpaced.hold_time() >= 2.0
 
 
 def test_pacing_off_probes_and_the_deadline_never_hold() -> None:
