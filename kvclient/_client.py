@@ -47,6 +47,7 @@ from ._exceptions import (
     ServerBusyError,
 )
 from ._models import Completion, CompletionChunk, RetryEvent, ToolCall, Usage
+from ._pacing import Pacer, parse_ratelimit
 from ._retry import Cooldown, RetryCall, RetryPolicy, SendWindow, parse_retry_after
 from ._streaming import (
     AsyncLines,
@@ -86,6 +87,8 @@ _WINDOW_POLL = 0.1
 _STALE_RESENDS = 2  # per call
 # The request extension carrying the time (policy clock) by which its answer must have been read.
 _DEADLINE = "kvclient.deadline"
+# The request extension carrying its send as the pacer counted it (see RetryCall.paced).
+_PACED = "kvclient.paced"
 
 
 class _Body(httpx.SyncByteStream, httpx.AsyncByteStream):
@@ -362,6 +365,7 @@ class BaseClient:
         self.on_retry = on_retry
         self._extra_headers = dict(headers or {})
         self._cooldown = Cooldown()
+        self._pacer = Pacer()
         self._window = SendWindow(reset=self.retry.window_reset)
         self._base_timeout = httpx.Timeout(timeout)
         # Built once: the headers every request carries (none left once an httpx client kvclient
@@ -444,10 +448,18 @@ class BaseClient:
             "write": cap(base.write),
             "pool": cap(base.pool),
         }
-        return {"timeout": timeout, _DEADLINE: call.started + self.retry.deadline}
+        return {
+            "timeout": timeout,
+            _DEADLINE: call.started + self.retry.deadline,
+            _PACED: call.paced,
+        }
 
     def _bound(self, response: httpx.Response) -> None:
-        """Read ``response``'s body against its call's deadline (see :class:`_Bounded`)."""
+        """Read ``response``'s body against its call's deadline (see :class:`_Bounded`); note
+        the room it advertises, if any (see :class:`kvclient._pacing.Pacer`)."""
+        if self.retry.pace and (hint := parse_ratelimit(response.headers)) is not None:
+            own = response.request.extensions.get(_PACED)
+            self._pacer.observe(self.retry.clock(), hint, own)
         deadline = response.request.extensions.get(_DEADLINE)
         if isinstance(deadline, (int, float)):  # an injected clock may count in integers
             why = f"the call's {self.retry.deadline:g}s deadline passed while reading the answer"
@@ -680,7 +692,9 @@ class BaseClient:
 
     def _new_call(self, prepared: _Prepared | None = None) -> RetryCall:
         size = None if prepared is None else prepared.prompt_tokens + prepared.max_tokens
-        return RetryCall(self.retry, self._cooldown, size=size, on_retry=self.on_retry)
+        return RetryCall(
+            self.retry, self._cooldown, size=size, on_retry=self.on_retry, pacer=self._pacer
+        )
 
     def _window_busy(self, call: RetryCall) -> ServerBusyError:
         return ServerBusyError(

@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 import tenacity
 
+from ._accounting import DEFAULT_BLOCK_SIZE
 from ._exceptions import (
     APIConnectionError,
     APIStatusError,
@@ -39,6 +40,7 @@ from ._exceptions import (
     ServerBusyError,
 )
 from ._models import RetryEvent
+from ._pacing import PACE_POLL, Pacer
 
 __all__ = [
     "DEFAULT_BACKOFF_INITIAL",
@@ -263,6 +265,12 @@ class RetryPolicy:
     :class:`Cooldown`. ``window`` (on by default) paces the client after a refusal: see
     :class:`SendWindow`; ``window_reset`` is how long without a refusal before it opens fully.
 
+    ``pace`` (on by default) holds a request locally while it would not fit the room the server
+    last advertised in its ``RateLimit`` header (less what the client sent since): it goes when
+    a fresher answer shows room, when the hint ages out, or when holding longer would reach the
+    deadline (then the server decides). A server that sends no hints is not affected: see
+    :class:`kvclient._pacing.Pacer`.
+
     ``clock`` (monotonic seconds), ``wall_clock`` (Unix time, for HTTP-dates), ``sleep``,
     ``async_sleep`` and ``random`` are injectable, so tests never sleep for real; see
     :mod:`kvclient.testing`.
@@ -281,6 +289,7 @@ class RetryPolicy:
     cooldown_by_size: bool = False
     window: bool = True
     window_reset: float = DEFAULT_WINDOW_RESET
+    pace: bool = True
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     wall_clock: Callable[[], float] = field(default=time.time, repr=False)
     sleep: Callable[[float], None] = field(default=_default_sleep, repr=False)
@@ -449,12 +458,18 @@ class RetryCall:
         *,
         size: int | None = None,
         on_retry: Callable[[RetryEvent], None] | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self.policy = policy
         self.cooldown = cooldown
+        # Pacing counts a request's own size; one of unknown size (a probe) is never held.
+        self.pacer = pacer if policy.pace and size is not None else None
+        self.paced: tuple[float, int] | None = None
         # KV tokens the request reserves (prompt + output cap), what the send window counts;
         # 1 when unknown (GET /v1/models).
         self.size = 1 if size is None else size
+        # The server reserves whole KV blocks: count as it will (16 tokens, the usual size).
+        self._pace_need = -(-self.size // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
         # The size the cooldown goes by: None (every size) unless the policy sorts by size.
         self._cooldown_size = size if policy.cooldown_by_size else None
         self.on_retry = on_retry
@@ -487,12 +502,19 @@ class RetryCall:
         return error
 
     def hold_time(self) -> float:
-        """Seconds to hold before sending because the client is cooling down (0: send now).
+        """Seconds to hold before sending because the client is cooling down or the server's
+        advertised room would not fit the request (0: send now).
 
         Raises ServerBusyError when the cooldown outlasts the wait cap or the deadline.
         """
-        remaining = self.cooldown.remaining(self.policy.clock(), self._cooldown_size)
+        now = self.policy.clock()
+        remaining = self.cooldown.remaining(now, self._cooldown_size)
         if remaining <= 0:
+            return self._pace_time(now)
+        # The room the server advertised since its 429 is newer than its Retry-After: a request
+        # that fits it need not wait the cooldown out.
+        if self.pacer is not None and self.pacer.take_if_fits(now, self._pace_need):
+            self.paced = (now, self._pace_need)
             return 0.0
         if remaining > self.policy.max_wait or remaining >= self.time_left():
             raise self._busy(
@@ -504,6 +526,19 @@ class RetryCall:
             )
         # Jitter above the remaining time too, so held requests do not all return at once.
         return server_wait(self.policy, remaining)
+
+    def _pace_time(self, now: float) -> float:
+        pacer = self.pacer
+        if pacer is None:
+            return 0.0
+        need = self._pace_need
+        wait = pacer.take(now, need)
+        if wait > 0 and wait >= self.time_left():
+            pacer.send_anyway(now, need)  # a hint never fails a call: the server decides
+            wait = 0.0
+        if wait == 0.0:
+            self.paced = (now, need)  # its answer's hint accounts for it: Pacer.observe
+        return wait
 
     def held(self, seconds: float) -> None:
         self.waited += seconds
@@ -660,4 +695,7 @@ class RetryCall:
         return tenacity.AsyncRetrying(sleep=self.policy.async_sleep, **self._options()).__aiter__()
 
     def hold_rounds(self) -> range:
-        return range(_MAX_HOLD_ROUNDS)
+        if self.pacer is None:
+            return range(_MAX_HOLD_ROUNDS)
+        # Pacing holds in short polls, up to the deadline.
+        return range(_MAX_HOLD_ROUNDS + math.ceil(self.policy.deadline / PACE_POLL))

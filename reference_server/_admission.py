@@ -18,11 +18,12 @@ import anyio
 from starlette.responses import JSONResponse
 
 from kvclient import effective_output_cap
+from kvclient._pacing import POLICY_HEADER, RATELIMIT_HEADER, format_ratelimit
 
 from ._errors import APIError, error_response
-from .ledger import Handle, KVAdmissionController
+from .ledger import Handle, Headroom, KVAdmissionController
 
-__all__ = ["AdmissionQueue", "Rejected", "admissible_cap", "too_busy"]
+__all__ = ["AdmissionQueue", "Rejected", "admissible_cap", "ratelimit_headers", "room", "too_busy"]
 
 
 class Rejected(Exception):
@@ -61,6 +62,15 @@ class AdmissionQueue:
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    def now(self) -> float:
+        """The queue's clock: the one the ledger's due times are on."""
+        return self._clock()
+
+    @property
+    def waiting_tokens(self) -> int:
+        """KV tokens the queued requests wait for: not free for a newcomer, who queues behind."""
+        return sum(w.need for w in self._waiters)
 
     def _reject(
         self, need: int, output_cap: int, ahead: int, extra_need: int, client: Hashable | None
@@ -125,6 +135,28 @@ class AdmissionQueue:
                 self.notify()  # the next in line may fit now
 
 
+def ratelimit_headers(room: Headroom) -> dict[str, str]:
+    """``RateLimit-Policy`` and ``RateLimit`` for ``room`` (see :mod:`kvclient._pacing` for the
+    syntax and the ``kvtok`` unit); none for a strategy whose room is not in reserved tokens."""
+    if not room.advertised:
+        return {}
+    policy, current = format_ratelimit(
+        quota=room.usable, remaining=room.free, reset=room.next_release_in
+    )
+    return {POLICY_HEADER: policy, RATELIMIT_HEADER: current}
+
+
+def room(
+    ledger: KVAdmissionController,
+    queue: AdmissionQueue | None = None,
+    releasing: Handle | None = None,
+) -> dict[str, str]:
+    """The RateLimit headers for an answer of a server with ``ledger`` (and ``queue``) now."""
+    queued = queue.waiting_tokens if queue is not None else 0
+    now = queue.now() if queue is not None else time.monotonic()
+    return ratelimit_headers(ledger.headroom(now, releasing=releasing, queued=queued))
+
+
 def retry_after_header(seconds: float) -> tuple[str, str]:
     """``(Retry-After, retry-after-ms)``: whole seconds, at least 1; milliseconds, at least 1."""
     whole = max(1, math.ceil(seconds))
@@ -168,9 +200,14 @@ def admissible_cap(
 
 
 def too_busy(
-    ledger: KVAdmissionController, rejected: Rejected, prompt_tokens: int, cap: int
+    ledger: KVAdmissionController,
+    rejected: Rejected,
+    prompt_tokens: int,
+    cap: int,
+    queue: AdmissionQueue | None = None,
 ) -> JSONResponse:
-    """The 429 for a request the budget cannot take now, with Retry-After and retry-after-ms."""
+    """The 429 for a request the budget cannot take now, with Retry-After and retry-after-ms,
+    and the room left (RateLimit headers)."""
     stats = ledger.stats()
     seconds, millis = retry_after_header(rejected.retry_after)
     queued = f", {rejected.queued_ahead} queued ahead" if rejected.queued_ahead else ""
@@ -182,5 +219,5 @@ def too_busy(
         f"requests{queued}. Retry after {int(millis) / 1000:.3f} seconds.",
         type="rate_limit_error",
         code="rate_limit_exceeded",
-        headers={"Retry-After": seconds, "retry-after-ms": millis},
+        headers={"Retry-After": seconds, "retry-after-ms": millis, **room(ledger, queue)},
     )

@@ -24,6 +24,10 @@ GAUGES: dict[str, str] = {
     "kv_peak_used_tokens": "Highest kv_used_tokens since start.",
     "kv_inflight_requests": "Requests holding a reservation.",
     "kv_queue_waiting_requests": "Requests waiting in the FIFO admission queue.",
+    "kv_free_tokens": "KV tokens a new request may reserve now (the RateLimit header's r).",
+    "kv_next_release_seconds": (
+        "Seconds until the soonest reservation is due to end at the latest (0: none live)."
+    ),
 }
 COUNTERS: dict[str, str] = {
     "kv_admitted_total": "Requests admitted by the ledger.",

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ._admission import AdmissionQueue, Rejected, admissible_cap, too_busy
+from ._admission import AdmissionQueue, Rejected, admissible_cap, room, too_busy
 from ._errors import APIError, error_response
 from ._journal import AdmissionLog
 from ._metrics import build_registry
@@ -46,7 +46,7 @@ from ._requests import (
 )
 from .config import ServerConfig
 from .engine import Completion, EngineFaultError, EngineOOMError, SimulatedEngine
-from .ledger import KVAdmissionController
+from .ledger import Handle, KVAdmissionController
 
 __all__ = ["APIKeyMiddleware", "ServerState", "UnexpectedErrorMiddleware", "create_app"]
 
@@ -143,6 +143,7 @@ class ServerState:
     def snapshot(self) -> dict[str, float]:
         """Every metric by its Prometheus name (counters with ``_total``)."""
         ledger = self.ledger.stats()
+        headroom = self.ledger.headroom(self.queue.now(), queued=self.queue.waiting_tokens)
         engine = self.engine.stats()
         with self._lock:
             requests, generation = self._requests, self._generation_requests
@@ -158,6 +159,8 @@ class ServerState:
             "kv_peak_used_tokens": engine.peak_used_tokens,
             "kv_inflight_requests": ledger.inflight,
             "kv_queue_waiting_requests": self.queue.waiting,
+            "kv_free_tokens": headroom.free,
+            "kv_next_release_seconds": headroom.next_release_in,
             "kv_admitted_total": ledger.admitted_total,
             "kv_rejected_total": ledger.rejected_total,
             "kv_oom_events_total": engine.oom_events_total,
@@ -168,6 +171,10 @@ class ServerState:
             "kv_http_requests_total": requests,
             "kv_generation_requests_total": generation,
         }
+
+
+def _encoded(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
 def _state(scope: Scope) -> ServerState:
@@ -416,7 +423,8 @@ class GenerationEndpoint:
                     prompt_tokens, cap, client=tuple(client) if client else None
                 )
             except Rejected as rejected:
-                await too_busy(state.ledger, rejected, prompt_tokens, cap)(scope, receive, send)
+                busy = too_busy(state.ledger, rejected, prompt_tokens, cap, state.queue)
+                await busy(scope, receive, send)
                 await watch.finish()
                 return
             # A client that stops reading must not pin the reservation: the answer may run
@@ -437,9 +445,7 @@ class GenerationEndpoint:
                 if request.stream:
                     await self._stream(state, request, prompt_tokens, cap, watched_send)
                 else:
-                    await self._complete(
-                        state, request, prompt_tokens, cap, scope, receive, watched_send
-                    )
+                    await self._complete(state, request, handle, cap, scope, receive, watched_send)
                 done = True
             finally:
                 state.ledger.release(handle)
@@ -453,12 +459,13 @@ class GenerationEndpoint:
         self,
         state: ServerState,
         request: GenerationRequest,
-        prompt_tokens: int,
+        handle: Handle,
         cap: int,
         scope: Scope,
         receive: Receive,
         send: Send,
     ) -> None:
+        prompt_tokens = handle.prompt_tokens
         try:
             completion = await state.engine.generate(prompt_tokens, cap)
         except (EngineOOMError, EngineFaultError) as failure:
@@ -466,7 +473,10 @@ class GenerationEndpoint:
             response: Response = error_response(500, message, type=_ENGINE_ERROR_TYPE, code=code)
         else:
             state.ledger.record_output(completion.completion_tokens)
-            response = JSONResponse(self._body(state, completion, prompt_tokens))
+            # The answer goes out just before the finally that releases the handle: its room
+            # is advertised as free already.
+            headers = room(state.ledger, state.queue, releasing=handle)
+            response = JSONResponse(self._body(state, completion, prompt_tokens), headers=headers)
         await response(scope, receive, send)
 
     def _body(self, state: ServerState, completion: Completion, prompt_tokens: int) -> Any:
@@ -554,6 +564,7 @@ class GenerationEndpoint:
                     (b"content-type", b"text/event-stream; charset=utf-8"),
                     (b"cache-control", b"no-cache"),
                     (b"x-accel-buffering", b"no"),
+                    *_encoded(room(state.ledger, state.queue)),
                 ],
             }
         )

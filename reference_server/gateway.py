@@ -50,7 +50,7 @@ from kvclient._dialects import (
 )
 from kvclient._routing import Endpoint, Health, ranked
 
-from ._admission import AdmissionQueue, Rejected, admissible_cap, too_busy
+from ._admission import AdmissionQueue, Rejected, admissible_cap, room, too_busy
 from ._errors import APIError, error_response
 from ._requests import (
     GenerationRequest,
@@ -96,8 +96,10 @@ _HOP_HEADERS = frozenset(
 )
 _RESPONSE_DROP = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date",
-     "server"}
+     "server", "ratelimit", "ratelimit-policy"}
 )  # fmt: skip
+# (An upstream's RateLimit fields describe its room as it sees it; the gateway's ledger for that
+# upstream says what the gateway will admit, and is what its answers advertise.)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -380,6 +382,13 @@ def _response_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
     ]
 
 
+def _room_headers(upstream: Upstream, releasing: Handle | None = None) -> list[tuple[bytes, bytes]]:
+    if upstream.ledger is None:
+        return []
+    headers = room(upstream.ledger, upstream.queue, releasing)
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+
 def _completion_tokens(content: bytes) -> int:
     try:
         usage = json.loads(content).get("usage")
@@ -525,9 +534,8 @@ class GatewayGeneration:
                         prompt_tokens, cap, client=tuple(client) if client else None
                     )
                 except Rejected as rejected:
-                    await too_busy(upstream.ledger, rejected, prompt_tokens, cap)(
-                        scope, receive, send
-                    )
+                    busy = too_busy(upstream.ledger, rejected, prompt_tokens, cap, upstream.queue)
+                    await busy(scope, receive, send)
                     break
                 try:
                     sent = await self._forward(
@@ -609,7 +617,8 @@ class GatewayGeneration:
                         "type": "http.response.start",
                         "status": response.status_code,
                         "headers": [*_response_headers(response), (b"content-length",
-                                    str(len(data)).encode())],
+                                    str(len(data)).encode()),
+                                    *_room_headers(upstream, handle)],
                     }
                 )  # fmt: skip
                 await send({"type": "http.response.body", "body": data, "more_body": False})
@@ -638,7 +647,7 @@ class GatewayGeneration:
             {
                 "type": "http.response.start",
                 "status": response.status_code,
-                "headers": _response_headers(response),
+                "headers": [*_response_headers(response), *_room_headers(upstream)],
             }
         )
         upstream.health.succeeded()

@@ -40,6 +40,7 @@ __all__ = [
     "STAGGER_ROUNDS",
     "STRATEGIES",
     "Handle",
+    "Headroom",
     "KVAdmissionController",
     "LedgerEvent",
     "LedgerStats",
@@ -159,6 +160,22 @@ class LedgerStats:
     peak_reserved_tokens: int
     peak_inflight: int
     max_concurrency: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Headroom:
+    """The room a server advertises (``RateLimit`` headers, ``/metrics``), in KV tokens.
+
+    ``free`` is what a new reservation may take now; ``next_release_in`` the seconds until the
+    soonest live reservation is due to end at the latest (0.0 when none is live); ``advertised``
+    is False under the ``prompt`` and ``concurrency`` strategies, whose budgets are not what a
+    client reserves (prompt + output cap), so their room is not advertised.
+    """
+
+    usable: int
+    free: int
+    next_release_in: float
+    advertised: bool = True
 
 
 class KVAdmissionController:
@@ -489,6 +506,33 @@ class KVAdmissionController:
             return len(self._promises)
 
     # --- observation -------------------------------------------------------------------------
+
+    def headroom(self, now: float, *, releasing: Handle | None = None, queued: int = 0) -> Headroom:
+        """What is free now and when the next reservation is due to end.
+
+        ``releasing`` is a handle about to be given back (an answer sent just before its
+        ``finally``): counted as free already. ``queued`` tokens wait in a queue ahead of any
+        newcomer, so they are not free for it.
+        """
+        with self._lock:
+            reserved = self._reserved
+            inflight = len(self._live)
+            soonest = math.inf
+            for handle in self._live.values():
+                if handle is releasing:
+                    reserved -= handle.reserved_tokens
+                    inflight -= 1
+                elif handle.due_at < soonest:
+                    soonest = handle.due_at
+        free = self.usable_tokens - reserved - queued
+        if self.max_concurrency is not None and inflight >= self.max_concurrency:
+            free = 0
+        return Headroom(
+            usable=self.usable_tokens,
+            free=max(0, free),
+            next_release_in=max(0.0, soonest - now) if soonest != math.inf else 0.0,
+            advertised=self.strategy == "reserve",
+        )
 
     def live_handles(self) -> list[Handle]:
         """The handles currently holding a reservation, oldest first."""

@@ -185,12 +185,24 @@ def test_cooldown_is_honoured_across_requests_of_one_client(server: RunningServe
 
     The later requests are small: the server would have admitted them at once, so a 429-free
     run with ``retry_wait > 0`` shows they were held by the client, not refused by the server.
+    (Without pacing: the room the 429 advertises would let them go, as the next test shows.)
     """
-    _, small, told, advice = _large_refused_then_small(server, RetryPolicy())
+    _, small, told, advice = _large_refused_then_small(server, RetryPolicy(pace=False))
     for completion, finished in small:
         assert completion.attempts == 1
         assert completion.retry_wait > 0
         assert finished - told >= advice * 0.9
+
+
+def test_the_room_a_429_advertises_lets_what_fits_go_at_once(server: RunningServer) -> None:
+    """Pacing (the default): the 429 says 1678 tokens are free, so the small requests (112 in
+    blocks) go at once and are admitted; the large one still waits its advice out."""
+    (large, large_finished), small, told, advice = _large_refused_then_small(server, RetryPolicy())
+    assert large.attempts == 2
+    assert large_finished - told >= advice * 0.9
+    for completion, _ in small:
+        assert completion.attempts == 1
+        assert completion.retry_wait == 0
 
 
 def test_cooldown_holds_the_large_and_lets_the_small_fill_the_room(server: RunningServer) -> None:

@@ -1,0 +1,120 @@
+"""Servers advertise their room (RateLimit headers), clients pace from it: over loopback.
+
+The reference server and the gateway put the room on answers, streams and 429s; an
+AsyncClient (asyncio and trio) that paces collects fewer 429s than one that does not, under the
+same overload, counted by the server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from kvclient import AsyncClient, RetryPolicy
+from kvclient._pacing import parse_ratelimit
+from reference_server import RunningServer, running_server
+from reference_server._runner import running_gateway
+from reference_server.gateway import GatewayConfig
+from tests.server_helpers import at_zero, wait_for
+
+CONFIG: dict[str, Any] = {
+    "kv_tokens": 4096,  # usable 3686: four requests of 912 KV tokens fit at once, not five
+    "context_window": 2048,
+    "decode_rate": 8000.0,
+    "mean_output_tokens": 1e6,  # always run to the cap
+    "tick_seconds": 0.005,
+}
+BODY = {"prompt": "x", "max_tokens": 900}  # 1 + 900 tokens, 912 in blocks of 16
+LARGE = {"prompt": "x", "max_tokens": 2000}  # 2016: two do not fit together
+
+
+@pytest.fixture
+def server() -> Iterator[RunningServer]:
+    with running_server(**CONFIG) as running:
+        yield running
+
+
+def test_answers_streams_and_429s_carry_the_room(server: RunningServer) -> None:
+    url = server.base_url + "/v1/completions"
+    with httpx.Client(timeout=10) as http:
+        answer = http.post(url, json=BODY)
+        hint = parse_ratelimit(answer.headers)
+        assert answer.headers["RateLimit-Policy"] == '"kv";q=3686;kvtok'
+        # Its own reservation is released as the answer goes: all of the budget is free.
+        assert hint is not None
+        assert (hint.quota, hint.remaining, hint.reset) == (3686, 3686, 0.0)
+        with http.stream("POST", url, json={**LARGE, "stream": True}) as stream:
+            during = parse_ratelimit(stream.headers)
+            assert during is not None
+            assert during.remaining == 3686 - 2016  # the stream holds its room while it runs
+            assert during.reset is not None
+            assert 0.1 < during.reset <= 0.25 + 0.035  # 2000 / 8000 s + the release margin
+            refused = http.post(url, json=LARGE)
+            stream.read()
+        assert refused.status_code == 429
+        busy = parse_ratelimit(refused.headers)
+        assert busy is not None
+        assert busy.remaining == 3686 - 2016
+    metrics = server.metrics()
+    assert metrics["kv_free_tokens"] == 3686
+    assert metrics["kv_next_release_seconds"] == 0.0
+
+
+def test_the_gateway_advertises_its_own_room_and_not_the_upstreams() -> None:
+    with (
+        running_server(**{**CONFIG, "kv_tokens": 8192}) as upstream,
+        running_gateway(
+            GatewayConfig(upstreams=(upstream.base_url,), kv_tokens=(4096,), decode_rate=8000.0)
+        ) as gateway,
+        httpx.Client(timeout=10) as http,
+    ):
+        url = gateway.base_url + "/v1/completions"
+        answer = http.post(url, json=BODY)
+        assert answer.headers.get_list("RateLimit-Policy") == ['"kv";q=3686;kvtok']
+        assert answer.headers.get_list("RateLimit") == ['"kv";r=3686;t=0;tms=0']
+        with http.stream("POST", url, json={**LARGE, "stream": True}) as stream:
+            hint = parse_ratelimit(stream.headers)
+            assert hint is not None
+            assert hint.remaining == 3686 - 2016
+            refused = http.post(url, json=LARGE)
+            stream.read()
+        assert refused.status_code == 429
+        assert parse_ratelimit(refused.headers) is not None
+
+
+async def _burst(server: RunningServer, *, pace: bool, n: int = 12) -> float:
+    """One client: a first request (it learns the room), then ``n`` at once. The server's 429s."""
+    policy = RetryPolicy(pace=pace, deadline=30)
+    async with AsyncClient(base_url=server.base_url, context_window=2048, retry=policy) as client:
+        await client.complete("x", max_tokens=900)
+        async with anyio.create_task_group() as group:
+            for _ in range(n):
+                group.start_soon(lambda: client.complete("x", max_tokens=900))
+    with anyio.fail_after(5):
+        while not at_zero(server):  # noqa: ASYNC110 - polling state the server thread owns
+            await anyio.sleep(0.005)
+    return server.metrics()["kv_rejected_total"]
+
+
+@pytest.mark.anyio
+async def test_a_paced_client_collects_fewer_429s_than_an_unpaced_one() -> None:
+    with running_server(**CONFIG) as server:
+        unpaced = await _burst(server, pace=False)
+    with running_server(**CONFIG) as server:
+        paced = await _burst(server, pace=True)
+        admitted = server.metrics()["kv_admitted_total"]
+    assert unpaced >= 5  # four of twelve fit at once: most of the rest heard "no" first
+    assert paced < unpaced
+    assert paced <= 1
+    assert admitted == 13
+
+
+def test_metrics_expose_the_room(server: RunningServer) -> None:
+    text = httpx.get(server.base_url + "/metrics").text
+    assert "kv_free_tokens 3686.0" in text
+    assert "kv_next_release_seconds 0.0" in text
+    wait_for(lambda: at_zero(server))

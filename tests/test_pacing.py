@@ -1,0 +1,283 @@
+"""Pacing from the server's advertised room: the header syntax, the Pacer rule, the hold step,
+and the server's side (the ledger's headroom, the RateLimit fields it builds)."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvclient import RetryPolicy
+from kvclient._pacing import (
+    PACE_POLL,
+    PACE_TRICKLE,
+    Pacer,
+    RoomHint,
+    format_ratelimit,
+    parse_ratelimit,
+)
+from kvclient._retry import Cooldown, RetryCall
+from kvclient.testing import FakeClock
+from reference_server._admission import ratelimit_headers
+from reference_server.ledger import Headroom, KVAdmissionController
+
+# --- the header syntax -----------------------------------------------------------------------
+
+
+@given(
+    quota=st.integers(0, 10**12),
+    remaining=st.integers(0, 10**12),
+    reset=st.floats(0, 1e6, allow_nan=False),
+)
+def test_what_the_server_writes_the_client_reads(quota: int, remaining: int, reset: float) -> None:
+    policy, current = format_ratelimit(quota=quota, remaining=remaining, reset=reset)
+    hint = parse_ratelimit(httpx.Headers({"RateLimit-Policy": policy, "RateLimit": current}))
+    assert hint is not None
+    assert hint.quota == quota
+    assert hint.remaining == remaining
+    assert hint.reset == math.ceil(reset * 1000) / 1000  # tms: milliseconds, rounded up
+    assert current.split(";")[2] == f"t={math.ceil(reset)}"  # the draft's whole seconds
+
+
+@given(st.text(max_size=300), st.text(max_size=300))
+def test_the_parser_never_raises(policy: str, current: str) -> None:
+    hint = parse_ratelimit({"RateLimit-Policy": policy, "RateLimit": current})
+    assert hint is None or hint.remaining >= 0
+
+
+@pytest.mark.parametrize(
+    ("policy", "current", "expected"),
+    [
+        # Other policies beside ours, a Token for the name, parameters in any order.
+        ('"burst";q=10;w=1, kv;kvtok;q=500', 'other;r=1, "kv";t=3;r=40', (500, 40, 3)),
+        ('"kv";q=500;kvtok=?1', '"kv";r=0', (500, 0, None)),
+        ('"kv";q=500;kvtok', '"kv";r=9;t=2;tms=1500', (500, 9, 1.5)),  # tms wins over t
+        ('"kv";q=500;kvtok', '"kv";r=9;t=2;tms=x', (500, 9, 2.0)),
+        ('"kv";q=500', '"kv";r=40;t=3', None),  # no kvtok: not in KV tokens
+        ('"kv";q=500;kvtok=?0', '"kv";r=40;t=3', None),
+        ('"kv";q=500;kvtok', '"default";r=40;t=3', None),  # no "kv" item in RateLimit
+        ('"kv";q=500;kvtok', '"kv";r=-1;t=3', None),
+        ('"kv";q=500;kvtok', '"kv";r=1.5', None),
+        ('"kv";q=500;kvtok', '"kv";t=3', None),
+        ('"kv";q=500;kvtok', "", None),
+    ],
+)
+def test_only_our_policy_in_kv_tokens_is_read(
+    policy: str, current: str, expected: tuple[int, int, float | None] | None
+) -> None:
+    hint = parse_ratelimit({"ratelimit-policy": policy, "ratelimit": current})
+    if expected is None:
+        assert hint is None
+    else:
+        assert hint == RoomHint(quota=expected[0], remaining=expected[1], reset=expected[2])
+
+
+def test_a_list_split_over_several_lines_is_one_list() -> None:
+    headers = httpx.Headers(
+        [("RateLimit-Policy", '"a";q=1'), ("RateLimit-Policy", '"kv";q=9;kvtok'),
+         ("RateLimit", '"a";r=0'), ("RateLimit", '"kv";r=7;t=1')]
+    )  # fmt: skip
+    assert parse_ratelimit(headers) == RoomHint(quota=9, remaining=7, reset=1)
+
+
+def test_no_headers_no_hint() -> None:
+    assert parse_ratelimit(httpx.Headers({"Retry-After": "1"})) is None
+    assert (
+        parse_ratelimit({"RateLimit": '"kv";r=1' * 200, "RateLimit-Policy": '"kv";kvtok'}) is None
+    )
+
+
+# --- the pacing rule --------------------------------------------------------------------------
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("observe"), st.floats(0, 0.5), st.integers(0, 5000), st.integers(0, 3)),
+        st.tuples(st.just("take"), st.floats(0, 0.5), st.integers(1, 6000), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@given(_ops, st.floats(0.1, 2.0), st.sampled_from([0.0, 0.05, 0.3]))
+def test_a_live_hint_is_never_oversubscribed(
+    ops: list[tuple[str, float, int, int]], age: float, lag: float
+) -> None:
+    """While a hint is live, what the pacer lets go since it arrived fits in what it advertised
+    (bar requests larger than the whole budget, which go to be refused for good, and may
+    leave it oversubscribed); a hold is
+    short, positive and never outlasts the hint; with no live hint, everything goes. Sends
+    less than ``lag`` before a hint count against it too."""
+    pacer = Pacer(max_age=age, lag=lag)
+    sends: list[tuple[float, int]] = []
+    now = 0.0
+    hint: RoomHint | None = None
+    seen = expires = 0.0
+    trickle = -1.0
+    granted = 0
+    quota = 4000
+    for op, step, amount, reset in ops:
+        now += step
+        if op == "observe":
+            hint = RoomHint(quota=quota, remaining=amount, reset=reset)
+            pacer.observe(now, hint)
+            seen = now
+            granted = sum(a for t, a in sends if lag > 0 and t >= now - lag)
+            expires = seen + (min(age, reset + lag) if reset else age)
+            continue
+        wait = pacer.take(now, amount)
+        if wait == 0.0:
+            sends.append((now, amount))
+        if hint is None or amount > quota:
+            assert wait == 0.0
+            granted += amount
+            continue
+        if now >= expires:  # aged out: one request per PACE_TRICKLE, until forgotten
+            if now >= trickle or now >= expires + 10 * age:
+                assert wait == 0.0
+                trickle = now + PACE_TRICKLE
+                granted += amount
+            else:
+                assert 0 < wait <= PACE_POLL
+            continue
+        assert hint is not None
+        if wait == 0.0:
+            assert granted + amount <= hint.remaining
+            granted += amount
+        else:
+            assert 0 < wait <= PACE_POLL
+            assert now + wait <= expires + 1e-9
+            assert granted + amount > hint.remaining
+
+
+def test_an_answer_settles_its_own_send_but_not_the_others() -> None:
+    pacer = Pacer(lag=1.0)
+    pacer.observe(0.0, RoomHint(quota=1000, remaining=1000, reset=None))
+    assert pacer.take(0.1, 400) == 0.0
+    assert pacer.take(0.1, 300) == 0.0
+    # The answer to the 400 (a 429, say) says 500 free: the 300 sent just before may not be in
+    # it yet, the 400 is.
+    pacer.observe(0.15, RoomHint(quota=1000, remaining=500, reset=None), own=(0.1, 400))
+    assert pacer.take(0.2, 250) > 0
+    assert pacer.take(0.2, 200) == 0.0
+
+
+def test_an_aged_out_hint_lets_requests_trickle_then_is_forgotten() -> None:
+    pacer = Pacer(max_age=1.0)
+    pacer.observe(0.0, RoomHint(quota=1000, remaining=0, reset=None))
+    assert pacer.take(0.5, 100) > 0  # live, no room
+    assert pacer.take(1.0, 100) == 0.0  # aged out: one goes (its answer brings a fresh hint)
+    assert pacer.take(1.01, 100) > 0  # not a herd
+    assert pacer.take(1.0 + PACE_TRICKLE, 100) == 0.0
+    assert [pacer.take(11.0, 100) for _ in range(3)] == [0.0, 0.0, 0.0]  # forgotten
+
+
+def test_a_late_older_answer_does_not_replace_a_newer_one() -> None:
+    pacer = Pacer()
+    pacer.observe(5.0, RoomHint(quota=100, remaining=10, reset=0))
+    pacer.observe(4.0, RoomHint(quota=100, remaining=90, reset=0))
+    assert pacer.take(5.1, 50) > 0
+
+
+def test_max_age_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_age"):
+        Pacer(max_age=0)
+
+
+# --- the hold step (RetryCall) ----------------------------------------------------------------
+
+
+def _call(pacer: Pacer, clock: FakeClock, *, size: int | None = 600, **policy: object) -> RetryCall:
+    retry = RetryPolicy(clock=clock.monotonic, **policy)  # type: ignore[arg-type]
+    return RetryCall(retry, Cooldown(), size=size, pacer=pacer)
+
+
+def test_a_request_that_would_not_fit_is_held_until_room_is_advertised() -> None:
+    clock = FakeClock()
+    pacer = Pacer()
+    pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=1200, reset=2))
+    first, second = _call(pacer, clock), _call(pacer, clock)
+    assert first.hold_time() == 0.0
+    assert second.hold_time() == PACE_POLL  # 608 + 608 > 1200: counted in whole 16-token blocks
+    clock.advance(0.3)  # past the lag: the first send reached the server before the hint
+    pacer.observe(
+        clock.monotonic(), RoomHint(quota=4000, remaining=700, reset=2)
+    )  # an answer came back
+    assert second.hold_time() == 0.0
+
+
+def test_room_advertised_since_a_429_beats_its_cooldown() -> None:
+    clock = FakeClock()
+    pacer = Pacer()
+    cooldown = Cooldown()
+    cooldown.extend(clock.monotonic(), 2.0)  # a 429 said: come back in 2 s
+    pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=700, reset=2))
+    policy = RetryPolicy(clock=clock.monotonic)
+    fits = RetryCall(policy, cooldown, size=600, pacer=pacer)
+    assert fits.hold_time() == 0.0  # 608 fit in the 700 free
+    too_big = RetryCall(policy, cooldown, size=600, pacer=pacer)
+    assert too_big.hold_time() >= 2.0  # 608 more do not: the cooldown holds it
+    unpaced = RetryCall(RetryPolicy(clock=clock.monotonic, pace=False), cooldown, size=1)
+    assert unpaced.hold_time() >= 2.0
+
+
+def test_pacing_off_probes_and_the_deadline_never_hold() -> None:
+    clock = FakeClock()
+    pacer = Pacer()
+    pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=0, reset=0))
+    assert _call(pacer, clock, pace=False).hold_time() == 0.0
+    assert _call(pacer, clock, size=None).hold_time() == 0.0  # GET /v1/models and the like
+    near = _call(pacer, clock, deadline=0.5)
+    clock.advance(0.49)
+    assert near.hold_time() == 0.0  # holding would reach the deadline: the server decides
+    assert _call(pacer, clock).hold_time() > 0  # and what went anyway was counted
+
+
+def test_a_server_without_hints_is_paced_as_before() -> None:
+    clock = FakeClock()
+    call = _call(Pacer(), clock)
+    assert call.hold_time() == 0.0
+    assert call.hold_rounds() == range(1000 + round(120.0 / PACE_POLL))
+
+
+# --- the server's side ------------------------------------------------------------------------
+
+
+def test_headroom_counts_what_is_reserved_releasing_and_queued() -> None:
+    ledger = KVAdmissionController(total_kv_tokens=1000, context_window=512, decode_rate=100.0)
+    assert ledger.headroom(0.0) == Headroom(usable=900, free=900, next_release_in=0.0)
+    a = ledger.try_admit(100, 200, now=0.0)  # 304 tokens, due at 2.0
+    b = ledger.try_admit(100, 100, now=0.0)  # 208 tokens, due at 1.0
+    assert a is not None
+    assert b is not None
+    assert ledger.headroom(0.25) == Headroom(usable=900, free=388, next_release_in=0.75)
+    assert ledger.headroom(0.25, releasing=b) == Headroom(
+        usable=900, free=596, next_release_in=1.75
+    )
+    assert ledger.headroom(0.25, queued=500).free == 0
+
+
+def test_headroom_is_zero_at_the_concurrency_cap_and_unadvertised_for_other_strategies() -> None:
+    capped = KVAdmissionController(
+        total_kv_tokens=1000, context_window=512, decode_rate=100.0, max_concurrency=1
+    )
+    capped.try_admit(10, 10, now=0.0)
+    assert capped.headroom(0.0).free == 0
+    for strategy in ("prompt", "concurrency"):
+        other = KVAdmissionController(
+            total_kv_tokens=1000,
+            context_window=512,
+            decode_rate=100.0,
+            strategy=strategy,  # type: ignore[arg-type]
+        )
+        assert ratelimit_headers(other.headroom(0.0)) == {}
+
+
+def test_ratelimit_headers_from_a_snapshot() -> None:
+    headers = ratelimit_headers(Headroom(usable=900, free=388, next_release_in=0.75))
+    assert headers == {
+        "RateLimit-Policy": '"kv";q=900;kvtok',
+        "RateLimit": '"kv";r=388;t=1;tms=750',
+    }
