@@ -454,12 +454,16 @@ class BaseClient:
             _PACED: call.paced,
         }
 
-    def _bound(self, response: httpx.Response) -> None:
-        """Read ``response``'s body against its call's deadline (see :class:`_Bounded`); note
-        the room it advertises, if any (see :class:`kvclient._pacing.Pacer`)."""
+    def _note_room(self, response: httpx.Response) -> None:
+        """Note the room ``response`` advertises, if any (see :class:`kvclient._pacing.Pacer`)."""
         if self.retry.pace and (hint := parse_ratelimit(response.headers)) is not None:
             own = response.request.extensions.get(_PACED)
             self._pacer.observe(self.retry.clock(), hint, own)
+
+    def _bound(self, response: httpx.Response) -> None:
+        """Read ``response``'s body against its call's deadline (see :class:`_Bounded`); note
+        the room it advertises, if any."""
+        self._note_room(response)
         deadline = response.request.extensions.get(_DEADLINE)
         if isinstance(deadline, (int, float)):  # an injected clock may count in integers
             why = f"the call's {self.retry.deadline:g}s deadline passed while reading the answer"

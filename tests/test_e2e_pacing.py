@@ -118,3 +118,44 @@ def test_metrics_expose_the_room(server: RunningServer) -> None:
     assert "kv_free_tokens 3686.0" in text
     assert "kv_next_release_seconds 0.0" in text
     wait_for(lambda: at_zero(server))
+
+
+def _sdk_burst(server: RunningServer, *, pace: bool, n: int = 12) -> float:
+    """As :func:`_burst`, through the official openai SDK on kvclient's transport."""
+    import concurrent.futures
+
+    from kvclient.openai import OpenAI
+
+    client = OpenAI(
+        base_url=server.base_url + "/v1",
+        api_key="k",
+        context_window=2048,
+        retry=RetryPolicy(pace=pace, deadline=30),
+    )
+    with client:
+        client.completions.create(model=server.config.model, prompt="x", max_tokens=900)
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            calls = [
+                pool.submit(
+                    client.completions.create,
+                    model=server.config.model,
+                    prompt="x",
+                    max_tokens=900,
+                )
+                for _ in range(n)
+            ]
+            for call in calls:
+                call.result()
+    wait_for(lambda: at_zero(server))
+    return server.metrics()["kv_rejected_total"]
+
+
+def test_the_openai_sdk_through_kvclient_paces_too() -> None:
+    with running_server(**CONFIG) as server:
+        unpaced = _sdk_burst(server, pace=False)
+    with running_server(**CONFIG) as server:
+        paced = _sdk_burst(server, pace=True)
+        admitted = server.metrics()["kv_admitted_total"]
+    assert unpaced >= 5
+    assert paced < unpaced
+    assert admitted == 13

@@ -19,6 +19,7 @@ import httpx
 
 from .._client import (
     _MIN_ATTEMPT_TIMEOUT,
+    _PACED,
     IDEMPOTENCY_HEADER,
     RETRY_COUNT_HEADER,
     AsyncClient,
@@ -156,7 +157,9 @@ class _Shared:
 
     def _new_call(self, plan: Plan) -> RetryCall:
         kv = self._kv
-        return RetryCall(kv.retry, kv._cooldown, size=plan.size, on_retry=kv.on_retry)
+        return RetryCall(
+            kv.retry, kv._cooldown, size=plan.size, on_retry=kv.on_retry, pacer=kv._pacer
+        )
 
     @staticmethod
     def _outgoing(
@@ -176,7 +179,7 @@ class _Shared:
             request.url,
             headers=headers,
             content=plan.content,
-            extensions={**request.extensions, "timeout": capped},
+            extensions={**request.extensions, "timeout": capped, _PACED: call.paced},
         )
         if IDEMPOTENCY_HEADER not in outgoing.headers:
             outgoing.headers[IDEMPOTENCY_HEADER] = idempotency_key
@@ -282,6 +285,7 @@ class Transport(_Shared, httpx.BaseTransport):
             except httpx.HTTPError as exc:
                 raise kv._transport_error(exc, outgoing, answered=False) from exc
             response.request = outgoing
+            kv._note_room(response)  # the server's advertised room paces later calls
             if response.status_code < 400:
                 return response
             try:
@@ -363,6 +367,7 @@ class AsyncTransport(_Shared, httpx.AsyncBaseTransport):
             except httpx.HTTPError as exc:
                 raise kv._transport_error(exc, outgoing, answered=False) from exc
             response.request = outgoing
+            kv._note_room(response)  # the server's advertised room paces later calls
             if response.status_code < 400:
                 return response
             try:
