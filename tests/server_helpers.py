@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+
+import httpx
 
 from reference_server import RunningServer
 
@@ -26,3 +29,20 @@ def at_zero(server: RunningServer) -> bool:
         and m["kv_used_tokens"] == 0
         and server.engine.stats().running == 0
     )
+
+
+def hold(server: RunningServer, max_tokens: int) -> threading.Thread:
+    """Occupy the ledger with one raw request (not through the client under test)."""
+
+    def run() -> None:
+        httpx.post(
+            server.base_url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": max_tokens},
+            timeout=30,
+        )
+
+    before = server.metrics()["kv_admitted_total"]
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.metrics()["kv_admitted_total"] > before)
+    return thread

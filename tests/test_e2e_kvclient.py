@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import anyio
-import httpx
 import pytest
 
 from kvclient import (
@@ -28,7 +27,7 @@ from kvclient import (
     TiktokenCounter,
 )
 from reference_server import RunningServer, running_server
-from tests.server_helpers import at_zero, wait_for
+from tests.server_helpers import at_zero, hold, wait_for
 
 COUNTER = TiktokenCounter()
 CONFIG: dict[str, Any] = {
@@ -44,23 +43,6 @@ CONFIG: dict[str, Any] = {
 def server() -> Iterator[RunningServer]:
     with running_server(**CONFIG) as running:
         yield running
-
-
-def hold(server: RunningServer, max_tokens: int) -> threading.Thread:
-    """Occupy the ledger with one raw request (not through the client under test)."""
-
-    def run() -> None:
-        httpx.post(
-            server.base_url + "/v1/completions",
-            json={"prompt": "x", "max_tokens": max_tokens},
-            timeout=30,
-        )
-
-    before = server.metrics()["kv_admitted_total"]
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.metrics()["kv_admitted_total"] > before)
-    return thread
 
 
 def test_prompt_over_the_context_is_refused_without_a_send(server: RunningServer) -> None:

@@ -4,7 +4,6 @@ and async (asyncio and trio), plain and streamed. Attempts are counted by the se
 from __future__ import annotations
 
 import gc
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +16,7 @@ import pytest
 from kvclient import RetryEvent, RetryPolicy, TiktokenCounter
 from kvclient.openai import AsyncOpenAI, OpenAI, Transport
 from reference_server import RunningServer, running_server
-from tests.server_helpers import at_zero, wait_for
+from tests.server_helpers import at_zero, hold, wait_for
 
 COUNTER = TiktokenCounter()
 MODEL = "kvclient-sim"
@@ -44,23 +43,6 @@ def server() -> Iterator[RunningServer]:
 def attempts(server: RunningServer) -> float:
     m = server.metrics()
     return m["kv_admitted_total"] + m["kv_rejected_total"]
-
-
-def hold(server: RunningServer, max_tokens: int) -> threading.Thread:
-    """Occupy the ledger with one raw request (not through the client under test)."""
-
-    def run() -> None:
-        httpx.post(
-            server.base_url + "/v1/completions",
-            json={"prompt": "x", "max_tokens": max_tokens},
-            timeout=30,
-        )
-
-    before = server.metrics()["kv_admitted_total"]
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.metrics()["kv_admitted_total"] > before)
-    return thread
 
 
 def test_the_discovered_window_clamps_and_the_server_reaches_that_cap(

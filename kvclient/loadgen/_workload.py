@@ -91,6 +91,20 @@ class WorkItem:
     def is_chat(self) -> bool:
         return self.messages is not None
 
+    @classmethod
+    def of(
+        cls, prompt: str, max_tokens: int | None, counter: TokenCounter, *, chat: bool
+    ) -> WorkItem:
+        """``prompt`` as a completion, or as one user message when ``chat``; counted."""
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            return cls(
+                messages=messages,
+                max_tokens=max_tokens,
+                prompt_tokens=counter.count_messages(messages),
+            )
+        return cls(prompt=prompt, max_tokens=max_tokens, prompt_tokens=counter.count(prompt))
+
 
 def _check_range(name: str, bounds: tuple[int, int], minimum: int) -> tuple[int, int]:
     low, high = bounds
@@ -150,19 +164,7 @@ class SyntheticWorkload:
             cap: int | None = rng.randint(*shape.max_tokens)
             if rng.random() < shape.unset_cap_share:
                 cap = None
-            if self.chat:
-                messages = [{"role": "user", "content": prompt}]
-                items.append(
-                    WorkItem(
-                        messages=messages,
-                        max_tokens=cap,
-                        prompt_tokens=counter.count_messages(messages),
-                    )
-                )
-            else:
-                items.append(
-                    WorkItem(prompt=prompt, max_tokens=cap, prompt_tokens=counter.count(prompt))
-                )
+            items.append(WorkItem.of(prompt, cap, counter, chat=self.chat))
         return items
 
 
@@ -249,19 +251,7 @@ def load_sharegpt(path: str | Path, counter: TokenCounter, *, chat: bool = False
         prompt = parsed[first][1]
         reply = next((text for who, text in parsed[first + 1 :] if who in _MODEL), None)
         cap = max(1, counter.count(reply)) if reply else None
-        if chat:
-            messages = [{"role": "user", "content": prompt}]
-            items.append(
-                WorkItem(
-                    messages=messages,
-                    max_tokens=cap,
-                    prompt_tokens=counter.count_messages(messages),
-                )
-            )
-        else:
-            items.append(
-                WorkItem(prompt=prompt, max_tokens=cap, prompt_tokens=counter.count(prompt))
-            )
+        items.append(WorkItem.of(prompt, cap, counter, chat=chat))
     if not items:
         raise ValueError(f"{path}: no conversation with a human turn (ShareGPT format)")
     return items
