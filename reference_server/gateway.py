@@ -486,7 +486,7 @@ class GatewayGeneration:
                         return counted
                     break
         counter = state.fallback_counter
-        if len(json.dumps(request.messages or request.prompt or "")) > _THREAD_COUNT_CHARS:
+        if request.size_hint > _THREAD_COUNT_CHARS:  # the reference server's rule
             return await anyio.to_thread.run_sync(count_prompt, request, counter)
         return count_prompt(request, counter)
 
