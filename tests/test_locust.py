@@ -26,7 +26,7 @@ def test_locust_reports_requests_rejections_and_ttft(tmp_path: Path) -> None:
         out = subprocess.run(
             [
                 sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", server.base_url,
-                "--headless", "-u", "8", "-r", "8", "-t", "4s", "--csv", str(prefix),
+                "--headless", "-u", "8", "-r", "8", "-t", "6s", "--csv", str(prefix),
                 "--only-summary", "--stop-timeout", "5",
             ],
             capture_output=True, text=True, timeout=90,
@@ -40,7 +40,7 @@ def test_locust_reports_requests_rejections_and_ttft(tmp_path: Path) -> None:
         for key in rows
         if key[0] == "POST" and key[1].startswith("/v1/")
     )
-    # How many calls fit in the 4 s depends on the machine's load (CI once saw 3, an idle
+    # How many calls fit in the 6 s depends on the machine's load (CI once saw 3, an idle
     # machine 13), so the checks below are counts that must agree, not a throughput.
     assert calls >= 1
     ttft = int(rows.get(("STREAM", "STREAM TTFT"), {"Request Count": "0"})["Request Count"])

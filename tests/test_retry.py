@@ -123,7 +123,7 @@ def test_repeated_retry_after_headers_count_their_largest_valid_value() -> None:
     assert parse_retry_after({"Retry-After": ", ".join(["1"] * 200)}) is None  # too long
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     st.dictionaries(
         st.sampled_from(["Retry-After", "retry-after", "retry-after-ms", "Retry-After-Ms", "x"]),
