@@ -220,6 +220,15 @@ def _unreachable(error: BaseException) -> bool:
     )
 
 
+def _full(error: BaseException) -> bool:
+    """A 429 that another replica may not give (not an exhausted quota)."""
+    return (
+        isinstance(error, APIStatusError)
+        and error.status_code == 429
+        and not isinstance(error, InsufficientQuotaError)
+    )
+
+
 def _slot_outcome(error: BaseException) -> str:
     """How a failed attempt counts for the send window: a refusal narrows it."""
     if (
@@ -539,28 +548,41 @@ class BaseClient:
 
     def _fail_over(self, call: RetryCall, error: BaseException) -> bool:
         """After a failed send: note it in the replica's health; True when the call goes again
-        at once to another replica (the replica never answered, or answered 502/503/504, and
-        another one in service has not been tried yet)."""
+        at once to another replica: the replica never answered, answered 502/503/504, or is
+        full (429), and another one in service (and, after a 429, not cooling down) has not
+        been tried in this attempt. Not a retry: the attempt count stays."""
         if len(self._replicas) == 1 or not isinstance(call, _Call):
             return False
         now = self.retry.clock()
-        health = call.replica.health
+        replica = call.replica
         down = _unreachable(error)
+        full = _full(error)
         with self._replica_lock:
             if down:
                 refused = isinstance(error, APIConnectionError) and not isinstance(
                     error, APITimeoutError
                 )
-                health.failed(now, at_once=refused)
+                replica.health.failed(now, at_once=refused)
             elif isinstance(error, APIStatusError):
-                health.succeeded()  # it answered: a 429 or a 400 says nothing against the box
+                replica.health.succeeded()  # it answered: a 429 or a 400 says nothing against it
             else:
-                health.abandoned()  # cancelled or a bad answer: no verdict
-            if not down or call.time_left() <= 0:
+                replica.health.abandoned()  # cancelled or a bad answer: no verdict
+            if not (down or full) or call.time_left() <= 0:
                 return False
-            return any(
-                r.index not in call.tried and r.health.in_service(now) for r in self._replicas
-            )
+            others = [
+                r
+                for r in self._replicas
+                if r.index not in call.tried
+                and r.health.in_service(now)
+                and not (full and r.cooldown.remaining(now) > 0)
+            ]
+            if not others:
+                return False
+        if full and isinstance(error, APIStatusError) and error.retry_after:
+            # What the retry policy would have done with the 429: that replica cools down.
+            size = call.size if self.retry.cooldown_by_size else None
+            replica.cooldown.extend(now, error.retry_after, size)
+        return True
 
     # --- requests ----------------------------------------------------------------------------
 
