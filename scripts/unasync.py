@@ -36,6 +36,24 @@ Generated from ``kvclient/_async_client.py`` by ``scripts/unasync.py``: edit tha
 run ``python scripts/unasync.py``. Every decision is :class:`~kvclient._client.BaseClient`'s.
 """''',
     ),
+    (
+        "kvclient/openai/_async_transport.py",
+        "kvclient/openai/_sync_transport.py",
+        '''"""``Transport``: kvclient between an OpenAI-style sync client and the server (I/O only).
+
+Generated from ``kvclient/openai/_async_transport.py`` by ``scripts/unasync.py``: edit that
+file, then run ``python scripts/unasync.py``. What both do without I/O is ``_transport._Shared``.
+"""''',
+    ),
+    (
+        "kvclient/openai/_async_clients.py",
+        "kvclient/openai/_sync_clients.py",
+        '''"""``OpenAI``: the openai SDK's sync client with kvclient's transport, its retries off.
+
+Generated from ``kvclient/openai/_async_clients.py`` by ``scripts/unasync.py``: edit that file,
+then run ``python scripts/unasync.py``.
+"""''',
+    ),
 ]
 
 HEADER = (
@@ -53,6 +71,8 @@ PHRASES = [
         "The request is counted, clamped and sent when the stream is entered (or first iterated).",
         "The request is counted and clamped here, and sent when the stream is entered.",
     ),
+    ("An async httpx transport (asyncio and trio) giving", "A sync httpx transport giving"),
+    ("go through kvclient\n    (asyncio and trio).", "go through kvclient."),
 ]
 
 #: Exact identifiers (whole words) and their sync names.
@@ -69,6 +89,7 @@ NAMES = {
     "AsyncLines": "iter_lines",
     "async_attempts": "attempts_iter",
     "AsyncBaseTransport": "BaseTransport",
+    "handle_async_request": "handle_request",
 }
 
 _KEYWORDS = [
@@ -91,6 +112,8 @@ def _name(match: re.Match[str]) -> str:
         return word[5:]
     if word.startswith("async_") and len(word) > 6:
         return word[6:]
+    if word.startswith("_async_"):  # a module: _async_client -> _sync_client
+        return "_sync_" + word[7:]
     return word
 
 

@@ -35,10 +35,11 @@ def test_the_check_fails_on_a_hand_edited_sync_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     unasync = _load()
-    (tmp_path / "kvclient").mkdir()
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    for name in ("_async_client.py", "_sync_client.py"):
-        shutil.copy(ROOT / "kvclient" / name, tmp_path / "kvclient" / name)
+    for source, target, _doc in unasync.PAIRS:
+        for name in (source, target):
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / name, tmp_path / name)
     monkeypatch.setattr(unasync, "ROOT", tmp_path)
     assert unasync.main(["--check"]) == 0
     target = tmp_path / "kvclient" / "_sync_client.py"
