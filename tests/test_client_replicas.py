@@ -178,7 +178,7 @@ def test_a_stream_fails_over_before_its_first_event() -> None:
 OUTCOMES = st.sampled_from(["ok", "429", "503", "refused", "400", "stream"])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(OUTCOMES, OUTCOMES, OUTCOMES), min_size=1, max_size=6))
 def test_in_flight_accounting_returns_to_zero_whatever_happens(
     script: list[tuple[str, str, str]],

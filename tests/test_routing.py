@@ -30,7 +30,7 @@ def left(e: Endpoint, need: int) -> float:
     return float("inf") if e.free is None else e.free - need
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(endpoints, needs)
 def test_pick_never_takes_an_endpoint_set_aside_while_another_serves(
     views: list[Endpoint], need: int
@@ -43,7 +43,7 @@ def test_pick_never_takes_an_endpoint_set_aside_while_another_serves(
         assert chosen is None
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(endpoints, needs)
 def test_the_choice_fits_when_anything_fits(views: list[Endpoint], need: int) -> None:
     chosen = pick(views, need)
