@@ -24,11 +24,12 @@ from ._client import (
     DEFAULT_TIMEOUT,
     BaseClient,
     _Prepared,
+    _Replica,
     _slot_outcome,
     _stale_connection,
     _StreamBase,
 )
-from ._dialects import Answer, Probe
+from ._dialects import Answer, Discovery, Probe
 from ._exceptions import APIResponseError, KVClientError
 from ._models import Completion, CompletionChunk, RetryEvent
 from ._retry import RetryCall, RetryPolicy
@@ -333,24 +334,41 @@ class AsyncClient(BaseClient):
         async with self._discovery_lock:
             if not self._needs_discovery():
                 return
-
-            driver = self._discovery()
-            probe = next(driver)
-            while True:
-                answer = await self._probe(probe)
-                try:
-                    probe = driver.send(answer)
-                except StopIteration as stop:
-                    self._adopt_discovery(stop.value)
+            if len(self._replicas) > 1:
+                # Each replica once (one attempt: a dead one must not hold the others up);
+                # when none answered, again as any request would go (routed, retried).
+                found: list[Discovery | KVClientError] = []
+                for replica in self._replicas:
+                    if self._discovered_enough():
+                        break
+                    try:
+                        found.append(await self._discover_at(replica))
+                    except KVClientError as error:
+                        found.append(error)
+                    self._adopt_replica_discovery(replica, found[-1])
+                if self._adopt_discoveries(found):
                     return
+            self._adopt_discovery(await self._discover_at(None))
 
-    async def _probe(self, probe: Probe) -> Answer:
+    async def _discover_at(self, replica: _Replica | None) -> Discovery:
+        """Run the dialects' discovery against ``replica`` (None: wherever requests go)."""
+        driver = self._discovery()
+        probe = next(driver)
+        while True:
+            answer = await self._probe(probe, replica)
+            try:
+                probe = driver.send(answer)
+            except StopIteration as stop:
+                found: Discovery = stop.value
+                return found
+
+    async def _probe(self, probe: Probe, replica: _Replica | None = None) -> Answer:
         async def attempt(call: RetryCall) -> httpx.Response:
             request = self._probe_request(self._http, probe, call)
             return await self._send_request(request, call, stream=False)
 
         try:
-            return self._probe_answer(await self._run(self._new_call(), attempt), None)
+            return self._probe_answer(await self._run(self._probe_call(replica), attempt), None)
         except KVClientError as error:
             return self._probe_answer(None, error)
 

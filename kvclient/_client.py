@@ -12,6 +12,7 @@ whether and how long to wait. The shells, ``AsyncClient``/``AsyncStream`` in
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import json
 import math
@@ -312,8 +313,8 @@ class _Replica:
     window, pacing hints, health, what is in flight there)."""
 
     __slots__ = (
-        "base_url", "cooldown", "health", "hint_free", "hint_until", "index", "pacer", "quota",
-        "requests", "sent_since", "tokens", "window",
+        "base_url", "context_window", "cooldown", "health", "hint_free", "hint_until", "index",
+        "pacer", "quota", "requests", "sent_since", "tokens", "window",
     )  # fmt: skip
 
     def __init__(self, index: int, base_url: str, *, window_reset: float) -> None:
@@ -330,6 +331,8 @@ class _Replica:
         self.hint_until = -math.inf
         self.sent_since = 0
         self.quota: int | None = None
+        # The context window it reported (discovery; None: not asked, or it did not say).
+        self.context_window: int | None = None
 
     def __repr__(self) -> str:
         return f"_Replica({self.base_url!r}, requests={self.requests}, tokens={self.tokens})"
@@ -354,9 +357,11 @@ class _Replica:
 class _Call(RetryCall):
     """A call with the replica its current attempt goes to, and those it already tried."""
 
-    def __init__(self, *args: Any, replica: _Replica, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, replica: _Replica, pinned: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.replica = replica
+        # A probe of one replica's discovery stays there (no routing, no fail-over).
+        self.pinned = pinned
         self.tried: set[int] = set()
         self.sending = False
         # Whether the call paces (sized, pacing on): the pacer follows the replica.
@@ -399,7 +404,8 @@ class BaseClient:
 
     ``base_url`` may list several replicas of one model: each has its own cooldown, send window,
     pacing hints and health, and each request goes where its reservation fits best (see
-    :mod:`kvclient._routing`); the context window is discovered from the first that answers.
+    :mod:`kvclient._routing`); discovery asks each replica for its context window and clamps to
+    the smallest.
     """
 
     def __init__(
@@ -496,7 +502,7 @@ class BaseClient:
         service that it has not tried in this attempt (see :func:`kvclient._routing.pick`);
         its cooldown and pacing become that replica's."""
         replicas = self._replicas
-        if len(replicas) == 1 or not isinstance(call, _Call):
+        if len(replicas) == 1 or not isinstance(call, _Call) or call.pinned:
             return
         now = self.retry.clock()
         with self._replica_lock:
@@ -567,7 +573,7 @@ class BaseClient:
                 replica.health.succeeded()  # it answered: a 429 or a 400 says nothing against it
             else:
                 replica.health.abandoned()  # cancelled or a bad answer: no verdict
-            if not (down or full) or call.time_left() <= 0:
+            if not (down or full) or call.pinned or call.time_left() <= 0:
                 return False
             others = [
                 r
@@ -737,6 +743,42 @@ class BaseClient:
         except ValueError:
             payload = None
         return Answer(response.status_code, payload)
+
+    def _probe_call(self, replica: _Replica | None) -> RetryCall:
+        """A discovery probe's call: routed as any request (``replica`` None), or pinned to one
+        replica and tried once (a replica that does not answer is asked no further)."""
+        if replica is None:
+            return self._new_call()
+        once = dataclasses.replace(self.retry, max_attempts=1)
+        return _Call(once, replica.cooldown, on_retry=self.on_retry, replica=replica, pinned=True)
+
+    def _discovered_enough(self) -> bool:
+        """Several replicas: with the window given, one that names the model is enough;
+        otherwise every replica is asked for its window."""
+        return self.context_window is not None and self.model is not None
+
+    def _adopt_replica_discovery(self, replica: _Replica, found: Discovery | KVClientError) -> None:
+        """One replica's discovery: its window, and the model (the first one found: the later
+        replicas are asked for that one)."""
+        if isinstance(found, Discovery) and found.problem is None:
+            if self.model is None and found.model is not None:
+                self.model = found.model
+            replica.context_window = found.context_window
+
+    def _adopt_discoveries(self, found: Sequence[Discovery | KVClientError]) -> bool:
+        """The replicas' discoveries: the model, and the smallest window any replica reported
+        (a request clamped to it fits wherever it goes). False when no replica answered: then
+        discovery runs as a request would (routed, retried)."""
+        answers = [f for f in found if isinstance(f, Discovery)]
+        if not answers:
+            return False
+        windows = [r.context_window for r in self._replicas if r.context_window is not None]
+        if self.model is not None and (self.context_window is not None or windows):
+            if self.context_window is None:
+                self.context_window = min(windows)
+            return True
+        self._adopt_discovery(answers[0])  # raises what the first answer says is missing
+        return True
 
     def _adopt_discovery(self, found: Discovery) -> None:
         """Take the model (if unset) and the context window (if unset) that discovery found."""

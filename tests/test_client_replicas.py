@@ -242,3 +242,61 @@ async def test_async_client_fails_over_and_counts_nothing_left_in_flight() -> No
     assert hits["a.test"] == 1
     assert hits["b.test"] + hits["c.test"] == 12
     assert all(r.requests == 0 and r.tokens == 0 for r in kv._replicas)
+
+
+def models_with(window: int) -> Handler:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            data = [{"id": MODEL, "object": "model", "max_model_len": window}]
+            return httpx.Response(200, json={"object": "list", "data": data})
+        return ok_completion()
+
+    return handler
+
+
+def discovering(replies: dict[str, Handler], hits: Counter[str], clock: FakeClock) -> Client:
+    return Client(
+        base_url=URLS[: len(replies)],
+        counter=COUNTER,
+        retry=clock.policy(),
+        transport=by_host(replies, hits),
+    )
+
+
+def test_discovery_asks_every_replica_and_clamps_to_the_smallest_window() -> None:
+    hits: Counter[str] = Counter()
+    replies = {"a.test": models_with(1000), "b.test": models_with(800), "c.test": models_with(900)}
+    with discovering(replies, hits, FakeClock()) as kv:
+        done = kv.complete("hello")  # no cap: up to the window, here the smallest one's
+        assert kv.model == MODEL
+        assert kv.context_window == 800
+        assert [r.context_window for r in kv._replicas] == [1000, 800, 900]
+        assert done.max_tokens == 800 - done.prompt_tokens
+
+
+def test_discovery_skips_a_replica_that_does_not_answer() -> None:
+    hits: Counter[str] = Counter()
+    clock = FakeClock()
+    replies = {"a.test": refused, "b.test": models_with(700)}
+    with discovering(replies, hits, clock) as kv:
+        kv.complete("hello", max_tokens=5)
+        assert kv.context_window == 700
+        assert hits["a.test"] == 1  # asked once, not retried until the deadline
+        assert clock.now == 0  # nothing waited
+        assert kv._replicas[0].health.set_aside
+        assert [r.context_window for r in kv._replicas] == [None, 700]
+
+
+def test_discovery_with_no_replica_answering_raises_as_one_would() -> None:
+    hits: Counter[str] = Counter()
+    clock = FakeClock()
+    replies = {"a.test": refused, "b.test": refused}
+    kv = Client(
+        base_url=URLS[:2],
+        counter=COUNTER,
+        retry=clock.policy(max_attempts=2),
+        transport=by_host(replies, hits),
+    )
+    with kv, pytest.raises(APIConnectionError, match="before any answer"):
+        kv.complete("hello", max_tokens=5)
+    assert kv.context_window is None
