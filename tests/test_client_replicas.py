@@ -5,6 +5,7 @@ Over ``httpx.MockTransport`` on a fake clock; tests/test_e2e_replicas.py runs re
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable
 
@@ -18,7 +19,15 @@ from kvclient import AsyncClient, Client
 from kvclient._exceptions import APIConnectionError, KVClientError
 from kvclient._pacing import format_ratelimit
 from kvclient.testing import FakeClock
-from tests.client_helpers import COUNTER, MODEL, busy, ok_completion, sse, text_events
+from tests.client_helpers import (
+    COUNTER,
+    MODEL,
+    broken_sse,
+    busy,
+    ok_completion,
+    sse,
+    text_events,
+)
 
 URLS = ["http://a.test", "http://b.test", "http://c.test"]
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -175,7 +184,7 @@ def test_a_stream_fails_over_before_its_first_event() -> None:
     assert all(r.requests == 0 and r.tokens == 0 for r in kv._replicas)
 
 
-OUTCOMES = st.sampled_from(["ok", "429", "503", "refused", "400", "stream"])
+OUTCOMES = st.sampled_from(["ok", "429", "503", "refused", "400", "stream", "cut"])
 
 
 @settings(max_examples=30, deadline=None)
@@ -191,8 +200,11 @@ def test_in_flight_accounting_returns_to_zero_whatever_happens(
             outcome = script[step["n"] % len(script)][index]
             if outcome == "refused":
                 return refused(request)
-            if outcome == "stream" and request.content and b'"stream"' in request.content:
+            streamed = b'"stream"' in request.content
+            if outcome == "stream" and streamed:
                 return sse(*text_events("a", "b"))
+            if outcome == "cut" and streamed:  # the connection drops after one event
+                return broken_sse(*text_events("a", "b")[:1])
             return {
                 "429": lambda: room(busy(None, ms="10"), remaining=0),
                 "503": lambda: busy(None, status=503),
@@ -300,3 +312,38 @@ def test_discovery_with_no_replica_answering_raises_as_one_would() -> None:
     with kv, pytest.raises(APIConnectionError, match="before any answer"):
         kv.complete("hello", max_tokens=5)
     assert kv.context_window is None
+
+
+def test_threads_share_one_multi_replica_client_and_leave_nothing_in_flight() -> None:
+    hits: Counter[str] = Counter()
+    lock = threading.Lock()
+    count = {"n": 0}
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        with lock:
+            count["n"] += 1
+            n = count["n"]
+        if n % 5 == 0:
+            return refused(request)
+        return room(ok_completion(), remaining=5_000 - 7 * (n % 50))
+
+    replies = {"a.test": flaky, "b.test": flaky, "c.test": lambda r: busy(None, status=503)}
+    errors: list[BaseException] = []
+    with client(replies, hits, FakeClock(), max_attempts=3) as kv:
+
+        def work() -> None:
+            for _ in range(15):
+                try:
+                    kv.complete("hello", max_tokens=10)
+                except KVClientError as exc:  # every replica refused this one: allowed
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert not any(thread.is_alive() for thread in threads)
+        assert all(r.requests == 0 and r.tokens == 0 for r in kv._replicas), kv._replicas
+        assert all(r.window.in_flight == 0 and r.window.requests == 0 for r in kv._replicas)
+    assert len(errors) < 6  # most calls found a replica that answered
