@@ -255,7 +255,7 @@ class AsyncClient(BaseClient):
         again at once to another replica, if there is one in service."""
         again = False
         while True:
-            self._route(call)
+            self._route(call, again=again)
             await self._hold(call)
             await self._acquire_slot(call)
             if not again:

@@ -497,13 +497,16 @@ class BaseClient:
     def _window_of(self, call: RetryCall) -> SendWindow:
         return self._replica_of(call).window
 
-    def _route(self, call: RetryCall) -> None:
+    def _route(self, call: RetryCall, *, again: bool = False) -> None:
         """Send ``call``'s next try where its reservation fits best among the replicas in
-        service that it has not tried in this attempt (see :func:`kvclient._routing.pick`);
-        its cooldown and pacing become that replica's."""
+        service that it has not tried in this attempt (``again``: a fail-over within it; else
+        a new attempt, which may go anywhere) (see :func:`kvclient._routing.pick`); its
+        cooldown and pacing become that replica's."""
         replicas = self._replicas
         if len(replicas) == 1 or not isinstance(call, _Call) or call.pinned:
             return
+        if not again:
+            call.tried.clear()
         now = self.retry.clock()
         with self._replica_lock:
             views = [

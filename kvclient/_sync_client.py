@@ -252,7 +252,7 @@ class Client(BaseClient):
         again at once to another replica, if there is one in service."""
         again = False
         while True:
-            self._route(call)
+            self._route(call, again=again)
             self._hold(call)
             self._acquire_slot(call)
             if not again:

@@ -347,3 +347,25 @@ def test_threads_share_one_multi_replica_client_and_leave_nothing_in_flight() ->
         assert all(r.requests == 0 and r.tokens == 0 for r in kv._replicas), kv._replicas
         assert all(r.window.in_flight == 0 and r.window.requests == 0 for r in kv._replicas)
     assert len(errors) < 6  # most calls found a replica that answered
+
+
+def test_a_retry_is_routed_afresh_not_to_the_first_replica() -> None:
+    hits: Counter[str] = Counter()
+    seen: list[str] = []
+
+    def a(request: httpx.Request) -> httpx.Response:
+        seen.append("a")
+        return busy(None, status=503)
+
+    def b(request: httpx.Request) -> httpx.Response:
+        seen.append("b")
+        if seen.count("b") == 1:  # full for a moment, with room advertised behind it
+            return room(busy(None, ms="50"), remaining=5_000)
+        return room(ok_completion(), remaining=5_000)
+
+    with client({"a.test": a, "b.test": b}, hits, FakeClock()) as kv:
+        done = kv.complete("hello", max_tokens=10)
+    # The first attempt tried a (503) then b (429); the retry goes where the room is (b), not
+    # back to the first replica in the list.
+    assert seen == ["a", "b", "b"]
+    assert done.attempts == 2
