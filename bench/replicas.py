@@ -289,6 +289,7 @@ def summarize(
         "completed": len(completed),
         "failed_by_cause": causes,
         "failed_without_message": len(unclear),
+        "failure_messages": sorted({(r.message or "")[:300] for r in records if not r.ok})[:5],
         "lost": len(lost),
         "hung": len(hung),
         "admitted_by_replica": admitted,
@@ -380,6 +381,9 @@ def main() -> None:
         "killed_none_lost_or_hung": killed_run["lost"] == 0 and killed_run["hung"] == 0,
         "killed_failures_explained": killed_run["failed_without_message"] == 0,
     }
+    for r in results:
+        for message in r["failure_messages"]:
+            print(f"{r['mode']}: failed: {message}")
     print(
         "\ngoals: "
         + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in goals.items())
