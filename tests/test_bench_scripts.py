@@ -125,5 +125,6 @@ def test_replicas(tmp_path: Path) -> None:
         assert r["hung"] == 0
         assert r["failed_without_message"] == 0
         assert r["completed"] + sum(r["failed_by_cause"].values()) == r["requests"]
+    for r in data["results"][:2]:  # (the killed one's count is read just before it stops)
         assert sum(r["admitted_by_replica"]) >= r["completed"]
     assert data["results"][2]["killed_at"] is not None
