@@ -1,37 +1,28 @@
-"""The clients: :class:`BaseClient` makes every decision, ``Client`` and ``AsyncClient`` do I/O.
+"""The clients' pure core: :class:`BaseClient` makes every decision, the shells do I/O.
 
 A call goes: count the prompt locally, clamp ``max_tokens`` to the context window (refusing
 locally a prompt that fills it), then send through one retry core (:class:`~kvclient._retry.
-RetryCall`): hold while the client cools down after a 429, send, classify the answer, and let the
-policy decide whether and how long to wait. The sync and async shells differ only in how they
-send, read and sleep.
+RetryCall`): pick the replica where the request fits best (see :mod:`kvclient._routing`), hold
+while that replica cools down after a 429, send, classify the answer, and let the policy decide
+whether and how long to wait. The shells, ``AsyncClient``/``AsyncStream`` in
+``_async_client.py`` and ``Client``/``Stream`` generated from them in ``_sync_client.py``
+(``scripts/unasync.py``), differ only in how they send, read and sleep.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
+import dataclasses
 import functools
 import json
 import math
 import os
 import threading
-import time
 import uuid
 from collections import deque
-from collections.abc import (
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Generator,
-    Iterator,
-    Mapping,
-    Sequence,
-)
-from types import TracebackType
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
+from typing import Any
 
-import anyio
 import httpx
 
 from ._accounting import effective_output_cap
@@ -47,27 +38,20 @@ from ._exceptions import (
     ServerBusyError,
 )
 from ._models import Completion, CompletionChunk, RetryEvent, ToolCall, Usage
-from ._pacing import Pacer, parse_ratelimit
+from ._pacing import DEFAULT_PACE_MAX_AGE, PACE_LAG, Pacer, parse_ratelimit
 from ._retry import Cooldown, RetryCall, RetryPolicy, SendWindow, parse_retry_after
-from ._streaming import (
-    AsyncLines,
-    StreamAccumulator,
-    aiter_events,
-    event_limit,
-    iter_events,
-    iter_lines,
-)
+from ._routing import Endpoint, Health, pick
+from ._shims import finish_generators
+from ._streaming import StreamAccumulator, event_limit
 from ._tokens import Message, TiktokenCounter, TokenCounter, count_chat_request
 from ._version import __version__
 
 __all__ = ["AsyncClient", "AsyncStream", "BaseClient", "Client", "Stream"]
 
-T = TypeVar("T")
-
 #: LLM answers can take minutes; connecting should not.
-DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+DEFAULT_TIMEOUT: httpx.Timeout = httpx.Timeout(600.0, connect=10.0)
 #: Extra share of the counted prompt assumed when clamping (0.1 = the server may count 10% more).
-DEFAULT_SAFETY_MARGIN = 0.0
+DEFAULT_SAFETY_MARGIN: float = 0.0
 USER_AGENT = f"kvclient/{__version__}"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 RETRY_COUNT_HEADER = "X-Retry-Count"
@@ -78,9 +62,6 @@ _CHAT = "/v1/chat/completions"
 _RESERVED = frozenset({"model", "prompt", "messages", "stream", "max_tokens"})
 # A request always gets a little time, even when the deadline is all but spent.
 _MIN_ATTEMPT_TIMEOUT = 0.001
-# Bounds on finishing an abandoned async stream (see _finish_generators).
-_DRAIN_EVENTS = 10_000
-_DRAIN_SECONDS = 1.0
 # How often a send waiting for a window slot re-checks (the window may reopen with time).
 _WINDOW_POLL = 0.1
 # Immediate re-sends of a request whose pooled keep-alive connection the server had closed.
@@ -89,6 +70,8 @@ _STALE_RESENDS = 2  # per call
 _DEADLINE = "kvclient.deadline"
 # The request extension carrying its send as the pacer counted it (see RetryCall.paced).
 _PACED = "kvclient.paced"
+# The request extension carrying the replica it was sent to.
+_REPLICA = "kvclient.replica"
 
 
 class _Body(httpx.SyncByteStream, httpx.AsyncByteStream):
@@ -221,9 +204,30 @@ class _AsyncBounded:
             # Close the connection, then run httpx's generators under us to their end rather
             # than leave them suspended (trio warns when it collects them).
             await self._owner.aclose()
-            await _finish_generators(self._chunks)
+            await finish_generators(self._chunks)
             raise
         return chunk
+
+
+def _unreachable(error: BaseException) -> bool:
+    """The replica never answered (a connection failure or timeout before any byte) or said it
+    cannot serve (502/503/504): the request may go elsewhere at once."""
+    if isinstance(error, APIConnectionError):
+        return error.retryable
+    return (
+        isinstance(error, APIStatusError)
+        and error.status_code in (502, 503, 504)
+        and not isinstance(error, InsufficientQuotaError)
+    )
+
+
+def _full(error: BaseException) -> bool:
+    """A 429 that another replica may not give (not an exhausted quota)."""
+    return (
+        isinstance(error, APIStatusError)
+        and error.status_code == 429
+        and not isinstance(error, InsufficientQuotaError)
+    )
 
 
 def _slot_outcome(error: BaseException) -> str:
@@ -304,17 +308,110 @@ def _normalize_base_url(base_url: str | httpx.URL) -> tuple[str, tuple[str, str]
     return text, credentials
 
 
+class _Replica:
+    """One server of a client: its URL and what kvclient keeps per server (cooldown, send
+    window, pacing hints, health, what is in flight there)."""
+
+    __slots__ = (
+        "base_url", "context_window", "cooldown", "health", "hint_free", "hint_until", "index",
+        "pacer", "quota", "requests", "sent_since", "tokens", "window",
+    )  # fmt: skip
+
+    def __init__(self, index: int, base_url: str, *, window_reset: float) -> None:
+        self.index = index
+        self.base_url = base_url
+        self.cooldown = Cooldown()
+        self.pacer = Pacer()
+        self.window = SendWindow(reset=window_reset)
+        self.health = Health(threshold=REPLICA_FAILURES, cooldown=REPLICA_SET_ASIDE)
+        self.requests = 0  # in flight
+        self.tokens = 0  # KV tokens in flight (prompt + output cap)
+        # The free budget it last advertised, until when that is trusted, what went since.
+        self.hint_free = 0
+        self.hint_until = -math.inf
+        self.sent_since = 0
+        self.quota: int | None = None
+        # The context window it reported (discovery; None: not asked, or it did not say).
+        self.context_window: int | None = None
+
+    def __repr__(self) -> str:
+        return f"_Replica({self.base_url!r}, requests={self.requests}, tokens={self.tokens})"
+
+    def view(self, now: float, *, in_service: bool) -> Endpoint:
+        """The replica as the router sees it: the room it advertised less what went since,
+        else its whole budget (or its send window) less what is in flight there."""
+        free: int | None = None
+        if now < self.hint_until:
+            free = self.hint_free - self.sent_since
+        elif self.quota is not None:
+            free = self.quota - self.tokens
+        elif self.window.limit != math.inf:
+            free = int(self.window.limit) - self.window.in_flight
+        if self.cooldown.remaining(now) > 0:
+            free = min(free, 0) if free is not None else 0  # it said to wait: nothing fits now
+        return Endpoint(
+            free=free, in_flight=self.requests, in_service=in_service, in_flight_tokens=self.tokens
+        )
+
+
+class _Call(RetryCall):
+    """A call with the replica its current attempt goes to, and those it already tried."""
+
+    def __init__(self, *args: Any, replica: _Replica, pinned: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.replica = replica
+        # A probe of one replica's discovery stays there (no routing, no fail-over).
+        self.pinned = pinned
+        self.tried: set[int] = set()
+        self.sending = False
+        # Whether the call paces (sized, pacing on): the pacer follows the replica.
+        self.paces = self.pacer is not None
+
+
+def _base_urls(
+    base_url: str | httpx.URL | Sequence[str | httpx.URL],
+) -> tuple[list[str], tuple[str, str] | None]:
+    """The replicas' normalized URLs, and the credentials they carry (the same for all)."""
+    given = [base_url] if isinstance(base_url, (str, httpx.URL)) else list(base_url)
+    if not given:
+        raise ValueError("base_url must be a URL or a non-empty list of URLs")
+    urls: list[str] = []
+    found: list[tuple[str, str] | None] = []
+    for url in given:
+        if not isinstance(url, (str, httpx.URL)):
+            raise TypeError(f"base_url entries must be str or httpx.URL, got {type(url).__name__}")
+        text, credentials = _normalize_base_url(url)
+        if text in urls:
+            raise ValueError(f"base_url lists {_redact_url(text)!r} twice")
+        urls.append(text)
+        found.append(credentials)
+    if any(c != found[0] for c in found):
+        raise ValueError("the base_url replicas carry different credentials; pass api_key= instead")
+    return urls, found[0]
+
+
+#: A replica that failed this many sends in a row (a connection refused: at once) is set aside
+#: for this many seconds; then one request probes it.
+REPLICA_FAILURES = 3
+REPLICA_SET_ASIDE = 2.0
+
+
 class BaseClient:
     """Everything a client decides without I/O: URLs, headers, bodies, clamping, errors.
 
     ``base_url`` and ``api_key`` not passed are read from ``KVCLIENT_BASE_URL`` /
     ``OPENAI_BASE_URL`` and ``KVCLIENT_API_KEY`` / ``OPENAI_API_KEY`` (the first set wins).
+
+    ``base_url`` may list several replicas of one model: each has its own cooldown, send window,
+    pacing hints and health, and each request goes where its reservation fits best (see
+    :mod:`kvclient._routing`); discovery asks each replica for its context window and clamps to
+    the smallest.
     """
 
     def __init__(
         self,
         *,
-        base_url: str | httpx.URL | None = None,
+        base_url: str | httpx.URL | Sequence[str | httpx.URL] | None = None,
         model: str | None = None,
         context_window: int | None = None,
         api_key: str | None = None,
@@ -353,24 +450,148 @@ class BaseClient:
                 raise ValueError(f"pass base_url= or set {' or '.join(BASE_URL_ENV)}")
         if api_key is None:
             api_key = _from_env(API_KEY_ENV)
-        self.base_url, self._credentials = _normalize_base_url(base_url)
+        self.retry = retry if retry is not None else RetryPolicy()
+        urls, self._credentials = _base_urls(base_url)
+        self._replicas = tuple(
+            _Replica(i, url, window_reset=self.retry.window_reset) for i, url in enumerate(urls)
+        )
+        self._replica_lock = threading.Lock()
         self.model = model
         self.context_window = context_window
         self.api_key = api_key
         self.counter: TokenCounter = counter if counter is not None else TiktokenCounter()
-        self.retry = retry if retry is not None else RetryPolicy()
         self.timeout = timeout
         self.safety_margin = float(safety_margin)
         self.safety_margin_tokens = safety_margin_tokens
         self.on_retry = on_retry
         self._extra_headers = dict(headers or {})
-        self._cooldown = Cooldown()
-        self._pacer = Pacer()
-        self._window = SendWindow(reset=self.retry.window_reset)
+        # The first replica's (the only one's, usually): what single-server code looks at.
+        first = self._replicas[0]
+        self._cooldown = first.cooldown
+        self._pacer = first.pacer
+        self._window = first.window
         self._base_timeout = httpx.Timeout(timeout)
         # Built once: the headers every request carries (none left once an httpx client kvclient
         # creates has taken them as its defaults: see _take_constant_headers).
         self._base_headers = self._constant_headers()
+
+    @property
+    def base_url(self) -> str:
+        """The (first) replica's base URL, without ``/v1``."""
+        return self._replicas[0].base_url
+
+    @base_url.setter
+    def base_url(self, value: str) -> None:
+        self._replicas[0].base_url = value
+
+    @property
+    def base_urls(self) -> tuple[str, ...]:
+        """Every replica's base URL, in the order given."""
+        return tuple(r.base_url for r in self._replicas)
+
+    # --- replicas ----------------------------------------------------------------------------
+
+    def _replica_of(self, call: RetryCall) -> _Replica:
+        return call.replica if isinstance(call, _Call) else self._replicas[0]
+
+    def _window_of(self, call: RetryCall) -> SendWindow:
+        return self._replica_of(call).window
+
+    def _route(self, call: RetryCall, *, again: bool = False) -> None:
+        """Send ``call``'s next try where its reservation fits best among the replicas in
+        service that it has not tried in this attempt (``again``: a fail-over within it; else
+        a new attempt, which may go anywhere) (see :func:`kvclient._routing.pick`); its
+        cooldown and pacing become that replica's."""
+        replicas = self._replicas
+        if len(replicas) == 1 or not isinstance(call, _Call) or call.pinned:
+            return
+        if not again:
+            call.tried.clear()
+        now = self.retry.clock()
+        with self._replica_lock:
+            views = [
+                r.view(now, in_service=r.index not in call.tried and r.health.in_service(now))
+                for r in replicas
+            ]
+            index = pick(views, call.size)
+            if index is None:  # every untried replica is set aside: try one anyway
+                untried = [r for r in replicas if r.index not in call.tried] or list(replicas)
+                index = min(untried, key=lambda r: (r.health.out_until or 0.0, r.index)).index
+        replica = replicas[index]
+        call.replica = replica
+        call.cooldown = replica.cooldown
+        call.pacer = replica.pacer if call.paces else None
+
+    def _sending(self, call: RetryCall) -> None:
+        """``call`` goes to its replica now: count it in flight there."""
+        if len(self._replicas) == 1 or not isinstance(call, _Call):
+            return
+        replica = call.replica
+        with self._replica_lock:
+            replica.requests += 1
+            replica.tokens += call.size
+            replica.sent_since += call.size
+            replica.health.begin(self.retry.clock())
+        call.tried.add(replica.index)
+        call.sending = True
+
+    def _answered(self, call: RetryCall) -> None:
+        """``call``'s replica answered (a stream: its first event came)."""
+        if isinstance(call, _Call) and len(self._replicas) > 1:
+            with self._replica_lock:
+                call.replica.health.succeeded()
+
+    def _released(self, outcome: str, call: RetryCall) -> bool:
+        """``call``'s send ended (``outcome`` as :meth:`SendWindow.release` takes it): no longer
+        in flight. True when the send window changed (waiting sends should look again)."""
+        if isinstance(call, _Call) and call.sending:
+            call.sending = False
+            replica = call.replica
+            with self._replica_lock:
+                replica.requests -= 1
+                replica.tokens -= call.size
+        if not self.retry.window:
+            return False
+        self._window_of(call).release(outcome, self.retry.clock(), call.size)
+        return True
+
+    def _fail_over(self, call: RetryCall, error: BaseException) -> bool:
+        """After a failed send: note it in the replica's health; True when the call goes again
+        at once to another replica: the replica never answered, answered 502/503/504, or is
+        full (429), and another one in service (and, after a 429, not cooling down) has not
+        been tried in this attempt. Not a retry: the attempt count stays."""
+        if len(self._replicas) == 1 or not isinstance(call, _Call):
+            return False
+        now = self.retry.clock()
+        replica = call.replica
+        down = _unreachable(error)
+        full = _full(error)
+        with self._replica_lock:
+            if down:
+                refused = isinstance(error, APIConnectionError) and not isinstance(
+                    error, APITimeoutError
+                )
+                replica.health.failed(now, at_once=refused)
+            elif isinstance(error, APIStatusError):
+                replica.health.succeeded()  # it answered: a 429 or a 400 says nothing against it
+            else:
+                replica.health.abandoned()  # cancelled or a bad answer: no verdict
+            if not (down or full) or call.pinned or call.time_left() <= 0:
+                return False
+            others = [
+                r
+                for r in self._replicas
+                if r.index not in call.tried
+                and r.health.in_service(now)
+                and not (full and r.cooldown.remaining(now) > 0)
+            ]
+            if not others:
+                return False
+        if full and isinstance(error, APIStatusError) and error.retry_after:
+            # What the retry policy would have done with the 429: that replica cools down.
+            size = call.size if self.retry.cooldown_by_size else None
+            replica.cooldown.extend(now, error.retry_after, size)
+        return True
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -419,7 +640,7 @@ class BaseClient:
     ) -> httpx.Request:
         request = http.build_request(
             "POST",
-            self._url(prepared.path),
+            _parsed_url(self._replica_of(call).base_url + prepared.path),
             content=json.dumps(prepared.body).encode(),
             headers=self._base_headers,
             extensions=self._attempt_extensions(call),
@@ -452,13 +673,34 @@ class BaseClient:
             "timeout": timeout,
             _DEADLINE: call.started + self.retry.deadline,
             _PACED: call.paced,
+            _REPLICA: self._replica_of(call),
         }
 
     def _note_room(self, response: httpx.Response) -> None:
-        """Note the room ``response`` advertises, if any (see :class:`kvclient._pacing.Pacer`)."""
-        if self.retry.pace and (hint := parse_ratelimit(response.headers)) is not None:
-            own = response.request.extensions.get(_PACED)
-            self._pacer.observe(self.retry.clock(), hint, own)
+        """Note the room ``response`` advertises, if any (see :class:`kvclient._pacing.Pacer`),
+        for its replica's pacing and for routing."""
+        several = len(self._replicas) > 1
+        if not (self.retry.pace or several):
+            return
+        hint = parse_ratelimit(response.headers)
+        if hint is None:
+            return
+        extensions = response.request.extensions
+        replica = extensions.get(_REPLICA)
+        if not isinstance(replica, _Replica):
+            replica = self._replicas[0]
+        now = self.retry.clock()
+        if self.retry.pace:
+            replica.pacer.observe(now, hint, extensions.get(_PACED))
+        if several:
+            with self._replica_lock:
+                replica.hint_free = hint.remaining
+                replica.hint_until = now + min(
+                    DEFAULT_PACE_MAX_AGE, (hint.reset or math.inf) + PACE_LAG
+                )
+                replica.sent_since = 0
+                if hint.quota is not None:
+                    replica.quota = hint.quota
 
     def _bound(self, response: httpx.Response) -> None:
         """Read ``response``'s body against its call's deadline (see :class:`_Bounded`); note
@@ -476,7 +718,7 @@ class BaseClient:
     ) -> httpx.Request:
         request = http.build_request(
             probe.method,
-            self._url(probe.path),
+            _parsed_url(self._replica_of(call).base_url + probe.path),
             json=probe.json,
             headers=self._base_headers,
             extensions=self._attempt_extensions(call),
@@ -504,6 +746,42 @@ class BaseClient:
         except ValueError:
             payload = None
         return Answer(response.status_code, payload)
+
+    def _probe_call(self, replica: _Replica | None) -> RetryCall:
+        """A discovery probe's call: routed as any request (``replica`` None), or pinned to one
+        replica and tried once (a replica that does not answer is asked no further)."""
+        if replica is None:
+            return self._new_call()
+        once = dataclasses.replace(self.retry, max_attempts=1)
+        return _Call(once, replica.cooldown, on_retry=self.on_retry, replica=replica, pinned=True)
+
+    def _discovered_enough(self) -> bool:
+        """Several replicas: with the window given, one that names the model is enough;
+        otherwise every replica is asked for its window."""
+        return self.context_window is not None and self.model is not None
+
+    def _adopt_replica_discovery(self, replica: _Replica, found: Discovery | KVClientError) -> None:
+        """One replica's discovery: its window, and the model (the first one found: the later
+        replicas are asked for that one)."""
+        if isinstance(found, Discovery) and found.problem is None:
+            if self.model is None and found.model is not None:
+                self.model = found.model
+            replica.context_window = found.context_window
+
+    def _adopt_discoveries(self, found: Sequence[Discovery | KVClientError]) -> bool:
+        """The replicas' discoveries: the model, and the smallest window any replica reported
+        (a request clamped to it fits wherever it goes). False when no replica answered: then
+        discovery runs as a request would (routed, retried)."""
+        answers = [f for f in found if isinstance(f, Discovery)]
+        if not answers:
+            return False
+        windows = [r.context_window for r in self._replicas if r.context_window is not None]
+        if self.model is not None and (self.context_window is not None or windows):
+            if self.context_window is None:
+                self.context_window = min(windows)
+            return True
+        self._adopt_discovery(answers[0])  # raises what the first answer says is missing
+        return True
 
     def _adopt_discovery(self, found: Discovery) -> None:
         """Take the model (if unset) and the context window (if unset) that discovery found."""
@@ -696,15 +974,22 @@ class BaseClient:
 
     def _new_call(self, prepared: _Prepared | None = None) -> RetryCall:
         size = None if prepared is None else prepared.prompt_tokens + prepared.max_tokens
-        return RetryCall(
-            self.retry, self._cooldown, size=size, on_retry=self.on_retry, pacer=self._pacer
+        first = self._replicas[0]
+        return _Call(
+            self.retry,
+            first.cooldown,
+            size=size,
+            on_retry=self.on_retry,
+            pacer=first.pacer,
+            replica=first,
         )
 
     def _window_busy(self, call: RetryCall) -> ServerBusyError:
+        window = self._window_of(call)
         return ServerBusyError(
             f"the server refused requests and this client already has "
-            f"{self._window.requests} in flight ({self._window.in_flight} KV tokens, window "
-            f"{self._window.limit:.0f}); no room freed before the {self.retry.deadline:g}s "
+            f"{window.requests} in flight ({window.in_flight} KV tokens, window "
+            f"{window.limit:.0f}); no room freed before the {self.retry.deadline:g}s "
             f"deadline",
             retry_after=call.cooldown.advice,
             attempts=call.attempts,
@@ -812,713 +1097,6 @@ class _StreamBase:
         return self._completion
 
 
-class Stream(_StreamBase):
-    """A streamed answer: ``with client.chat_stream(...) as stream: for chunk in stream: ...``.
-
-    Opening it sends the request and waits for the first event, retrying as a plain call would;
-    once an event arrived nothing is retried.
-    """
-
-    _client: Client
-
-    def __init__(self, client: Client, prepared: _Prepared) -> None:
-        super().__init__(prepared, chat=prepared.chat)
-        self._client = client
-        self._response: httpx.Response | None = None
-        self._events: Any = None
-
-    def __enter__(self) -> Stream:
-        self._open()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _open(self) -> None:
-        if self._call is not None:
-            return
-        client = self._client
-        self._call = client._new_call(self._prepared)
-
-        def attempt(call: RetryCall) -> tuple[httpx.Response, Any, dict[str, Any] | None]:
-            response = client._send(self._prepared, call, stream=True)
-            lines = iter_lines(response.iter_bytes())
-            events = iter_events(lines, max_events=self._max_events())
-            try:
-                first = next(events)
-            except StopIteration:
-                response.close()
-                raise APIResponseError(
-                    "the stream ended before its first event", response=response
-                ) from None
-            except httpx.HTTPError as exc:
-                response.close()
-                # No event yet: nothing delivered, so this is as retryable as a refused connection.
-                raise client._transport_error(exc, response.request, answered=False) from exc
-            except BaseException:
-                response.close()
-                raise
-            return response, events, first
-
-        self._response, self._events, first = client._run(self._call, attempt, keep_slot=True)
-        self._opened(self._response)
-        self._feed(first)
-
-    def __iter__(self) -> Stream:
-        return self
-
-    def __next__(self) -> CompletionChunk:
-        self._open()
-        while not self._pending:
-            if self._acc.done:
-                self.close()
-                raise StopIteration
-            self._wait_for_event()
-            try:
-                payload = next(self._events)
-            except StopIteration:
-                self.close()
-                self._end(saw_done=False)
-                continue
-            except httpx.HTTPError as exc:
-                self.close()
-                raise self._broken(exc, self._response.request if self._response else None) from exc
-            except BaseException:
-                self.close()
-                raise
-            self._feed(payload)
-        return self._pending.popleft()
-
-    def close(self) -> None:
-        try:
-            if self._response is not None:
-                self._response.close()
-            if self._events is not None:
-                self._events.close()
-        finally:
-            self._give_back_slot()
-
-    def __del__(self) -> None:
-        # Dropped unclosed (``for chunk in client.chat_stream(...): break``): give the window
-        # its room back and the connection its pool.
-        if getattr(self, "_holds_slot", False):
-            with contextlib.suppress(Exception):
-                self.close()
-
-
-async def _finish_generators(events: Any) -> None:
-    """Run the generator chain under an abandoned stream to its end, the connection closed.
-
-    httpx reads a stream through nested async generators; aclose() on ours leaves the inner ones
-    suspended, and trio warns when it collects an unfinished one. With the response closed,
-    resuming them ends at once (buffered lines, then the closed stream), so they finish cleanly.
-    """
-    with anyio.move_on_after(_DRAIN_SECONDS):
-        try:
-            for _ in range(_DRAIN_EVENTS):
-                await events.__anext__()
-        except Exception:  # StopAsyncIteration, the closed stream's error, a bad last event
-            return
-
-
-async def _close_chain(response: httpx.Response, events: Any, lines: Any) -> None:
-    """Close a streamed response and finish both generators reading it (ours, then httpx's)."""
-    try:
-        await response.aclose()
-        for generator in (events, lines):
-            if generator is not None:
-                await _finish_generators(generator)
-    finally:
-        for generator in (events, lines):
-            if generator is not None:
-                await generator.aclose()
-
-
-class AsyncStream(_StreamBase):
-    """Async :class:`Stream`: ``async with`` and ``async for``."""
-
-    _client: AsyncClient
-
-    def __init__(
-        self, client: AsyncClient, prepare: Callable[[], Awaitable[_Prepared]], *, chat: bool
-    ) -> None:
-        super().__init__(None, chat=chat)
-        self._prepare = prepare
-        self._client = client
-        self._response: httpx.Response | None = None
-        self._events: Any = None
-        # httpx's byte iterator under our line and event parsers: when the parser ends on an
-        # error (a server's error event), the iterator is left suspended and must be finished.
-        self._lines: Any = None
-
-    async def __aenter__(self) -> AsyncStream:
-        await self._open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def _open(self) -> None:
-        if self._call is not None:
-            return
-        client = self._client
-        if self._prepared_value is None:
-            # Discovery and counting happen here, so `async with client.chat_stream(...)` works.
-            self._prepared_value = await self._prepare()
-        self._call = client._new_call(self._prepared_value)
-
-        async def attempt(
-            call: RetryCall,
-        ) -> tuple[httpx.Response, Any, Any, dict[str, Any] | None]:
-            response = await client._send(self._prepared, call, stream=True)
-            lines = response.aiter_bytes()
-            events = aiter_events(AsyncLines(lines), max_events=self._max_events())
-            try:
-                first = await events.__anext__()
-            except StopAsyncIteration:
-                await _close_chain(response, events, lines)
-                raise APIResponseError(
-                    "the stream ended before its first event", response=response
-                ) from None
-            except httpx.HTTPError as exc:
-                await _close_chain(response, events, lines)
-                raise client._transport_error(exc, response.request, answered=False) from exc
-            except BaseException:
-                await _close_chain(response, events, lines)
-                raise
-            return response, events, lines, first
-
-        opened = await client._run(self._call, attempt, keep_slot=True)
-        self._response, self._events, self._lines, first = opened
-        self._opened(self._response)
-        self._feed(first)
-
-    def __aiter__(self) -> AsyncStream:
-        return self
-
-    async def __anext__(self) -> CompletionChunk:
-        await self._open()
-        while not self._pending:
-            if self._acc.done:
-                await self.aclose()
-                raise StopAsyncIteration
-            self._wait_for_event()
-            try:
-                payload = await self._events.__anext__()
-            except StopAsyncIteration:
-                await self.aclose()
-                self._end(saw_done=False)
-                continue
-            except httpx.HTTPError as exc:
-                await self.aclose()
-                raise self._broken(exc, self._response.request if self._response else None) from exc
-            except BaseException:
-                await self.aclose()
-                raise
-            self._feed(payload)
-        return self._pending.popleft()
-
-    async def aclose(self) -> None:
-        events, self._events = self._events, None
-        lines, self._lines = self._lines, None
-        try:
-            if self._response is not None:
-                await _close_chain(self._response, events, lines)
-        finally:
-            self._give_back_slot()
-
-    def __del__(self) -> None:
-        # Dropped unclosed (``async for chunk in client.chat_stream(...): break``): nothing can
-        # be awaited here, but the window gets its room back at once.
-        if getattr(self, "_holds_slot", False):
-            with contextlib.suppress(Exception):
-                self._give_back_slot()
-
-
-class Client(BaseClient):
-    """Synchronous client. Thread-safe: share one per server so its cooldown is shared.
-
-    >>> with Client(base_url="http://127.0.0.1:8000", model="m", context_window=8192) as c:
-    ...     c.complete("Say hi", max_tokens=16).text  # doctest: +SKIP
-    """
-
-    def __init__(
-        self,
-        *,
-        base_url: str | httpx.URL | None = None,
-        model: str | None = None,
-        context_window: int | None = None,
-        api_key: str | None = None,
-        counter: TokenCounter | None = None,
-        retry: RetryPolicy | None = None,
-        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
-        headers: Mapping[str, str] | None = None,
-        safety_margin: float = DEFAULT_SAFETY_MARGIN,
-        on_retry: Callable[[RetryEvent], None] | None = None,
-        transport: httpx.BaseTransport | None = None,
-        safety_margin_tokens: int = 0,
-        http_client: httpx.Client | None = None,
-    ) -> None:
-        super().__init__(
-            base_url=base_url,
-            model=model,
-            context_window=context_window,
-            api_key=api_key,
-            counter=counter,
-            retry=retry,
-            timeout=timeout,
-            headers=headers,
-            safety_margin=safety_margin,
-            on_retry=on_retry,
-            safety_margin_tokens=safety_margin_tokens,
-        )
-        if http_client is not None and transport is not None:
-            raise ValueError("pass transport= or http_client=, not both")
-        self._owns_http = http_client is None
-        if http_client is None:
-            http_client = httpx.Client(
-                transport=transport, timeout=timeout, headers=self._take_constant_headers()
-            )
-        self._http = http_client
-        self._discovery_lock = threading.Lock()
-        self._window_changed = threading.Condition()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Close the connections (not those of an ``http_client`` passed in)."""
-        if self._owns_http:
-            self._http.close()
-
-    # --- I/O ---------------------------------------------------------------------------------
-
-    def _hold(self, call: RetryCall) -> None:
-        for _ in call.hold_rounds():
-            wait = call.hold_time()
-            if wait <= 0:
-                return
-            self.retry.sleep(wait)
-            call.held(wait)
-        raise self._stuck(call)
-
-    def _acquire_slot(self, call: RetryCall) -> None:
-        clock = self.retry.clock
-        size = call.size
-        if not self.retry.window or self._window.try_acquire(clock(), size):
-            return
-        started = time.monotonic()
-        with self._window_changed:
-            while not self._window.try_acquire(clock(), size):
-                left = call.time_left()
-                if left <= 0:
-                    raise self._window_busy(call)
-                self._window_changed.wait(timeout=min(left, _WINDOW_POLL))
-        call.held(time.monotonic() - started)
-
-    def _release_slot(self, outcome: str, call: RetryCall) -> None:
-        if not self.retry.window:
-            return
-        with self._window_changed:
-            self._window.release(outcome, self.retry.clock(), call.size)
-            self._window_changed.notify_all()
-
-    def _attempt(self, call: RetryCall, attempt: Callable[[RetryCall], T], keep_slot: bool) -> T:
-        """One attempt: hold out the cooldown, take a send-window slot (kept past success when
-        ``keep_slot``: a stream gives it back when it closes), send."""
-        self._hold(call)
-        self._acquire_slot(call)
-        call.begin_attempt()
-        try:
-            result = attempt(call)
-        except BaseException as exc:
-            self._release_slot(_slot_outcome(exc), call)
-            raise
-        if not keep_slot:
-            self._release_slot("ok", call)
-        return result
-
-    def _run(
-        self, call: RetryCall, attempt: Callable[[RetryCall], T], *, keep_slot: bool = False
-    ) -> T:
-        """Attempts until one succeeds or the policy gives up.
-
-        The first attempt runs outside tenacity: most calls succeed at once, and entering the
-        retry loop costs more than the rest of the client's work. A failure is replayed as the
-        loop's first outcome, so every decision is still the policy's.
-        """
-        try:
-            result = self._attempt(call, attempt, keep_slot)
-        except Exception as exc:
-            first: Exception | None = exc
-        else:
-            call.decide(None)
-            return result
-        results: list[T] = []
-        for manager in call.attempts_iter():
-            with manager:
-                if first is not None:
-                    error, first = first, None
-                    raise error
-                results.append(self._attempt(call, attempt, keep_slot))
-        return results[-1]
-
-    def _send_request(
-        self, request: httpx.Request, call: RetryCall, *, stream: bool
-    ) -> httpx.Response:
-        while True:
-            try:
-                response = self._http.send(request, stream=True)
-                break
-            except httpx.HTTPError as exc:
-                if call.resends < _STALE_RESENDS and _stale_connection(exc):
-                    call.resends += 1
-                    continue
-                raise self._transport_error(exc, request, answered=False) from exc
-        self._bound(response)
-        if stream and response.status_code < 400:
-            return response
-        try:
-            response.read()
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc, request, answered=True) from exc
-        finally:
-            response.close()
-        if response.status_code >= 400:
-            raise self._status_error(response)
-        return response
-
-    def _send(self, prepared: _Prepared, call: RetryCall, *, stream: bool) -> httpx.Response:
-        request = self._build_request(self._http, prepared, call)
-        return self._send_request(request, call, stream=stream)
-
-    def _discover(self) -> None:
-        if not self._needs_discovery():
-            return
-        with self._discovery_lock:
-            if not self._needs_discovery():
-                return
-
-            driver = self._discovery()
-            probe = next(driver)
-            while True:
-                answer = self._probe(probe)
-                try:
-                    probe = driver.send(answer)
-                except StopIteration as stop:
-                    self._adopt_discovery(stop.value)
-                    return
-
-    def _probe(self, probe: Probe) -> Answer:
-        def attempt(call: RetryCall) -> httpx.Response:
-            request = self._probe_request(self._http, probe, call)
-            return self._send_request(request, call, stream=False)
-
-        try:
-            return self._probe_answer(self._run(self._new_call(), attempt), None)
-        except KVClientError as error:
-            return self._probe_answer(None, error)
-
-    def _call(self, prepared: _Prepared) -> Completion:
-        call = self._new_call(prepared)
-        payload = self._run(call, lambda call: self._json(self._send(prepared, call, stream=False)))
-        return self._completion(payload, prepared, call)
-
-    # --- API ---------------------------------------------------------------------------------
-
-    def complete(self, prompt: str, *, max_tokens: int | None = None, **params: Any) -> Completion:
-        """``POST /v1/completions`` with an explicit, clamped ``max_tokens``."""
-        self._discover()
-        return self._call(self._prepare_completion(prompt, max_tokens, params, stream=False))
-
-    def chat(
-        self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
-    ) -> Completion:
-        """``POST /v1/chat/completions`` with an explicit, clamped ``max_tokens``."""
-        self._discover()
-        return self._call(self._prepare_chat(messages, max_tokens, params, stream=False))
-
-    def complete_stream(
-        self, prompt: str, *, max_tokens: int | None = None, **params: Any
-    ) -> Stream:
-        """Stream ``/v1/completions``; use as ``with ... as stream: for chunk in stream``."""
-        self._discover()
-        return Stream(self, self._prepare_completion(prompt, max_tokens, params, stream=True))
-
-    def chat_stream(
-        self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
-    ) -> Stream:
-        """Stream ``/v1/chat/completions``; use as ``with ... as stream: for chunk in stream``."""
-        self._discover()
-        return Stream(self, self._prepare_chat(messages, max_tokens, params, stream=True))
-
-
-class AsyncClient(BaseClient):
-    """Asynchronous client, on asyncio or trio (anyio underneath). Share one per server.
-
-    >>> async with AsyncClient(base_url="http://127.0.0.1:8000") as c:  # doctest: +SKIP
-    ...     (await c.chat([{"role": "user", "content": "hi"}])).text
-    """
-
-    def __init__(
-        self,
-        *,
-        base_url: str | httpx.URL | None = None,
-        model: str | None = None,
-        context_window: int | None = None,
-        api_key: str | None = None,
-        counter: TokenCounter | None = None,
-        retry: RetryPolicy | None = None,
-        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
-        headers: Mapping[str, str] | None = None,
-        safety_margin: float = DEFAULT_SAFETY_MARGIN,
-        on_retry: Callable[[RetryEvent], None] | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
-        safety_margin_tokens: int = 0,
-        http_client: httpx.AsyncClient | None = None,
-    ) -> None:
-        super().__init__(
-            base_url=base_url,
-            model=model,
-            context_window=context_window,
-            api_key=api_key,
-            counter=counter,
-            retry=retry,
-            timeout=timeout,
-            headers=headers,
-            safety_margin=safety_margin,
-            on_retry=on_retry,
-            safety_margin_tokens=safety_margin_tokens,
-        )
-        if http_client is not None and transport is not None:
-            raise ValueError("pass transport= or http_client=, not both")
-        self._owns_http = http_client is None
-        if http_client is None:
-            http_client = httpx.AsyncClient(
-                transport=transport, timeout=timeout, headers=self._take_constant_headers()
-            )
-        self._http = http_client
-        # anyio locks bind to the event loop that first uses them: create it inside one.
-        self._discovery_lock: anyio.Lock | None = None
-        # Tasks waiting for a send-window slot; every release wakes them all to re-check.
-        self._slot_waiters: list[anyio.Event] = []
-
-    async def __aenter__(self) -> AsyncClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close the connections (not those of an ``http_client`` passed in)."""
-        if self._owns_http:
-            await self._http.aclose()
-
-    # --- I/O ---------------------------------------------------------------------------------
-
-    async def _hold(self, call: RetryCall) -> None:
-        for _ in call.hold_rounds():
-            wait = call.hold_time()
-            if wait <= 0:
-                return
-            await self.retry.async_sleep(wait)
-            call.held(wait)
-        raise self._stuck(call)
-
-    async def _acquire_slot(self, call: RetryCall) -> None:
-        clock = self.retry.clock
-        size = call.size
-        if not self.retry.window or self._window.try_acquire(clock(), size):
-            return
-        started = time.monotonic()
-        while not self._window.try_acquire(clock(), size):
-            left = call.time_left()
-            if left <= 0:
-                raise self._window_busy(call)
-            event = anyio.Event()
-            self._slot_waiters.append(event)
-            try:
-                with anyio.move_on_after(min(left, _WINDOW_POLL)):
-                    await event.wait()
-            finally:
-                with contextlib.suppress(ValueError):
-                    self._slot_waiters.remove(event)
-        call.held(time.monotonic() - started)
-
-    def _release_slot(self, outcome: str, call: RetryCall) -> None:
-        if not self.retry.window:
-            return
-        self._window.release(outcome, self.retry.clock(), call.size)
-        waiters, self._slot_waiters = self._slot_waiters, []
-        for event in waiters:
-            event.set()
-
-    async def _attempt(
-        self, call: RetryCall, attempt: Callable[[RetryCall], Any], keep_slot: bool
-    ) -> Any:
-        """As :meth:`Client._attempt`."""
-        await self._hold(call)
-        await self._acquire_slot(call)
-        call.begin_attempt()
-        try:
-            result = await attempt(call)
-        except BaseException as exc:
-            self._release_slot(_slot_outcome(exc), call)
-            raise
-        if not keep_slot:
-            self._release_slot("ok", call)
-        return result
-
-    async def _run(
-        self, call: RetryCall, attempt: Callable[[RetryCall], Any], *, keep_slot: bool = False
-    ) -> Any:
-        """As :meth:`Client._run`: the first attempt outside tenacity, a failure replayed."""
-        try:
-            result = await self._attempt(call, attempt, keep_slot)
-        except Exception as exc:
-            first: Exception | None = exc
-        else:
-            call.decide(None)
-            return result
-        results: list[Any] = []
-        async for manager in call.async_attempts():
-            with manager:
-                if first is not None:
-                    error, first = first, None
-                    raise error
-                results.append(await self._attempt(call, attempt, keep_slot))
-        return results[-1]
-
-    async def _send_request(
-        self, request: httpx.Request, call: RetryCall, *, stream: bool
-    ) -> httpx.Response:
-        while True:
-            try:
-                response = await self._http.send(request, stream=True)
-                break
-            except httpx.HTTPError as exc:
-                if call.resends < _STALE_RESENDS and _stale_connection(exc):
-                    call.resends += 1
-                    continue
-                raise self._transport_error(exc, request, answered=False) from exc
-        self._bound(response)
-        if stream and response.status_code < 400:
-            return response
-        try:
-            await response.aread()
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc, request, answered=True) from exc
-        finally:
-            await response.aclose()
-        if response.status_code >= 400:
-            raise self._status_error(response)
-        return response
-
-    async def _send(self, prepared: _Prepared, call: RetryCall, *, stream: bool) -> httpx.Response:
-        request = self._build_request(self._http, prepared, call)
-        return await self._send_request(request, call, stream=stream)
-
-    async def _discover(self) -> None:
-        if not self._needs_discovery():
-            return
-        if self._discovery_lock is None:
-            self._discovery_lock = anyio.Lock()
-        async with self._discovery_lock:
-            if not self._needs_discovery():
-                return
-
-            driver = self._discovery()
-            probe = next(driver)
-            while True:
-                answer = await self._probe(probe)
-                try:
-                    probe = driver.send(answer)
-                except StopIteration as stop:
-                    self._adopt_discovery(stop.value)
-                    return
-
-    async def _probe(self, probe: Probe) -> Answer:
-        async def attempt(call: RetryCall) -> httpx.Response:
-            request = self._probe_request(self._http, probe, call)
-            return await self._send_request(request, call, stream=False)
-
-        try:
-            return self._probe_answer(await self._run(self._new_call(), attempt), None)
-        except KVClientError as error:
-            return self._probe_answer(None, error)
-
-    async def _call(self, prepared: _Prepared) -> Completion:
-        call = self._new_call(prepared)
-
-        async def attempt(call: RetryCall) -> dict[str, Any]:
-            return self._json(await self._send(prepared, call, stream=False))
-
-        payload = await self._run(call, attempt)
-        return self._completion(payload, prepared, call)
-
-    # --- API ---------------------------------------------------------------------------------
-
-    async def complete(
-        self, prompt: str, *, max_tokens: int | None = None, **params: Any
-    ) -> Completion:
-        """``POST /v1/completions`` with an explicit, clamped ``max_tokens``."""
-        await self._discover()
-        return await self._call(self._prepare_completion(prompt, max_tokens, params, stream=False))
-
-    async def chat(
-        self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
-    ) -> Completion:
-        """``POST /v1/chat/completions`` with an explicit, clamped ``max_tokens``."""
-        await self._discover()
-        return await self._call(self._prepare_chat(messages, max_tokens, params, stream=False))
-
-    def complete_stream(
-        self, prompt: str, *, max_tokens: int | None = None, **params: Any
-    ) -> AsyncStream:
-        """Stream ``/v1/completions``: ``async with client.complete_stream(...) as stream``.
-
-        The request is counted, clamped and sent when the stream is entered (or first iterated).
-        """
-
-        async def prepare() -> _Prepared:
-            await self._discover()
-            return self._prepare_completion(prompt, max_tokens, params, stream=True)
-
-        return AsyncStream(self, prepare, chat=False)
-
-    def chat_stream(
-        self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
-    ) -> AsyncStream:
-        """Stream ``/v1/chat/completions``: ``async with client.chat_stream(...) as stream``.
-
-        The request is counted, clamped and sent when the stream is entered (or first iterated).
-        """
-
-        async def prepare() -> _Prepared:
-            await self._discover()
-            return self._prepare_chat(messages, max_tokens, params, stream=True)
-
-        return AsyncStream(self, prepare, chat=True)
+# The shells, importable from here as before (they import the core above).
+from ._async_client import AsyncClient, AsyncStream  # noqa: E402
+from ._sync_client import Client, Stream  # noqa: E402

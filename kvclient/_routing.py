@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Endpoint", "Health", "choose", "ranked"]
+__all__ = ["Endpoint", "Health", "choose", "pick", "ranked"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,28 +25,39 @@ class Endpoint:
     in_flight: int = 0
     #: False while it is set aside after failures.
     in_service: bool = True
+    #: KV tokens (prompt + output cap) of the requests in flight there, when known.
+    in_flight_tokens: int = 0
 
 
 def ranked(endpoints: Sequence[Endpoint], need: int) -> list[int]:
     """Indexes of the in-service endpoints where ``need`` tokens fit now, best first: the most
-    free budget left after the request, then the fewest in flight, then the lowest index (so
-    equal endpoints are used in a stable order)."""
+    free budget left after the request, then the fewest KV tokens in flight, then the fewest
+    requests in flight, then the lowest index (so equal endpoints are used in a stable order)."""
     fitting = [
         i for i, e in enumerate(endpoints) if e.in_service and (e.free is None or e.free >= need)
     ]
+    return sorted(fitting, key=lambda i: _key(endpoints[i], need, i))
 
-    def key(i: int) -> tuple[float, int, int]:
-        e = endpoints[i]
-        room = float("inf") if e.free is None else e.free - need
-        return (-room, e.in_flight, i)
 
-    return sorted(fitting, key=key)
+def _key(e: Endpoint, need: int, i: int) -> tuple[float, int, int, int]:
+    room = float("inf") if e.free is None else e.free - need
+    return (-room, e.in_flight_tokens, e.in_flight, i)
 
 
 def choose(endpoints: Sequence[Endpoint], need: int) -> int | None:
     """The endpoint for a request of ``need`` tokens, or None when it fits nowhere now."""
     order = ranked(endpoints, need)
     return order[0] if order else None
+
+
+def pick(endpoints: Sequence[Endpoint], need: int) -> int | None:
+    """:func:`choose` when ``need`` fits somewhere; else the in-service endpoint with the most
+    room (the request waits there, paced, for room to free); None when none is in service."""
+    best = choose(endpoints, need)
+    if best is not None:
+        return best
+    serving = [i for i, e in enumerate(endpoints) if e.in_service]
+    return min(serving, key=lambda i: _key(endpoints[i], need, i), default=None)
 
 
 class Health:
@@ -75,6 +86,10 @@ class Health:
         """A request is sent there: when it was set aside, this one is the probe."""
         if self.out_until is not None and now >= self.out_until:
             self.probing = True
+
+    def abandoned(self) -> None:
+        """A request there ended without a verdict (cancelled): another may probe."""
+        self.probing = False
 
     def succeeded(self) -> None:
         self.failures = 0

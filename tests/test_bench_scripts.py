@@ -111,3 +111,20 @@ def test_gateway_overhead(tmp_path: Path) -> None:
     # The correctness probes: one attempt at an upstream 500, the 429's Retry-After relayed.
     assert data["probes"]["500"] == {"status": 500, "upstream_attempts": 1, "ok": True}
     assert data["probes"]["429"] == {"status": 429, "retry_after": "7", "ok": True}
+
+
+def test_replicas(tmp_path: Path) -> None:
+    out, data = run_script(tmp_path, "replicas.py", "--quick")
+    assert "| client" in out
+    assert "goals:" in out
+    modes = [r["mode"] for r in data["results"]]
+    assert modes[:2] == ["kvclient", "round-robin"]
+    for r in data["results"]:
+        assert r["requests"] == data["settings"]["requests"]
+        assert r["lost"] == 0
+        assert r["hung"] == 0
+        assert r["failed_without_message"] == 0
+        assert r["completed"] + sum(r["failed_by_cause"].values()) == r["requests"]
+    for r in data["results"][:2]:  # (the killed one's count is read just before it stops)
+        assert sum(r["admitted_by_replica"]) >= r["completed"]
+    assert data["results"][2]["killed_at"] is not None

@@ -272,10 +272,10 @@ async def test_a_send_still_waiting_for_room_at_its_deadline_gives_up() -> None:
         while arrivals < 1:  # noqa: ASYNC110 - polling a plain counter
             await anyio.sleep(0.001)
         tg.start_soon(refused_then_waits)  # refused; its retry waits for room in the window
-        while not client._slot_waiters:  # noqa: ASYNC110 - polling a plain list
+        while not client._window_changed.waiters:  # noqa: ASYNC110 - polling a plain list
             await anyio.sleep(0.001)
         clock.advance(31.0)  # past its deadline
-        for event in client._slot_waiters:
+        for event in client._window_changed.waiters:
             event.set()
         while not gave_up:  # noqa: ASYNC110 - polling a plain list
             await anyio.sleep(0.001)

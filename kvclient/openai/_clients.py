@@ -1,17 +1,12 @@
-"""The openai SDK's clients with kvclient's transport installed and their own retries off."""
+"""The openai SDK's clients with kvclient's transport installed and their own retries off.
+
+The checks both share are here; ``AsyncOpenAI`` is in ``_async_clients.py`` and ``OpenAI`` is
+generated from it (``scripts/unasync.py``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, cast
-
-import httpx
-import openai
-
-from .._models import RetryEvent
-from .._retry import RetryPolicy
-from .._tokens import TokenCounter
-from ._transport import AsyncTransport, Transport
+from typing import Any
 
 __all__ = ["AsyncOpenAI", "OpenAI"]
 
@@ -44,104 +39,6 @@ def _existing(http_client: Any, transport_type: type, given: dict[str, Any]) -> 
     return http_client
 
 
-class OpenAI(openai.OpenAI):
-    """``openai.OpenAI`` whose completions and chat requests go through kvclient.
-
-    >>> client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x")  # doctest: +SKIP
-    >>> client.chat.completions.create(model="m", messages=[...])  # doctest: +SKIP
-
-    The SDK's constructor arguments, plus kvclient's: ``context_window`` (discovered from
-    ``/v1/models`` when not given), ``counter``, ``retry``, ``safety_margin``, ``on_retry``, and
-    ``transport``, the httpx transport that reaches the server. ``max_retries`` is 0: kvclient
-    retries. A prompt that cannot fit raises the SDK's ``BadRequestError`` (code
-    ``context_length_exceeded``) without a byte sent; giving up on a busy server raises its
-    ``RateLimitError`` (code ``server_busy``).
-    """
-
-    kvclient_transport: Transport
-
-    def __init__(
-        self,
-        *,
-        context_window: int | None = None,
-        counter: TokenCounter | None = None,
-        retry: RetryPolicy | None = None,
-        safety_margin: float | None = None,
-        on_retry: Callable[[RetryEvent], None] | None = None,
-        transport: httpx.BaseTransport | None = None,
-        http_client: httpx.Client | None = None,
-        max_retries: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        _check_retries(max_retries)
-        if http_client is None:
-            http_client = httpx.Client(
-                transport=Transport(
-                    inner=transport,
-                    context_window=context_window,
-                    counter=counter,
-                    retry=retry,
-                    safety_margin=safety_margin or 0.0,
-                    on_retry=on_retry,
-                ),
-                follow_redirects=True,
-            )
-        else:
-            given = {
-                "context_window": context_window,
-                "counter": counter,
-                "retry": retry,
-                "safety_margin": safety_margin,
-                "on_retry": on_retry,
-                "transport": transport,
-            }
-            http_client = _existing(http_client, Transport, given)
-        self.kvclient_transport = http_client._transport  # type: ignore[assignment]
-        super().__init__(http_client=cast(Any, http_client), max_retries=0, **kwargs)
-
-
-class AsyncOpenAI(openai.AsyncOpenAI):
-    """``openai.AsyncOpenAI`` whose completions and chat requests go through kvclient (asyncio
-    and trio); the options are :class:`OpenAI`'s, ``transport`` an ``httpx.AsyncBaseTransport``.
-    """
-
-    kvclient_transport: AsyncTransport
-
-    def __init__(
-        self,
-        *,
-        context_window: int | None = None,
-        counter: TokenCounter | None = None,
-        retry: RetryPolicy | None = None,
-        safety_margin: float | None = None,
-        on_retry: Callable[[RetryEvent], None] | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
-        http_client: httpx.AsyncClient | None = None,
-        max_retries: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        _check_retries(max_retries)
-        if http_client is None:
-            http_client = httpx.AsyncClient(
-                transport=AsyncTransport(
-                    inner=transport,
-                    context_window=context_window,
-                    counter=counter,
-                    retry=retry,
-                    safety_margin=safety_margin or 0.0,
-                    on_retry=on_retry,
-                ),
-                follow_redirects=True,
-            )
-        else:
-            given = {
-                "context_window": context_window,
-                "counter": counter,
-                "retry": retry,
-                "safety_margin": safety_margin,
-                "on_retry": on_retry,
-                "transport": transport,
-            }
-            http_client = _existing(http_client, AsyncTransport, given)
-        self.kvclient_transport = http_client._transport  # type: ignore[assignment]
-        super().__init__(http_client=cast(Any, http_client), max_retries=0, **kwargs)
+# The clients, importable from here as before.
+from ._async_clients import AsyncOpenAI  # noqa: E402
+from ._sync_clients import OpenAI  # noqa: E402

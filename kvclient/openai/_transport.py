@@ -1,17 +1,19 @@
-"""httpx transports that put kvclient between an OpenAI-style client and the server.
+"""httpx transports that put kvclient between an OpenAI-style client and the server: the core.
 
 ``POST .../completions`` and ``POST .../chat/completions`` are counted, their output cap made
 explicit and clamped, refused locally when the prompt cannot fit, and sent through kvclient's
 retry core (cooldown, send window, Retry-After) to the inner transport. Every other request goes
 to the inner transport untouched. A streamed answer is handed on as it arrives, once its status
 line says it was admitted: it is retried only before that.
+
+What both transports do without I/O is here (``_Shared``); ``AsyncTransport`` is in
+``_async_transport.py`` and ``Transport`` is generated from it (``scripts/unasync.py``).
 """
 
 from __future__ import annotations
 
 import json
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -22,9 +24,7 @@ from .._client import (
     _PACED,
     IDEMPOTENCY_HEADER,
     RETRY_COUNT_HEADER,
-    AsyncClient,
     BaseClient,
-    Client,
     _Body,
     _normalize_base_url,
 )
@@ -36,15 +36,12 @@ from .._exceptions import (
     PromptTooLongError,
     ServerBusyError,
 )
-from .._models import RetryEvent
-from .._retry import RetryCall, RetryPolicy
-from .._tokens import TokenCounter
+from .._retry import RetryCall
 from ._plan import (
     InvalidCap,
     Plan,
     base_url_of,
     busy_response,
-    generation_kind,
     invalid_response,
     local_error_response,
     passed_on,
@@ -217,173 +214,6 @@ class _Shared:
         )
 
 
-class Transport(_Shared, httpx.BaseTransport):
-    """A sync httpx transport giving an OpenAI-style client kvclient's behaviour.
-
-    >>> http = httpx.Client(transport=Transport(context_window=8192))  # doctest: +SKIP
-    >>> sdk = openai.OpenAI(base_url=url, http_client=http, max_retries=0)  # doctest: +SKIP
-
-    ``inner`` is the transport that reaches the server (default: ``httpx.HTTPTransport`` with the
-    openai SDK's connection limits); the other options are :class:`kvclient.Client`'s. Without
-    ``context_window`` it is discovered once, from ``GET /v1/models`` at the base URL of the
-    first generation request, for that request's model. Keep the SDK's own retries off
-    (``max_retries=0``): kvclient marks its answers ``x-should-retry: false``, but the SDK would
-    still retry connection failures that kvclient already retried.
-    """
-
-    _kv: Client
-
-    def __init__(
-        self,
-        *,
-        inner: httpx.BaseTransport | None = None,
-        base_url: str | None = None,
-        context_window: int | None = None,
-        counter: TokenCounter | None = None,
-        retry: RetryPolicy | None = None,
-        safety_margin: float = 0.0,
-        on_retry: Callable[[RetryEvent], None] | None = None,
-    ) -> None:
-        self._inner = inner if inner is not None else httpx.HTTPTransport(limits=DEFAULT_LIMITS)
-        self._kv = Client(
-            base_url=base_url or _UNKNOWN_BASE_URL,
-            context_window=context_window,
-            counter=counter,
-            retry=retry,
-            safety_margin=safety_margin,
-            on_retry=on_retry,
-            transport=self._inner,
-        )
-        self._setup(base_url)
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        kind = generation_kind(request.method, request.url.path)
-        body = _parse(request.read()) if kind is not None else None
-        if kind is None or body is None:
-            return self._inner.handle_request(request)
-        kv = self._kv
-        if kv.context_window is None:
-            self._learn(request, kind, body)
-            try:
-                kv._discover()
-            except APIConnectionError as exc:
-                return self._gave_up(exc)
-            except KVClientError as exc:
-                return self._discovery_failed(exc)
-        plan = self._plan(kind, body)
-        if plan is None:
-            return self._inner.handle_request(request)
-        if isinstance(plan, httpx.Response):
-            return plan
-        key = str(uuid.uuid4())
-        inner = self._inner
-
-        def attempt(call: RetryCall) -> httpx.Response:
-            outgoing = self._outgoing(request, plan, call, key)
-            try:
-                response = inner.handle_request(outgoing)
-            except httpx.HTTPError as exc:
-                raise kv._transport_error(exc, outgoing, answered=False) from exc
-            response.request = outgoing
-            kv._note_room(response)  # the server's advertised room paces later calls
-            if response.status_code < 400:
-                return response
-            try:
-                response.read()
-            except httpx.HTTPError as exc:
-                raise kv._transport_error(exc, outgoing, answered=True) from exc
-            finally:
-                response.close()
-            raise kv._status_error(response)
-
-        call = self._new_call(plan)
-        try:
-            response = kv._run(call, attempt, keep_slot=True)
-        except KVClientError as exc:
-            return self._gave_up(exc)
-        return self._admitted(response, call)
-
-    def close(self) -> None:
-        self._kv.close()  # closes the inner transport too
-
-
-class AsyncTransport(_Shared, httpx.AsyncBaseTransport):
-    """The async :class:`Transport` (asyncio and trio), for ``httpx.AsyncClient`` and
-    ``openai.AsyncOpenAI``; ``inner`` defaults to ``httpx.AsyncHTTPTransport``."""
-
-    _kv: AsyncClient
-
-    def __init__(
-        self,
-        *,
-        inner: httpx.AsyncBaseTransport | None = None,
-        base_url: str | None = None,
-        context_window: int | None = None,
-        counter: TokenCounter | None = None,
-        retry: RetryPolicy | None = None,
-        safety_margin: float = 0.0,
-        on_retry: Callable[[RetryEvent], None] | None = None,
-    ) -> None:
-        self._inner = (
-            inner if inner is not None else httpx.AsyncHTTPTransport(limits=DEFAULT_LIMITS)
-        )
-        self._kv = AsyncClient(
-            base_url=base_url or _UNKNOWN_BASE_URL,
-            context_window=context_window,
-            counter=counter,
-            retry=retry,
-            safety_margin=safety_margin,
-            on_retry=on_retry,
-            transport=self._inner,
-        )
-        self._setup(base_url)
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        kind = generation_kind(request.method, request.url.path)
-        body = _parse(await request.aread()) if kind is not None else None
-        if kind is None or body is None:
-            return await self._inner.handle_async_request(request)
-        kv = self._kv
-        if kv.context_window is None:
-            self._learn(request, kind, body)
-            try:
-                await kv._discover()
-            except APIConnectionError as exc:
-                return self._gave_up(exc)
-            except KVClientError as exc:
-                return self._discovery_failed(exc)
-        plan = self._plan(kind, body)
-        if plan is None:
-            return await self._inner.handle_async_request(request)
-        if isinstance(plan, httpx.Response):
-            return plan
-        key = str(uuid.uuid4())
-        inner = self._inner
-
-        async def attempt(call: RetryCall) -> httpx.Response:
-            outgoing = self._outgoing(request, plan, call, key)
-            try:
-                response = await inner.handle_async_request(outgoing)
-            except httpx.HTTPError as exc:
-                raise kv._transport_error(exc, outgoing, answered=False) from exc
-            response.request = outgoing
-            kv._note_room(response)  # the server's advertised room paces later calls
-            if response.status_code < 400:
-                return response
-            try:
-                await response.aread()
-            except httpx.HTTPError as exc:
-                raise kv._transport_error(exc, outgoing, answered=True) from exc
-            finally:
-                await response.aclose()
-            raise kv._status_error(response)
-
-        call = self._new_call(plan)
-        try:
-            response = await kv._run(call, attempt, keep_slot=True)
-        except KVClientError as exc:
-            return self._gave_up(exc)
-        return self._admitted(response, call)
-
-    async def aclose(self) -> None:
-        await self._kv.aclose()  # closes the inner transport too
+# The transports, importable from here as before (they import the core above).
+from ._async_transport import AsyncTransport  # noqa: E402
+from ._sync_transport import Transport  # noqa: E402

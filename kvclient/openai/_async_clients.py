@@ -1,0 +1,78 @@
+"""``AsyncOpenAI``: the openai SDK's async client with kvclient's transport, its retries off.
+
+The source of ``_sync_clients.py`` (``OpenAI``): ``python scripts/unasync.py`` writes that file
+from this one, and ``--check`` fails when they differ; edit this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import httpx
+import openai
+
+from .._models import RetryEvent
+from .._retry import RetryPolicy
+from .._tokens import TokenCounter
+from ._async_transport import AsyncTransport
+from ._clients import _check_retries, _existing
+
+__all__ = ["AsyncOpenAI"]
+
+
+class AsyncOpenAI(openai.AsyncOpenAI):
+    """``openai.AsyncOpenAI`` whose completions and chat requests go through kvclient
+    (asyncio and trio).
+
+    >>> client = AsyncOpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x")  # doctest: +SKIP
+    >>> await client.chat.completions.create(model="m", messages=[...])  # doctest: +SKIP
+
+    The SDK's constructor arguments, plus kvclient's: ``context_window`` (discovered from
+    ``/v1/models`` when not given), ``counter``, ``retry``, ``safety_margin``, ``on_retry``, and
+    ``transport``, the httpx transport that reaches the server. ``max_retries`` is 0: kvclient
+    retries. A prompt that cannot fit raises the SDK's ``BadRequestError`` (code
+    ``context_length_exceeded``) without a byte sent; giving up on a busy server raises its
+    ``RateLimitError`` (code ``server_busy``).
+    """
+
+    kvclient_transport: AsyncTransport
+
+    def __init__(
+        self,
+        *,
+        context_window: int | None = None,
+        counter: TokenCounter | None = None,
+        retry: RetryPolicy | None = None,
+        safety_margin: float | None = None,
+        on_retry: Callable[[RetryEvent], None] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        http_client: httpx.AsyncClient | None = None,
+        max_retries: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        _check_retries(max_retries)
+        if http_client is None:
+            http_client = httpx.AsyncClient(
+                transport=AsyncTransport(
+                    inner=transport,
+                    context_window=context_window,
+                    counter=counter,
+                    retry=retry,
+                    safety_margin=safety_margin or 0.0,
+                    on_retry=on_retry,
+                ),
+                follow_redirects=True,
+            )
+        else:
+            given = {
+                "context_window": context_window,
+                "counter": counter,
+                "retry": retry,
+                "safety_margin": safety_margin,
+                "on_retry": on_retry,
+                "transport": transport,
+            }
+            http_client = _existing(http_client, AsyncTransport, given)
+        self.kvclient_transport = http_client._transport  # type: ignore[assignment]
+        super().__init__(http_client=cast(Any, http_client), max_retries=0, **kwargs)

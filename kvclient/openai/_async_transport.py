@@ -1,0 +1,117 @@
+"""``AsyncTransport``: kvclient between an OpenAI-style async client and the server (I/O only).
+
+The source of ``_sync_transport.py`` (``Transport``): ``python scripts/unasync.py`` writes that
+file from this one, and ``--check`` fails when they differ; edit this one. What both do without
+I/O is ``_transport._Shared``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import httpx
+
+from .._async_client import AsyncClient
+from .._exceptions import APIConnectionError, KVClientError
+from .._models import RetryEvent
+from .._retry import RetryCall, RetryPolicy
+from .._tokens import TokenCounter
+from ._plan import generation_kind
+from ._transport import _UNKNOWN_BASE_URL, DEFAULT_LIMITS, _parse, _Shared
+
+__all__ = ["AsyncTransport"]
+
+
+class AsyncTransport(_Shared, httpx.AsyncBaseTransport):
+    """An async httpx transport (asyncio and trio) giving an OpenAI-style client kvclient's
+    behaviour.
+
+    >>> http = httpx.AsyncClient(transport=AsyncTransport(context_window=8192))  # doctest: +SKIP
+    >>> sdk = openai.AsyncOpenAI(base_url=url, http_client=http, max_retries=0)  # doctest: +SKIP
+
+    ``inner`` is the transport that reaches the server (default: ``httpx.AsyncHTTPTransport``
+    with the openai SDK's connection limits); the other options are
+    :class:`kvclient.AsyncClient`'s. Without ``context_window`` it is discovered once, from
+    ``GET /v1/models`` at the base URL of the first generation request, for that request's
+    model. Keep the SDK's own retries off (``max_retries=0``): kvclient marks its answers
+    ``x-should-retry: false``, but the SDK would still retry connection failures that kvclient
+    already retried.
+    """
+
+    _kv: AsyncClient
+
+    def __init__(
+        self,
+        *,
+        inner: httpx.AsyncBaseTransport | None = None,
+        base_url: str | None = None,
+        context_window: int | None = None,
+        counter: TokenCounter | None = None,
+        retry: RetryPolicy | None = None,
+        safety_margin: float = 0.0,
+        on_retry: Callable[[RetryEvent], None] | None = None,
+    ) -> None:
+        self._inner = (
+            inner if inner is not None else httpx.AsyncHTTPTransport(limits=DEFAULT_LIMITS)
+        )
+        self._kv = AsyncClient(
+            base_url=base_url or _UNKNOWN_BASE_URL,
+            context_window=context_window,
+            counter=counter,
+            retry=retry,
+            safety_margin=safety_margin,
+            on_retry=on_retry,
+            transport=self._inner,
+        )
+        self._setup(base_url)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        kind = generation_kind(request.method, request.url.path)
+        body = _parse(await request.aread()) if kind is not None else None
+        if kind is None or body is None:
+            return await self._inner.handle_async_request(request)
+        kv = self._kv
+        if kv.context_window is None:
+            self._learn(request, kind, body)
+            try:
+                await kv._discover()
+            except APIConnectionError as exc:
+                return self._gave_up(exc)
+            except KVClientError as exc:
+                return self._discovery_failed(exc)
+        plan = self._plan(kind, body)
+        if plan is None:
+            return await self._inner.handle_async_request(request)
+        if isinstance(plan, httpx.Response):
+            return plan
+        key = str(uuid.uuid4())
+        inner = self._inner
+
+        async def attempt(call: RetryCall) -> httpx.Response:
+            outgoing = self._outgoing(request, plan, call, key)
+            try:
+                response = await inner.handle_async_request(outgoing)
+            except httpx.HTTPError as exc:
+                raise kv._transport_error(exc, outgoing, answered=False) from exc
+            response.request = outgoing
+            kv._note_room(response)  # the server's advertised room paces later calls
+            if response.status_code < 400:
+                return response
+            try:
+                await response.aread()
+            except httpx.HTTPError as exc:
+                raise kv._transport_error(exc, outgoing, answered=True) from exc
+            finally:
+                await response.aclose()
+            raise kv._status_error(response)
+
+        call = self._new_call(plan)
+        try:
+            response = await kv._run(call, attempt, keep_slot=True)
+        except KVClientError as exc:
+            return self._gave_up(exc)
+        return self._admitted(response, call)
+
+    async def aclose(self) -> None:
+        await self._kv.aclose()  # closes the inner transport too
