@@ -101,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
+    from ._protocol import HalfCloseHttpToolsProtocol
     from .gateway import create_gateway_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
@@ -110,8 +111,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{', '.join(config.upstreams)} (discovered on the first request)",
         file=sys.stderr,
     )
+    # httptools' C parser (uvicorn's choice when it is installed), kept answering clients that
+    # half-close after their request as the reference server does.
     uvicorn.run(
-        app, host=args.host, port=args.port, workers=1, lifespan="on", log_level=args.log_level
+        app,
+        host=args.host,
+        port=args.port,
+        http=HalfCloseHttpToolsProtocol,
+        loop="asyncio",
+        workers=1,
+        lifespan="on",
+        log_level=args.log_level,
     )
     return 0
 
