@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         "its chat template) instead of the upstream's /tokenize",
     )  # fmt: skip
     parser.add_argument("--api-key", help="require this bearer token from clients")
+    parser.add_argument(
+        "--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+        help="the event loop: auto is uvloop when it is installed (pip install "
+        "'kvclient[gateway]'), else asyncio",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -118,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         http=HalfCloseHttpToolsProtocol,
-        loop="asyncio",
+        loop=args.loop,
         workers=1,
         lifespan="on",
         log_level=args.log_level,

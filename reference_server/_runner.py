@@ -99,6 +99,9 @@ def serve_in_thread(
     config = uvicorn.Config(
         app,
         http=http,
+        # asyncio whether or not uvloop is installed (uvicorn's "auto" would pick it): the
+        # tests' servers run in threads of the test process.
+        loop="asyncio",
         log_level=log_level,
         lifespan=lifespan,
         access_log=False,

@@ -32,7 +32,7 @@ import asyncio
 import collections
 import ssl
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -96,6 +96,9 @@ class _Connection(asyncio.Protocol):
         self.lost = False
         self.requests = 0
         self._waiter: asyncio.Future[None] | None = None
+        self._wait_timeout = 0.0
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self._drain: asyncio.Future[None] | None = None
         self._reading_paused = False
         self._begin()
@@ -116,8 +119,8 @@ class _Connection(asyncio.Protocol):
     # --- asyncio.Protocol -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # (uvloop's transports are not asyncio.Transport subclasses; they have its methods.)
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.received = True
@@ -139,6 +142,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self._timer is not None and self._waiter is None:
+            self._timer.cancel()
+            self._timer = None
         if self.headers_done and not self.complete and not self.framed:
             self.complete = True  # a close-delimited body ends here
             self.keep_alive = False
@@ -199,16 +205,31 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     async def wait(self, timeout: float) -> None:
-        """Until something arrives (or the connection ends); ReadTimeout after ``timeout``."""
+        """Until something arrives (or the connection ends); ReadTimeout after ``timeout``.
+
+        One timer per connection, re-armed only when it fires early, instead of one per wait
+        (a stream waits once per event)."""
         waiter = self._waiter = self.loop.create_future()
-        error = ReadTimeout(f"nothing arrived from the upstream in {timeout:g} s")
-        error.answered = self.received
-        timer = self.loop.call_later(timeout, _fail, waiter, error)
+        self._wait_timeout = timeout
+        self._deadline = deadline = self.loop.time() + timeout
+        if self._timer is None:
+            self._timer = self.loop.call_at(deadline, self._check_deadline)
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nothing waits: the next wait re-arms
+        if self.loop.time() < self._deadline:
+            self._timer = self.loop.call_at(self._deadline, self._check_deadline)
+            return
+        error = ReadTimeout(f"nothing arrived from the upstream in {self._wait_timeout:g} s")
+        error.answered = self.received
+        waiter.set_exception(error)
 
     def take(self) -> bytes:
         """The body bytes that arrived and were not yet taken."""
@@ -240,6 +261,9 @@ class _Connection(asyncio.Protocol):
         return not self.lost and self.transport is not None and not self.transport.is_closing()
 
     def abort(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.transport is not None:
             self.transport.abort()
         self.lost = True
