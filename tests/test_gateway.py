@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -495,3 +497,68 @@ def test_an_upstreams_cookie_reaches_its_caller_and_nobody_else() -> None:
         httpx.post(gw.base_url + "/v1/completions", json={"prompt": "b", "max_tokens": 1})
     assert first.headers["set-cookie"].startswith("session=alice")
     assert cookies_seen == [None, None]
+
+
+# --- the front: a client that half-closes after its request still gets its answer -----------
+
+
+def _half_closed_exchange(host: str, port: int, body: dict[str, Any]) -> bytes:
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        sock.shutdown(socket.SHUT_WR)  # done sending: HTTP lets the client still read
+        sock.settimeout(10)
+        data = b""
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    return data
+
+
+def _check_half_closed_answers(host: str, port: int) -> None:
+    data = _half_closed_exchange(host, port, {"prompt": "hello", "max_tokens": 50})
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), data[:300]
+    assert json.loads(payload)["usage"]["completion_tokens"] == 50
+    data = _half_closed_exchange(host, port, {"prompt": "hi", "max_tokens": 20, "stream": True})
+    assert data.startswith(b"HTTP/1.1 200"), data[:300]
+    assert b"data: [DONE]" in data
+
+
+def test_a_half_closed_client_gets_its_answer_through_the_gateway() -> None:
+    with (
+        running_server(**FAST, kv_tokens=4096, context_window=1024) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gateway,
+    ):
+        _check_half_closed_answers(gateway.host, gateway.port)
+        wait_for(lambda: gateway_at_zero(gateway) and at_zero(up))
+
+
+def test_the_clis_front_on_uvloop_answers_half_closed_clients_too() -> None:
+    """``kvclient gateway`` as it runs (its own process, httptools, uvloop)."""
+    pytest.importorskip("uvloop")
+    port = llama_engine.free_port()
+    with running_server(**FAST, kv_tokens=4096, context_window=1024) as up:
+        cmd = [sys.executable, "-m", "kvclient.cli", "gateway", "--upstream", up.base_url,
+               "--port", str(port), "--loop", "uvloop", "--log-level", "warning"]  # fmt: skip
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+        try:
+
+            def healthy() -> bool:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                try:
+                    return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            wait_for(healthy, timeout=30)
+            _check_half_closed_answers("127.0.0.1", port)
+            wait_for(lambda: at_zero(up))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            if proc.stderr is not None:
+                proc.stderr.close()
