@@ -104,6 +104,16 @@ def test_health_sets_aside_after_failures_and_probes_back_once() -> None:
     assert not health.in_service(12.1)
 
 
+def test_completion_tokens_are_read_from_usage_not_from_the_generated_text() -> None:
+    from reference_server.gateway import _completion_tokens
+
+    text = 'say "completion_tokens": 999 and {"completion_tokens": 7}'
+    answer = {"choices": [{"text": text}], "usage": {"prompt_tokens": 3, "completion_tokens": 12}}
+    assert _completion_tokens(json.dumps(answer).encode()) == 12
+    assert _completion_tokens(json.dumps({"choices": [{"text": text}]}).encode()) == 0
+    assert _completion_tokens(b"not json") == 0
+
+
 # --- in front of the reference server --------------------------------------------------------
 
 
@@ -562,3 +572,21 @@ def test_the_clis_front_on_uvloop_answers_half_closed_clients_too() -> None:
             proc.wait(10)
             if proc.stderr is not None:
                 proc.stderr.close()
+
+
+def test_the_generation_fast_lane_keeps_the_key_check_and_the_routers_answers() -> None:
+    with (
+        running_server(**FAST, kv_tokens=4096, context_window=1024) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,), api_key="sesame")) as gateway,
+        httpx.Client(base_url=gateway.base_url, timeout=10) as http,
+    ):
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert http.post("/v1/completions", json=body).status_code == 401
+        assert http.post("/v1/chat/completions", json={"messages": []}).status_code == 401
+        key = {"Authorization": "Bearer sesame"}
+        answer = http.post("/v1/completions", json=body, headers=key)
+        assert answer.status_code == 200
+        assert answer.json()["usage"]["completion_tokens"] == 2
+        assert http.get("/v1/completions", headers=key).status_code == 405  # the router's
+        assert http.get("/health").status_code == 200  # open, as in the reference server
+        wait_for(lambda: gateway_at_zero(gateway))
