@@ -301,7 +301,16 @@ class UpstreamResponse:
                 return b""
             if conn.error is not None:
                 raise conn.error
-            await conn.wait(self._timeout)
+            # conn.wait(), inlined: a stream comes through here once per event.
+            waiter = conn._waiter = conn.loop.create_future()
+            conn._wait_timeout = self._timeout
+            conn._deadline = conn.loop.time() + self._timeout
+            if conn._timer is None:
+                conn._timer = conn.loop.call_at(conn._deadline, conn._check_deadline)
+            try:
+                await waiter
+            finally:
+                conn._waiter = None
 
     async def read(self) -> bytes:
         """The whole body."""
