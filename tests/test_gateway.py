@@ -590,3 +590,41 @@ def test_the_generation_fast_lane_keeps_the_key_check_and_the_routers_answers() 
         assert http.get("/v1/completions", headers=key).status_code == 405  # the router's
         assert http.get("/health").status_code == 200  # open, as in the reference server
         wait_for(lambda: gateway_at_zero(gateway))
+
+
+def test_a_queued_request_whose_client_goes_away_leaves_the_queue_unforwarded() -> None:
+    with running_server(
+        **{**FAST, "decode_rate": 400.0}, kv_tokens=1024, context_window=1024,
+        mean_output_tokens=1e6,
+    ) as up:  # fmt: skip
+        config = GatewayConfig(upstreams=(up.base_url,), max_queue_wait=30.0, decode_rate=400.0)
+        with running_gateway(config) as gateway:
+            holder = threading.Thread(
+                target=httpx.post,
+                args=(gateway.base_url + "/v1/completions",),
+                kwargs={"json": {"prompt": "a", "max_tokens": 600}, "timeout": 30},
+            )
+            holder.start()  # 1.5 s of decoding; the next one cannot fit beside it
+            upstream = gateway_state(gateway).upstreams[0]
+            wait_for(lambda: upstream.ledger is not None and upstream.ledger.stats().inflight)
+            assert upstream.queue is not None
+            assert upstream.ledger is not None
+            payload = json.dumps({"prompt": "b", "max_tokens": 600}).encode()
+            leaver = socket.create_connection((gateway.host, gateway.port))
+            leaver.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            queue = upstream.queue
+            wait_for(lambda: queue.waiting == 1)
+            # A reset, not a half-close: the client is gone.
+            leaver.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+            )
+            leaver.close()
+            wait_for(lambda: queue.waiting == 0, timeout=1)  # before the holder is done
+            assert upstream.ledger.stats().inflight == 1  # only the holder
+            holder.join(30)
+            wait_for(lambda: gateway_at_zero(gateway) and at_zero(up))
+            assert upstream.ledger.stats().admitted_total == 1  # the leaver was never forwarded
