@@ -73,7 +73,10 @@ def serve_app(app: Any) -> Iterator[str]:
     import uvicorn
 
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, http="h11", loop="asyncio", log_level="error",
+        lifespan="off",
+    )  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

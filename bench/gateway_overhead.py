@@ -273,13 +273,13 @@ def _cpu_of(pid: int | None, upstream: str) -> float:
     return cpu_seconds(pid) if pid else _metric(upstream, "process_cpu_seconds_total")
 
 
-def uvicorn_stack() -> str:
-    """What uvicorn's ``auto`` picks here: httptools or h11, uvloop or asyncio."""
+def uvicorn_stack(loops: list[str]) -> str:
+    """The gateway's front: httptools (its half-closing protocol), and the loop(s) it ran on
+    (``auto``: uvloop when it is installed)."""
     import importlib.util
 
-    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    return f"{http} + {loop}"
+    found = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    return "httptools + " + " / ".join(found if loop == "auto" else loop for loop in loops)
 
 
 def probes(upstream: str, cpu: int | None) -> dict[str, Any]:
@@ -342,6 +342,12 @@ def main() -> None:
     parser.add_argument("--event-gap", type=float, default=0.001, metavar="S")
     parser.add_argument("--tokenizer", type=Path, help="model directory for the local-count row")
     parser.add_argument("--no-nginx", action="store_true")
+    parser.add_argument(
+        "--loops",
+        default="auto",
+        help="event loops for the gateways, comma-separated (auto, asyncio, uvloop); with more "
+        "than one, the local-count gateway gets a row per loop (an A/B in one run)",
+    )
     args = parser.parse_args()
     requests = args.requests or (300 if args.quick else 2000)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -372,15 +378,21 @@ def main() -> None:
         paths: dict[str, tuple[str, int | None]] = {"direct": (upstream, None)}
         if nginx is not None:
             paths["nginx"] = stack.enter_context(nginx_process(nginx, upstream, cpu=proxy_cpu))
+        loops = [loop.strip() for loop in args.loops.split(",") if loop.strip()]
         paths["gateway (upstream /tokenize)"] = stack.enter_context(
-            gateway_process("--upstream", upstream, cpu=proxy_cpu)
+            gateway_process("--upstream", upstream, "--loop", loops[0], cpu=proxy_cpu)
         )
         if tokenizer is not None:
-            paths["gateway (local tokenizer)"] = stack.enter_context(
-                gateway_process(
-                    "--upstream", upstream, "--tokenizer", str(tokenizer), cpu=proxy_cpu
-                )
-            )
+            for loop in loops:
+                name = "gateway (local tokenizer)"
+                if len(loops) > 1:
+                    name = f"gateway (local, {loop})"
+                paths[name] = stack.enter_context(
+                    gateway_process(
+                        "--upstream", upstream, "--tokenizer", str(tokenizer), "--loop", loop,
+                        cpu=proxy_cpu,
+                    )
+                )  # fmt: skip
         for url, _ in paths.values():  # warm-up: imports, connections, discovery, the counter
             load(url, body, max(50, requests // 10), 4)
             load(url, stream_body, 2, 2)
@@ -455,7 +467,7 @@ def main() -> None:
                 ]
             )
     where = "proxies and load on CPU 0, upstream on CPU 1" if pinned else "not pinned"
-    stack = uvicorn_stack()
+    stack = uvicorn_stack(loops)
     print_table(
         f"Non-streamed completions ({requests:,} per path, connection count and round, "
         f"{rounds} interleaved round(s); {where}; uvicorn on {stack}; CPU of the direct "

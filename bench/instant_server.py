@@ -177,7 +177,12 @@ def main() -> None:
     EVENT_GAP[0] = args.event_gap
     if args.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="error", access_log=False)
+    # h11 + asyncio whether or not httptools / uvloop are installed (the gateway's extras): the
+    # baseline the README's figures were measured on.
+    uvicorn.run(
+        app, host="127.0.0.1", port=args.port, http="h11", loop="asyncio", log_level="error",
+        access_log=False,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -215,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         uvicorn.Config(
             app,
             http=HalfCloseH11Protocol,
+            loop="asyncio",  # not uvloop when the gateway extra installed it: as measured
             workers=1,
             lifespan="off",
             log_level=args.log_level,

@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         "its chat template) instead of the upstream's /tokenize",
     )  # fmt: skip
     parser.add_argument("--api-key", help="require this bearer token from clients")
+    parser.add_argument(
+        "--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+        help="the event loop: auto is uvloop when it is installed (pip install "
+        "'kvclient[gateway]'), else asyncio",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -101,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
+    from ._protocol import HalfCloseHttpToolsProtocol
     from .gateway import create_gateway_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
@@ -110,8 +116,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{', '.join(config.upstreams)} (discovered on the first request)",
         file=sys.stderr,
     )
+    # httptools' C parser (uvicorn's choice when it is installed), kept answering clients that
+    # half-close after their request as the reference server does.
     uvicorn.run(
-        app, host=args.host, port=args.port, workers=1, lifespan="on", log_level=args.log_level
+        app,
+        host=args.host,
+        port=args.port,
+        http=HalfCloseHttpToolsProtocol,
+        loop=args.loop,
+        workers=1,
+        lifespan="on",
+        log_level=args.log_level,
     )
     return 0
 

@@ -10,6 +10,7 @@ yet the caller keeps direct access to the ledger and the engine.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import socket
 import threading
@@ -21,7 +22,7 @@ from typing import Any, Literal
 import uvicorn
 from starlette.applications import Starlette
 
-from ._protocol import HalfCloseH11Protocol
+from ._protocol import HalfCloseH11Protocol, HalfCloseHttpToolsProtocol
 from .app import ServerState, create_app
 from .config import ServerConfig
 from .engine import SimulatedEngine
@@ -88,6 +89,7 @@ def serve_in_thread(
     port: int = 0,
     log_level: str = "warning",
     lifespan: Literal["on", "off"] = "off",
+    http: type[asyncio.Protocol] = HalfCloseH11Protocol,
 ) -> Iterator[RunningServer]:
     """Serve ``app`` with uvicorn in a daemon thread until the block exits."""
     state = getattr(getattr(app, "state", None), "server", None)
@@ -96,7 +98,10 @@ def serve_in_thread(
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(
         app,
-        http=HalfCloseH11Protocol,
+        http=http,
+        # asyncio whether or not uvloop is installed (uvicorn's "auto" would pick it): the
+        # tests' servers run in threads of the test process.
+        loop="asyncio",
         log_level=log_level,
         lifespan=lifespan,
         access_log=False,
@@ -149,5 +154,7 @@ def running_gateway(config: GatewayConfig) -> Iterator[RunningServer]:
     :class:`~reference_server.gateway.GatewayState`."""
     from .gateway import create_gateway_app
 
-    with serve_in_thread(create_gateway_app(config), lifespan="on") as server:
+    app = create_gateway_app(config)
+    # The front the CLI serves it with (see _gateway_cli.main).
+    with serve_in_thread(app, lifespan="on", http=HalfCloseHttpToolsProtocol) as server:
         yield server

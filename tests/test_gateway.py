@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -100,6 +102,16 @@ def test_health_sets_aside_after_failures_and_probes_back_once() -> None:
     assert not health.set_aside
     health.failed(12.0, at_once=True)
     assert not health.in_service(12.1)
+
+
+def test_completion_tokens_are_read_from_usage_not_from_the_generated_text() -> None:
+    from reference_server.gateway import _completion_tokens
+
+    text = 'say "completion_tokens": 999 and {"completion_tokens": 7}'
+    answer = {"choices": [{"text": text}], "usage": {"prompt_tokens": 3, "completion_tokens": 12}}
+    assert _completion_tokens(json.dumps(answer).encode()) == 12
+    assert _completion_tokens(json.dumps({"choices": [{"text": text}]}).encode()) == 0
+    assert _completion_tokens(b"not json") == 0
 
 
 # --- in front of the reference server --------------------------------------------------------
@@ -495,3 +507,124 @@ def test_an_upstreams_cookie_reaches_its_caller_and_nobody_else() -> None:
         httpx.post(gw.base_url + "/v1/completions", json={"prompt": "b", "max_tokens": 1})
     assert first.headers["set-cookie"].startswith("session=alice")
     assert cookies_seen == [None, None]
+
+
+# --- the front: a client that half-closes after its request still gets its answer -----------
+
+
+def _half_closed_exchange(host: str, port: int, body: dict[str, Any]) -> bytes:
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        sock.shutdown(socket.SHUT_WR)  # done sending: HTTP lets the client still read
+        sock.settimeout(10)
+        data = b""
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    return data
+
+
+def _check_half_closed_answers(host: str, port: int) -> None:
+    data = _half_closed_exchange(host, port, {"prompt": "hello", "max_tokens": 50})
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), data[:300]
+    assert json.loads(payload)["usage"]["completion_tokens"] == 50
+    data = _half_closed_exchange(host, port, {"prompt": "hi", "max_tokens": 20, "stream": True})
+    assert data.startswith(b"HTTP/1.1 200"), data[:300]
+    assert b"data: [DONE]" in data
+
+
+def test_a_half_closed_client_gets_its_answer_through_the_gateway() -> None:
+    with (
+        running_server(**FAST, kv_tokens=4096, context_window=1024) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gateway,
+    ):
+        _check_half_closed_answers(gateway.host, gateway.port)
+        wait_for(lambda: gateway_at_zero(gateway) and at_zero(up))
+
+
+def test_the_clis_front_on_uvloop_answers_half_closed_clients_too() -> None:
+    """``kvclient gateway`` as it runs (its own process, httptools, uvloop)."""
+    pytest.importorskip("uvloop")
+    port = llama_engine.free_port()
+    with running_server(**FAST, kv_tokens=4096, context_window=1024) as up:
+        cmd = [sys.executable, "-m", "kvclient.cli", "gateway", "--upstream", up.base_url,
+               "--port", str(port), "--loop", "uvloop", "--log-level", "warning"]  # fmt: skip
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+        try:
+
+            def healthy() -> bool:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                try:
+                    return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            wait_for(healthy, timeout=30)
+            _check_half_closed_answers("127.0.0.1", port)
+            wait_for(lambda: at_zero(up))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            if proc.stderr is not None:
+                proc.stderr.close()
+
+
+def test_the_generation_fast_lane_keeps_the_key_check_and_the_routers_answers() -> None:
+    with (
+        running_server(**FAST, kv_tokens=4096, context_window=1024) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,), api_key="sesame")) as gateway,
+        httpx.Client(base_url=gateway.base_url, timeout=10) as http,
+    ):
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert http.post("/v1/completions", json=body).status_code == 401
+        assert http.post("/v1/chat/completions", json={"messages": []}).status_code == 401
+        key = {"Authorization": "Bearer sesame"}
+        answer = http.post("/v1/completions", json=body, headers=key)
+        assert answer.status_code == 200
+        assert answer.json()["usage"]["completion_tokens"] == 2
+        assert http.get("/v1/completions", headers=key).status_code == 405  # the router's
+        assert http.get("/health").status_code == 200  # open, as in the reference server
+        wait_for(lambda: gateway_at_zero(gateway))
+
+
+def test_a_queued_request_whose_client_goes_away_leaves_the_queue_unforwarded() -> None:
+    with running_server(
+        **{**FAST, "decode_rate": 400.0}, kv_tokens=1024, context_window=1024,
+        mean_output_tokens=1e6,
+    ) as up:  # fmt: skip
+        config = GatewayConfig(upstreams=(up.base_url,), max_queue_wait=30.0, decode_rate=400.0)
+        with running_gateway(config) as gateway:
+            holder = threading.Thread(
+                target=httpx.post,
+                args=(gateway.base_url + "/v1/completions",),
+                kwargs={"json": {"prompt": "a", "max_tokens": 600}, "timeout": 30},
+            )
+            holder.start()  # 1.5 s of decoding; the next one cannot fit beside it
+            upstream = gateway_state(gateway).upstreams[0]
+            wait_for(lambda: upstream.ledger is not None and upstream.ledger.stats().inflight)
+            assert upstream.queue is not None
+            assert upstream.ledger is not None
+            payload = json.dumps({"prompt": "b", "max_tokens": 600}).encode()
+            leaver = socket.create_connection((gateway.host, gateway.port))
+            leaver.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            queue = upstream.queue
+            wait_for(lambda: queue.waiting == 1)
+            # A reset, not a half-close: the client is gone.
+            leaver.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+            )
+            leaver.close()
+            wait_for(lambda: queue.waiting == 0, timeout=1)  # before the holder is done
+            assert upstream.ledger.stats().inflight == 1  # only the holder
+            holder.join(30)
+            wait_for(lambda: gateway_at_zero(gateway) and at_zero(up))
+            assert upstream.ledger.stats().admitted_total == 1  # the leaver was never forwarded
