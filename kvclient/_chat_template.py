@@ -395,7 +395,10 @@ class ChatTemplate:
                 flag: Any
                 if parts_kept and role != "tool":
                     contents.extend(texts)
-                    flag = tuple([text != "" for text in texts])
+                    if len(texts) == 1:
+                        flag = (texts[0] != "",)
+                    else:
+                        flag = tuple([text != "" for text in texts])
                 else:
                     joined = texts[0] if len(texts) == 1 else "\n".join(texts)
                     contents.append(joined)
@@ -470,26 +473,31 @@ class ChatTemplate:
             variants = self._cache.get(key)
             if variants is not None:
                 self._cache.move_to_end(key)
-        trace = variants is None or len(variants) < _VARIANTS_PER_SHAPE
+        # A shape is traced the second time it is seen: one-off shapes (a tool call's unique
+        # arguments are part of the shape) cost a full render only, never a trace as well.
+        trace = variants is not None and len(variants) < _VARIANTS_PER_SHAPE
         for skeleton in variants or ():
-            reals = skeleton.reals(contents)
-            if skeleton.holds(reals):
-                if skeleton.output is None:
-                    trace = False  # traced before: cannot be replayed under these guards
-                    break
+            text = skeleton.replay(contents)
+            if text is not None:
                 self._hits += 1
-                return skeleton.fill(reals), media
+                return text, media
+            if skeleton.output is None and skeleton.holds(skeleton.reals(contents)):
+                trace = False  # traced before: cannot be replayed under these guards
+                break
         self._misses += 1
         prepared, _ = self.prepare(messages)
         text = self._render_full(prepared, tools, add_generation_prompt, extra)
-        if trace:
-            skeleton = self._trace(messages, tools, add_generation_prompt, extra, contents, text)
-            with self._lock:
-                held = self._cache.setdefault(key, [])
-                if len(held) < _VARIANTS_PER_SHAPE:
-                    held.append(skeleton)
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+        skeleton = (
+            self._trace(messages, tools, add_generation_prompt, extra, contents, text)
+            if trace
+            else None
+        )
+        with self._lock:
+            held = self._cache.setdefault(key, [])
+            if skeleton is not None and len(held) < _VARIANTS_PER_SHAPE:
+                held.append(skeleton)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
         return text, media
 
     def _render_full(

@@ -735,6 +735,18 @@ class Skeleton:
                 return False
         return True
 
+    def replay(self, contents: Sequence[str]) -> str | None:
+        """The rendered text for these contents, or None if a guard fails (or no output)."""
+        if self.output is None:
+            return None
+        reals = self.reals(contents)
+        if self.guards and not self.holds(reals):
+            return None
+        out = self.output.copy()
+        for position, slot in self.positions:
+            out[position] = reals[slot]
+        return "".join(out)
+
     def fill(self, reals: list[str]) -> str:
         """The rendered text for these slot values."""
         assert self.output is not None
