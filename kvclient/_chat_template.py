@@ -16,6 +16,12 @@ messages the way vLLM's chat endpoint does before rendering:
 A template that rejects the conversation (``raise_exception``, or an error while rendering)
 raises :class:`~kvclient.ChatTemplateError`. ``transformers`` is not used: it is the independent
 reference the tests compare with.
+
+Rendering costs Jinja's interpreter 50-250 µs a chat, more than tokenizing a short one. So a
+template keeps, per conversation *shape* (everything but the content strings), a skeleton traced
+by ``_template_trace``: the output as literals and content slots, with the guards on content it
+holds under. A chat of a shape seen before is filled into it (a few µs); a new shape, a failed
+guard or a template that reads content in ways a skeleton cannot replay renders in full.
 """
 
 from __future__ import annotations
@@ -221,6 +227,9 @@ def _freeze(value: Any) -> Any:
     raise _Unfreezable
 
 
+_NONE = _freeze(None)
+
+
 def _parsed_call(call: Any) -> Any:
     """A tool call with its arguments as an object, as vLLM passes them to templates."""
     if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
@@ -361,6 +370,7 @@ class ChatTemplate:
         if type(messages) is not list and type(messages) is not tuple:
             return None
         parts_kept = self.content_format == "openai"
+        # Flat: each message's role says how many items follow it.
         shape: list[Any] = []
         contents: list[str] = []
         media = 0
@@ -372,6 +382,18 @@ class ChatTemplate:
                 content = message.get("content")
                 if type(role) is not str:
                     return None
+                flag: Any
+                if type(content) is str and len(message) == 2:
+                    # The common message: {"role": ..., "content": "..."}, nothing else.
+                    contents.append(content)
+                    flag = (content != "",) if parts_kept and role != "tool" else content != ""
+                    if role == "assistant":
+                        shape += (role, flag, None, None, _NONE)
+                    elif role == "tool":
+                        shape += (role, flag, None, _Unfreezable)
+                    else:
+                        shape += (role, flag, None)
+                    continue
                 if type(content) is str:
                     texts: Any = (content,)
                 elif content is None:
@@ -392,13 +414,9 @@ class ChatTemplate:
                             return None
                 else:
                     return None
-                flag: Any
                 if parts_kept and role != "tool":
                     contents.extend(texts)
-                    if len(texts) == 1:
-                        flag = (texts[0] != "",)
-                    else:
-                        flag = tuple([text != "" for text in texts])
+                    flag = tuple([text != "" for text in texts])
                 else:
                     joined = texts[0] if len(texts) == 1 else "\n".join(texts)
                     contents.append(joined)
@@ -412,16 +430,16 @@ class ChatTemplate:
                     calls = message.get("tool_calls")
                     calls = _freeze(calls) if isinstance(calls, list) and calls else None
                     reasoning = message.get("reasoning", message.get("reasoning_content"))
-                    shape.append((role, flag, name, calls, _freeze(reasoning)))
+                    shape += (role, flag, name, calls, _freeze(reasoning))
                 elif role == "tool":
                     call_id = (
                         _freeze(message["tool_call_id"])
                         if "tool_call_id" in message
                         else _Unfreezable
                     )
-                    shape.append((role, flag, name, call_id))
+                    shape += (role, flag, name, call_id)
                 else:
-                    shape.append((role, flag, name))
+                    shape += (role, flag, name)
             key = (
                 _freeze(add_generation_prompt),
                 None if tools is None else _freeze([dict(tool) for tool in tools]),
@@ -469,10 +487,12 @@ class ChatTemplate:
             prepared, media = self.prepare(messages)
             return self._render_full(prepared, tools, add_generation_prompt, extra), media
         key, contents, media = shape
-        with self._lock:
-            variants = self._cache.get(key)
-            if variants is not None:
+        variants = self._cache.get(key)  # atomic; a concurrent eviction only costs a miss
+        if variants is not None:
+            try:  # noqa: SIM105 - contextlib.suppress costs more on this hot path
                 self._cache.move_to_end(key)
+            except KeyError:
+                pass
         # A shape is traced the second time it is seen: one-off shapes (a tool call's unique
         # arguments are part of the shape) cost a full render only, never a trace as well.
         trace = variants is not None and len(variants) < _VARIANTS_PER_SHAPE

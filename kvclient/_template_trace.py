@@ -41,6 +41,7 @@ __all__ = ["MARK", "Skeleton", "Trace", "Uncacheable", "tracing_environment"]
 MARK = "\U000f0000"
 _MARK_END = "\U000f0001"
 _SLOT_BASE = 0xF0100
+_MAX_SLOTS = 0x10FFFF - _SLOT_BASE  # one private-use character names a slot
 #: How deep :func:`_leaks` looks into containers before assuming the worst.
 _SCAN_DEPTH = 32
 
@@ -90,6 +91,8 @@ class Trace:
         key = (index, chain)
         slot = self.slot_ids.get(key)
         if slot is None:
+            if len(self.slots) >= _MAX_SLOTS:
+                raise Uncacheable
             slot = len(self.slots)
             self.slots.append(key)
             self.reals.append(real)
@@ -114,11 +117,7 @@ class Trace:
             if type(arg) is _Taint:
                 real_args.append(arg._real)
                 symbolic.append(_Sym(arg._segs))
-            elif (
-                arg is None
-                or type(arg) in (str, int, float, bool)
-                or (type(arg) is tuple and all(type(a) is str for a in arg))
-            ):
+            elif arg is None or type(arg) in (int, float, bool) or _strings(arg):
                 real_args.append(arg)
                 symbolic.append(arg)
             else:
@@ -132,7 +131,10 @@ class Trace:
 
 
 def _strings(value: Any) -> bool:
-    return type(value) is tuple and all(type(item) is str for item in value)
+    """A plain string, or a tuple of them (``startswith``'s), free of markers."""
+    if type(value) is str:
+        return MARK not in value
+    return type(value) is tuple and all(type(item) is str and MARK not in item for item in value)
 
 
 def _marker(slot: int) -> str:

@@ -577,5 +577,13 @@ class HuggingFaceCounter:
                 reply_priming=self.reply_priming,
                 non_text_part_tokens=self.non_text_part_tokens,
             )
-        text, media = self.render(messages, tools=tools)
-        return self._length(text, False) + media * self.non_text_part_tokens
+        template = self.chat_template
+        if template is None:
+            text, media = self.render(messages, tools=tools)  # raises the missing template
+        else:
+            text, media = template.render(messages, tools=tools, add_generation_prompt=True)
+        media_tokens = media * self.non_text_part_tokens
+        fast = self._fast
+        if fast is not None:  # _length, inlined on the hot path of every chat count
+            return len(fast([text], add_special_tokens=False)[0]) + media_tokens
+        return self._length(text, False) + media_tokens
