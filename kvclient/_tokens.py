@@ -394,6 +394,33 @@ _SPECIAL_TOKEN_KEYS = (
 )
 
 
+def _model_template(
+    directory: Path, chat_template: str | None, cache_shapes: int
+) -> tuple[Mapping[str, Any], dict[str, Any], ChatTemplate | None]:
+    """A model directory's tokenizer config, special tokens and chat template (no tokenizer)."""
+    config_file = directory / "tokenizer_config.json"
+    config: Mapping[str, Any] = {}
+    if config_file.is_file():
+        data = _read_json(config_file)
+        if not isinstance(data, Mapping):
+            raise TokenizerError(f"{str(config_file)!r} is not a JSON object")
+        config = data
+    special: dict[str, Any] = {}
+    for key in _SPECIAL_TOKEN_KEYS:
+        if key in config:
+            special[key] = _token_text(config[key])
+    extra = config.get("additional_special_tokens")
+    if isinstance(extra, list):
+        special["additional_special_tokens"] = [_token_text(t) for t in extra]
+    source = chat_template if chat_template is not None else _find_chat_template(directory, config)
+    template = (
+        ChatTemplate(source, special_tokens=special, cache_shapes=cache_shapes)
+        if source is not None
+        else None
+    )
+    return config, special, template
+
+
 class HuggingFaceCounter:
     """Counts tokens with a Hugging Face tokenizer (the optional ``hf`` extra).
 
@@ -481,28 +508,7 @@ class HuggingFaceCounter:
         if not tokenizer_file.is_file():
             raise TokenizerError(f"{str(directory)!r} has no tokenizer.json")
         tokenizer = _load_hf_tokenizer(str(tokenizer_file))
-        config_file = directory / "tokenizer_config.json"
-        config: Mapping[str, Any] = {}
-        if config_file.is_file():
-            data = _read_json(config_file)
-            if not isinstance(data, Mapping):
-                raise TokenizerError(f"{str(config_file)!r} is not a JSON object")
-            config = data
-        special: dict[str, Any] = {}
-        for key in _SPECIAL_TOKEN_KEYS:
-            if key in config:
-                special[key] = _token_text(config[key])
-        extra = config.get("additional_special_tokens")
-        if isinstance(extra, list):
-            special["additional_special_tokens"] = [_token_text(t) for t in extra]
-        source = (
-            chat_template if chat_template is not None else _find_chat_template(directory, config)
-        )
-        template = (
-            ChatTemplate(source, special_tokens=special, cache_shapes=cache_shapes)
-            if source is not None
-            else None
-        )
+        config, special, template = _model_template(directory, chat_template, cache_shapes)
         probe: list[int] = tokenizer.encode("a", add_special_tokens=True).ids
         plain: list[int] = tokenizer.encode("a", add_special_tokens=False).ids
         added = 0

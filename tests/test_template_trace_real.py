@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvclient import ChatTemplateError
-from kvclient._chat_template import ChatTemplate
-from tests.real_tokenizers import MODELS, counter
+from kvclient._chat_template import DEFAULT_CACHE_SHAPES, ChatTemplate
+from kvclient._tokens import _model_template
+from tests.real_tokenizers import MODELS, model_dir
 
 pytest.importorskip("jinja2")
 
@@ -123,7 +124,8 @@ _TEMPLATES: dict[str, tuple[ChatTemplate, ChatTemplate]] = {}
 
 def _templates(model: str) -> tuple[ChatTemplate, ChatTemplate]:
     if model not in _TEMPLATES:
-        template = counter(model).chat_template
+        # As from_pretrained loads it, without the tokenizer (rendering needs none).
+        _, _, template = _model_template(model_dir(model), None, DEFAULT_CACHE_SHAPES)
         assert template is not None
         plain = ChatTemplate(
             template.source,
