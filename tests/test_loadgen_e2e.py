@@ -122,8 +122,12 @@ def test_demo_prompt_admission_shows_ooms(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     assert demo.main(["--admission", "prompt", "--repeat", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["kvclient"]["server"]["kv_oom_events_total"] >= 1
-    assert data["kvclient"]["summary"]["failed_by_cause"]["oom"] >= 1
+    # Admitted by prompt alone, the burst outgrows the pool: OOMs, counted by the server and
+    # seen by the client as such. Which client meets them depends on timing (kvclient paces,
+    # and on a loaded machine its requests spread out), so the two clients' runs are summed.
+    runs = [data["naive client"], data["kvclient"]]
+    assert sum(run["server"]["kv_oom_events_total"] for run in runs) >= 1
+    assert sum(run["summary"]["failed_by_cause"].get("oom", 0) for run in runs) >= 1
 
 
 def _run(name: str, completed: int, http_429: int, oom: float = 0.0) -> demo.DemoRun:
