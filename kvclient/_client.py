@@ -691,7 +691,8 @@ class BaseClient:
             replica = self._replicas[0]
         now = self.retry.clock()
         if self.retry.pace:
-            replica.pacer.observe(now, hint, extensions.get(_PACED))
+            refused = response.status_code == 429  # its round trip times the way in
+            replica.pacer.observe(now, hint, extensions.get(_PACED), refused=refused)
         if several:
             with self._replica_lock:
                 replica.hint_free = hint.remaining

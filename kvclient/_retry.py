@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import email.utils
+import itertools
 import logging
 import math
 import random as _random
@@ -40,7 +41,7 @@ from ._exceptions import (
     ServerBusyError,
 )
 from ._models import RetryEvent
-from ._pacing import PACE_POLL, Pacer
+from ._pacing import PACE_POLL, PACE_POLL_FIRST, Pacer
 
 __all__ = [
     "DEFAULT_BACKOFF_INITIAL",
@@ -91,6 +92,8 @@ _MAX_HEADER_VALUES = 8
 _DELTA_SECONDS = re.compile(r"\s*(\d{1,20}(?:\.\d{1,9})?)\s*")
 # Guard for injected clocks that do not advance: a hold loop never spins forever.
 _MAX_HOLD_ROUNDS = 1000
+# Breaks ties between calls started at the same moment: their places in the pacer's queue.
+_CALL_SEQUENCE = itertools.count()
 
 
 def _header(headers: Mapping[str, str] | Any, name: str) -> str | None:
@@ -268,8 +271,14 @@ class RetryPolicy:
     ``pace`` (on by default) holds a request locally while it would not fit the room the server
     last advertised in its ``RateLimit`` header (less what the client sent since): it goes when
     a fresher answer shows room, when the hint ages out, or when holding longer would reach the
-    deadline (then the server decides). A server that sends no hints is not affected: see
-    :class:`kvclient._pacing.Pacer`.
+    deadline (then the server decides). Held requests go in the order their calls started
+    (with ``cooldown_by_size``, a smaller one may go first when it fits). A server that sends
+    no hints is not affected: see :class:`kvclient._pacing.Pacer`. While the
+    server advertises its room, a refused request also waits for room rather than for its
+    Retry-After (an upper bound: our server's is the worst case, every holder to its cap): it
+    is held, in its place, until an answer shows room for it or the advised time comes, and
+    up to the deadline even when the advice is later (it fails then); from its second retry
+    on, it first backs off as without pacing.
 
     ``clock`` (monotonic seconds), ``wall_clock`` (Unix time, for HTTP-dates), ``sleep``,
     ``async_sleep`` and ``random`` are injectable, so tests never sleep for real; see
@@ -474,6 +483,9 @@ class RetryCall:
         self._cooldown_size = size if policy.cooldown_by_size else None
         self.on_retry = on_retry
         self.started = policy.clock()
+        # Its place among the client's held requests: the pacer lets them go in this order.
+        # With cooldown_by_size none: smaller requests may take the room a larger one leaves.
+        self.key = None if policy.cooldown_by_size else (self.started, next(_CALL_SEQUENCE))
         self.attempts = 0
         self.history: list[RetryEvent] = []
         self.waited = 0.0
@@ -498,8 +510,15 @@ class RetryCall:
     def _busy(
         self, reason: str, advice: float | None, last: BaseException | None
     ) -> ServerBusyError:
+        if self.pacer is not None:
+            self.pacer.leave(self.key)  # the next held request need not wait behind it
         error = ServerBusyError(reason, retry_after=advice, attempts=self.attempts, last_error=last)
         return error
+
+    def _paced_hold(self, now: float) -> bool:
+        """Whether the call holds on the pacer, not on its cooldown: the server advertises its
+        room, so an answer will show when there is room for it."""
+        return self.pacer is not None and self.pacer.known(now)
 
     def hold_time(self) -> float:
         """Seconds to hold before sending because the client is cooling down or the server's
@@ -513,9 +532,22 @@ class RetryCall:
             return self._pace_time(now)
         # The room the server advertised since its 429 is newer than its Retry-After: a request
         # that fits it need not wait the cooldown out.
-        if self.pacer is not None and self.pacer.take_if_fits(now, self._pace_need):
+        if self.pacer is not None and self.pacer.take_if_fits(now, self._pace_need, self.key):
             self.paced = (now, self._pace_need)
             return 0.0
+        if remaining <= self.policy.max_wait and self._paced_hold(now):
+            # Retry-After is when room is sure to be back; answers show it sooner. Hold in short
+            # polls, in this call's place, up to the deadline.
+            if self.time_left() > PACE_POLL:
+                assert self.pacer is not None
+                return min(self.pacer.poll_interval(now, self.key), remaining)
+            raise self._busy(
+                f"deadline of {self.policy.deadline:g}s reached while holding for room (the "
+                f"client is cooling down for {remaining:.3g}s more after the server's "
+                "Retry-After and no answer showed room for this request)",
+                self.cooldown.advice,
+                None,
+            )
         if remaining > self.policy.max_wait or remaining >= self.time_left():
             raise self._busy(
                 f"client is cooling down for {remaining:.3g}s more after the server's "
@@ -532,9 +564,10 @@ class RetryCall:
         if pacer is None:
             return 0.0
         need = self._pace_need
-        wait = pacer.take(now, need)
-        if wait > 0 and wait >= self.time_left():
-            pacer.send_anyway(now, need)  # a hint never fails a call: the server decides
+        wait = pacer.take(now, need, self.key)
+        left = self.time_left()
+        if wait > 0 and (wait >= left or left <= PACE_POLL):
+            pacer.send_anyway(now, need, self.key)  # a hint never fails a call: the server decides
             wait = 0.0
         if wait == 0.0:
             self.paced = (now, need)  # its answer's hint accounts for it: Pacer.observe
@@ -570,6 +603,26 @@ class RetryCall:
                 error,
             )
         left = self.time_left()
+        if (
+            advice is not None
+            and 0 < advice <= self.policy.max_wait
+            and self._paced_hold(self.policy.clock())
+        ):
+            # Paced: the cooldown just extended holds the retry (see hold_time), until an
+            # answer shows room or the advised time comes. From the second retry on the
+            # advice (or the hint) was already followed and the server refused again: back
+            # off first, so a call cannot spend its attempts in a moment.
+            wait = backoff_wait(self.policy, self.attempts) if self.attempts >= 2 else 0.0
+            if self.key is not None and self.pacer is not None:
+                self.pacer.enqueue(self.policy.clock(), self.key)  # its place, from now on
+            if wait >= left:
+                return self._give_up(
+                    f"deadline of {self.policy.deadline:g}s reached after {self.attempts} "
+                    f"attempts (refused again after waiting for room, backing off): {error}",
+                    advice,
+                    error,
+                )
+            return _Decision(retry=True, wait=wait)
         if advice is not None and advice > 0:
             if advice > self.policy.max_wait:
                 return self._give_up(
@@ -613,6 +666,8 @@ class RetryCall:
         return _Decision(retry=True, wait=wait)
 
     def _give_up(self, message: str, advice: float | None, error: BaseException) -> _Decision:
+        if self.pacer is not None:
+            self.pacer.leave(self.key)
         if isinstance(error, APIConnectionError):
             # No capacity signal from the server: the connection error itself is the answer.
             return _Decision(retry=True, give_up=error)
@@ -697,5 +752,5 @@ class RetryCall:
     def hold_rounds(self) -> range:
         if self.pacer is None:
             return range(_MAX_HOLD_ROUNDS)
-        # Pacing holds in short polls, up to the deadline.
-        return range(_MAX_HOLD_ROUNDS + math.ceil(self.policy.deadline / PACE_POLL))
+        # Pacing holds in short polls (the first in line the shortest), up to the deadline.
+        return range(_MAX_HOLD_ROUNDS + math.ceil(self.policy.deadline / PACE_POLL_FIRST))
