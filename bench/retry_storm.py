@@ -11,8 +11,9 @@ admission, no queue: every shortage is a 429 with Retry-After):
   Retry-After up to 60 s, else backs off 0.5 s x 2^n);
 - ``kvclient.AsyncClient`` with its defaults (cooldown on 429, Retry-After + jitter, pacing from
   the server's RateLimit headers), with ``RetryPolicy(pace=False)`` (no pacing: what kvclient
-  did before), and with ``RetryPolicy(cooldown_by_size=True)`` (a 429 holds only requests at
-  least as large);
+  did before), with ``RetryPolicy(cooldown_by_size=True)`` (a 429 holds only requests at
+  least as large) and with ``RetryPolicy(pace_in_order=True)`` (held requests go in the order
+  their calls started);
 - the same ``openai`` SDK calls through ``kvclient.openai.AsyncOpenAI`` (the one-line change:
   kvclient's transport underneath, the SDK's retries off), client name ``kvclient.openai``.
 
@@ -77,10 +78,11 @@ LABELS = {
     "kvclient": "kvclient (defaults: paced from RateLimit)",
     "kvclient pace=False": "kvclient, RetryPolicy(pace=False)",
     "kvclient cooldown_by_size": "kvclient, RetryPolicy(cooldown_by_size=True)",
+    "kvclient pace_in_order": "kvclient, RetryPolicy(pace_in_order=True)",
     "kvclient.openai": "openai SDK through kvclient",
 }
 # The rows the goals are checked for.
-GOAL_CLIENTS = ("kvclient", "kvclient pace=False", "kvclient.openai")
+GOAL_CLIENTS = ("kvclient", "kvclient pace=False", "kvclient pace_in_order", "kvclient.openai")
 
 SERVER_ARGS = (
     "--kv-tokens",
@@ -205,6 +207,7 @@ async def run_client(
                 deadline=deadline,
                 cooldown_by_size=name.endswith("by_size"),
                 pace=not name.endswith("pace=False"),
+                pace_in_order=name.endswith("pace_in_order"),
             ),
         )
         sender = KVClientSender(client, stream=False)
@@ -330,7 +333,7 @@ def main() -> None:
     parser.add_argument(
         "--clients",
         default="naive,openai,openai max_retries=10,kvclient pace=False,kvclient,"
-        "kvclient cooldown_by_size,kvclient.openai",
+        "kvclient cooldown_by_size,kvclient pace_in_order,kvclient.openai",
         help="comma-separated subset to run",
     )
     parser.add_argument(

@@ -46,6 +46,7 @@ __all__ = [
     "PACE_LAG_MAX",
     "PACE_POLL",
     "PACE_POLL_FIRST",
+    "PACE_POLL_LAST",
     "PACE_TRICKLE",
     "PACE_WAITER_TTL",
     "POLICY_HEADER",
@@ -89,14 +90,17 @@ PACE_LAG_FLOOR = 0.01
 PACE_LAG_MAX = 0.5
 _RTT_SAMPLES = 16
 
-#: The first few held requests in line (with a ``key``) ask again this often instead (seconds):
-#: room an answer shows goes to them first, so the pool is not left idle for a whole poll.
+#: Held requests in line (with a ``key``) ask again this often (seconds) by their place: the
+#: first few every 5 ms (room an answer shows goes to them first, so the pool is not left idle
+#: for a whole poll), those far back rarely (a thousand held requests polling every 20 ms kept
+#: a client's CPU busy in the soak): (places before, seconds), the last for everyone else.
 PACE_POLL_FIRST = 0.005
-PACE_FIRST_IN_LINE = 4
+_POLL_BY_PLACE = ((4, PACE_POLL_FIRST), (16, PACE_POLL), (64, 0.05))
+PACE_POLL_LAST = 0.25
 #: A held request (with a ``key``) that has not asked again for this long (seconds) is taken
-#: to be gone (cancelled, say) and loses its place until it asks again: it polls every
-#: PACE_POLL, so this is many polls late even on a loaded machine.
-PACE_WAITER_TTL = 0.5
+#: to be gone (cancelled, say) and loses its place until it asks again: four of its slowest
+#: polls, late even on a loaded machine.
+PACE_WAITER_TTL = 1.0
 
 _MAX_FIELD_LENGTH = 1024
 _INTEGER = re.compile(r"\d{1,15}")
@@ -365,7 +369,10 @@ class Pacer:
 
     @staticmethod
     def _interval(place: int) -> float:
-        return PACE_POLL_FIRST if place < PACE_FIRST_IN_LINE else PACE_POLL
+        for before, seconds in _POLL_BY_PLACE:
+            if place < before:
+                return seconds
+        return PACE_POLL_LAST
 
     def take(self, now: float, need: int, key: Any = None) -> float:
         """0.0: send now (``need`` is counted against the hint); else seconds to hold first.

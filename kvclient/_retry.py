@@ -271,14 +271,18 @@ class RetryPolicy:
     ``pace`` (on by default) holds a request locally while it would not fit the room the server
     last advertised in its ``RateLimit`` header (less what the client sent since): it goes when
     a fresher answer shows room, when the hint ages out, or when holding longer would reach the
-    deadline (then the server decides). Held requests go in the order their calls started
-    (with ``cooldown_by_size``, a smaller one may go first when it fits). A server that sends
-    no hints is not affected: see :class:`kvclient._pacing.Pacer`. While the
+    deadline (then the server decides). With ``pace_in_order`` (off by default) held requests
+    go in the order their calls started, as a FIFO-queued server admits them: a later one
+    waits behind an earlier one even when it would fit, so large requests are not starved
+    (the retry storm's p99 and reservation goals are met with it); but one large request that
+    other clients keep beating to the room holds all of its client's requests back (in the
+    soak it halved the completions), so it is not the default. A server that sends no hints is
+    not affected: see :class:`kvclient._pacing.Pacer`. While the
     server advertises its room, a refused request also waits for room rather than for its
     Retry-After (an upper bound: our server's is the worst case, every holder to its cap): it
-    is held, in its place, until an answer shows room for it or the advised time comes, and
-    up to the deadline even when the advice is later (it fails then); from its second retry
-    on, it first backs off as without pacing.
+    is held, in its place, until an answer shows room for it or the advised time comes (advice
+    past the deadline still fails at once); from its second retry on, it first backs off as
+    without pacing.
 
     ``clock`` (monotonic seconds), ``wall_clock`` (Unix time, for HTTP-dates), ``sleep``,
     ``async_sleep`` and ``random`` are injectable, so tests never sleep for real; see
@@ -299,6 +303,7 @@ class RetryPolicy:
     window: bool = True
     window_reset: float = DEFAULT_WINDOW_RESET
     pace: bool = True
+    pace_in_order: bool = False
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     wall_clock: Callable[[], float] = field(default=time.time, repr=False)
     sleep: Callable[[float], None] = field(default=_default_sleep, repr=False)
@@ -483,9 +488,11 @@ class RetryCall:
         self._cooldown_size = size if policy.cooldown_by_size else None
         self.on_retry = on_retry
         self.started = policy.clock()
-        # Its place among the client's held requests: the pacer lets them go in this order.
-        # With cooldown_by_size none: smaller requests may take the room a larger one leaves.
-        self.key = None if policy.cooldown_by_size else (self.started, next(_CALL_SEQUENCE))
+        # Its place among the client's held requests (pace_in_order): the pacer lets them go
+        # in this order. None: held requests go as room shows, whichever asks first.
+        in_order = policy.pace_in_order and not policy.cooldown_by_size
+        self.key = (self.started, next(_CALL_SEQUENCE)) if in_order else None
+
         self.attempts = 0
         self.history: list[RetryEvent] = []
         self.waited = 0.0
@@ -535,19 +542,15 @@ class RetryCall:
         if self.pacer is not None and self.pacer.take_if_fits(now, self._pace_need, self.key):
             self.paced = (now, self._pace_need)
             return 0.0
-        if remaining <= self.policy.max_wait and self._paced_hold(now):
-            # Retry-After is when room is sure to be back; answers show it sooner. Hold in short
-            # polls, in this call's place, up to the deadline.
-            if self.time_left() > PACE_POLL:
-                assert self.pacer is not None
-                return min(self.pacer.poll_interval(now, self.key), remaining)
-            raise self._busy(
-                f"deadline of {self.policy.deadline:g}s reached while holding for room (the "
-                f"client is cooling down for {remaining:.3g}s more after the server's "
-                "Retry-After and no answer showed room for this request)",
-                self.cooldown.advice,
-                None,
-            )
+        if (
+            remaining <= self.policy.max_wait
+            and remaining < self.time_left()
+            and self._paced_hold(now)
+        ):
+            # Retry-After is when room is sure to be back; answers show it sooner. Hold in
+            # short polls, in this call's place, until then.
+            assert self.pacer is not None
+            return min(self.pacer.poll_interval(now, self.key), remaining)
         if remaining > self.policy.max_wait or remaining >= self.time_left():
             raise self._busy(
                 f"client is cooling down for {remaining:.3g}s more after the server's "
@@ -605,7 +608,7 @@ class RetryCall:
         left = self.time_left()
         if (
             advice is not None
-            and 0 < advice <= self.policy.max_wait
+            and 0 < advice < min(left, self.policy.max_wait)
             and self._paced_hold(self.policy.clock())
         ):
             # Paced: the cooldown just extended holds the retry (see hold_time), until an

@@ -203,9 +203,7 @@ def test_a_request_that_would_not_fit_is_held_until_room_is_advertised() -> None
     pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=1200, reset=2))
     first, second = _call(pacer, clock), _call(pacer, clock)
     assert first.hold_time() == 0.0
-    # 608 + 608 > 1200 (counted in whole 16-token blocks): held, first in line, so it asks
-    # again soon.
-    assert second.hold_time() == PACE_POLL_FIRST
+    assert second.hold_time() == PACE_POLL  # 608 + 608 > 1200: counted in whole 16-token blocks
     clock.advance(0.3)  # past the lag: the first send reached the server before the hint
     pacer.observe(
         clock.monotonic(), RoomHint(quota=4000, remaining=700, reset=2)
@@ -225,7 +223,7 @@ def test_room_advertised_since_a_429_beats_its_cooldown() -> None:
     too_big = RetryCall(policy, cooldown, size=600, pacer=pacer)
     # 608 more do not: it holds, in short polls (a fresher answer may show room before the
     # cooldown, the server's upper bound, runs out).
-    assert too_big.hold_time() == PACE_POLL_FIRST
+    assert too_big.hold_time() == PACE_POLL
     clock.advance(0.3)
     pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=700, reset=2))
     assert too_big.hold_time() == 0.0  # an answer showed room: it goes before the 2 s
@@ -375,9 +373,8 @@ def test_a_paced_429_waits_for_room_not_for_its_retry_after() -> None:
     clock = FakeClock()
     pacer = Pacer()
     cooldown = Cooldown()
-    call = RetryCall(
-        RetryPolicy(clock=clock.monotonic, deadline=10.0), cooldown, size=600, pacer=pacer
-    )
+    policy = RetryPolicy(clock=clock.monotonic, deadline=10.0, pace_in_order=True)
+    call = RetryCall(policy, cooldown, size=600, pacer=pacer)
     assert call.hold_time() == 0.0  # nothing known yet: it goes
     call.begin_attempt()
     pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=100, reset=8))
@@ -397,37 +394,35 @@ def test_a_paced_429_waits_for_room_not_for_its_retry_after() -> None:
     assert again.wait >= RetryPolicy().backoff_min
 
 
-def test_advice_past_the_deadline_holds_for_room_until_the_deadline() -> None:
+def test_paced_or_not_advice_past_the_deadline_fails_at_once() -> None:
+    clock = FakeClock()
+    for pace in (True, False):
+        pacer = Pacer()
+        policy = RetryPolicy(clock=clock.monotonic, deadline=2.0, pace=pace)
+        call = RetryCall(policy, Cooldown(), size=600, pacer=pacer)
+        call.begin_attempt()
+        pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=0, reset=30))
+        decision = call.decide(_busy(retry_after=30.0))  # the worst case is past the deadline
+        assert isinstance(decision.give_up, ServerBusyError)
+
+
+def test_a_paced_hold_stops_at_the_advised_time() -> None:
     clock = FakeClock()
     pacer = Pacer()
-    call = RetryCall(
-        RetryPolicy(clock=clock.monotonic, deadline=2.0), Cooldown(), size=600, pacer=pacer
-    )
+    call = RetryCall(RetryPolicy(clock=clock.monotonic), Cooldown(), size=600, pacer=pacer)
     call.begin_attempt()
-    pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=0, reset=30))
-    decision = call.decide(_busy(retry_after=30.0))  # the worst case is past the deadline
-    assert decision.give_up is None
-    assert decision.wait == 0.0
+    # No room; a release due in 0.3 s (the hint ages out 0.4 s from now, as no answer comes).
+    pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=0, reset=0.3))
+    assert call.decide(_busy(retry_after=0.5)).wait == 0.0
     waited = 0.0
-
-    def hold_until_it_gives_up() -> None:
-        nonlocal waited
-        for _ in range(1000):
-            wait = call.hold_time()
-            assert 0 < wait <= PACE_POLL
-            clock.advance(wait)
-            waited += wait
-
-    with pytest.raises(ServerBusyError, match="holding for room"):
-        hold_until_it_gives_up()
-    assert 2.0 - PACE_POLL <= waited <= 2.0
-    assert pacer.waiting(clock.monotonic()) == 0  # it left the line
-    # Unpaced, the same advice fails at once, as before.
-    plain = RetryCall(
-        RetryPolicy(clock=clock.monotonic, deadline=2.0, pace=False), Cooldown(), size=600
-    )
-    plain.begin_attempt()
-    assert isinstance(plain.decide(_busy(retry_after=30.0)).give_up, ServerBusyError)
+    for _ in range(1000):
+        wait = call.hold_time()
+        if wait == 0.0:
+            break
+        assert 0 < wait <= PACE_POLL
+        clock.advance(wait)
+        waited += wait
+    assert 0.5 <= waited <= 0.5 + PACE_POLL  # no answer showed room: the advice, not more
 
 
 def _busy(*, retry_after: float) -> APIStatusError:
