@@ -274,7 +274,7 @@ class RetryPolicy:
     deadline (then the server decides). With ``pace_in_order`` (off by default) held requests
     go in the order their calls started, as a FIFO-queued server admits them: a later one
     waits behind an earlier one even when it would fit, so large requests are not starved
-    (the retry storm's p99 and reservation goals are met with it); but one large request that
+    (the retry storm's p99 is lower with it, its median far higher); but one large request that
     other clients keep beating to the room holds all of its client's requests back (in the
     soak it halved the completions), so it is not the default. A server that sends no hints is
     not affected: see :class:`kvclient._pacing.Pacer`. While the
