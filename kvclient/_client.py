@@ -976,7 +976,7 @@ class BaseClient:
     def _new_call(self, prepared: _Prepared | None = None) -> RetryCall:
         size = None if prepared is None else prepared.prompt_tokens + prepared.max_tokens
         first = self._replicas[0]
-        return _Call(
+        call = _Call(
             self.retry,
             first.cooldown,
             size=size,
@@ -984,6 +984,8 @@ class BaseClient:
             pacer=first.pacer,
             replica=first,
         )
+        call.hold_refusals = len(self._replicas) == 1  # several: route the retry afresh
+        return call
 
     def _window_busy(self, call: RetryCall) -> ServerBusyError:
         window = self._window_of(call)

@@ -492,6 +492,9 @@ class RetryCall:
         # in this order. None: held requests go as room shows, whichever asks first.
         in_order = policy.pace_in_order and not policy.cooldown_by_size
         self.key = (self.started, next(_CALL_SEQUENCE)) if in_order else None
+        # Whether a paced 429 is held on the pacer rather than slept out (see decide). A client
+        # of several replicas turns it off: its retry is routed afresh after the advice.
+        self.hold_refusals = True
 
         self.attempts = 0
         self.history: list[RetryEvent] = []
@@ -609,6 +612,7 @@ class RetryCall:
         if (
             advice is not None
             and 0 < advice < min(left, self.policy.max_wait)
+            and self.hold_refusals
             and self._paced_hold(self.policy.clock())
         ):
             # Paced: the cooldown just extended holds the retry (see hold_time), until an
