@@ -691,7 +691,8 @@ class BaseClient:
             replica = self._replicas[0]
         now = self.retry.clock()
         if self.retry.pace:
-            replica.pacer.observe(now, hint, extensions.get(_PACED))
+            refused = response.status_code == 429  # its round trip times the way in
+            replica.pacer.observe(now, hint, extensions.get(_PACED), refused=refused)
         if several:
             with self._replica_lock:
                 replica.hint_free = hint.remaining
@@ -975,7 +976,7 @@ class BaseClient:
     def _new_call(self, prepared: _Prepared | None = None) -> RetryCall:
         size = None if prepared is None else prepared.prompt_tokens + prepared.max_tokens
         first = self._replicas[0]
-        return _Call(
+        call = _Call(
             self.retry,
             first.cooldown,
             size=size,
@@ -983,6 +984,8 @@ class BaseClient:
             pacer=first.pacer,
             replica=first,
         )
+        call.hold_refusals = len(self._replicas) == 1  # several: route the retry afresh
+        return call
 
     def _window_busy(self, call: RetryCall) -> ServerBusyError:
         window = self._window_of(call)

@@ -29,12 +29,13 @@ True
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import re
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +43,12 @@ __all__ = [
     "DEFAULT_PACE_MAX_AGE",
     "MS_PARAM",
     "PACE_LAG",
+    "PACE_LAG_MAX",
     "PACE_POLL",
+    "PACE_POLL_FIRST",
+    "PACE_POLL_LAST",
     "PACE_TRICKLE",
+    "PACE_WAITER_TTL",
     "POLICY_HEADER",
     "POLICY_NAME",
     "RATELIMIT_HEADER",
@@ -61,8 +66,10 @@ POLICY_NAME = "kv"
 UNIT_PARAM = "kvtok"
 MS_PARAM = "tms"
 #: A hint is trusted for at most this long (seconds), and never past its ``t``: the room it
-#: describes changes with every admission and release, most of which this client does not see.
-DEFAULT_PACE_MAX_AGE = 1.0
+#: describes changes with every admission and release, some of which this client does not see.
+#: Not much less: once it ages out a probe goes, and one second without an answer (every
+#: holder still running) sent probes that were refused in the retry storm.
+DEFAULT_PACE_MAX_AGE = 2.0
 #: A held request asks again this often (seconds): a fresher hint may have arrived meanwhile.
 PACE_POLL = 0.02
 #: Once a hint has aged out, one held request goes per this many seconds until a fresh hint
@@ -70,9 +77,30 @@ PACE_POLL = 0.02
 PACE_TRICKLE = 0.05
 _FORGET_AFTER = 10
 #: Sends this recent (seconds) when a hint arrives may not have reached the server when it wrote
-#: the hint: they stay counted against the new hint instead of being forgotten. Generous: on a
-#: loaded 2-core machine 50 ms let one request in twenty collect a 429 in the retry storm.
-PACE_LAG = 0.25
+#: the hint: they stay counted against the new hint instead of being forgotten. On a loaded
+#: 2-core machine 50 ms let one request in twenty collect a 429 in the retry storm; 250 ms
+#: counted room as taken that was not, for long enough to leave 5-10 % of the budget idle.
+PACE_LAG = 0.1
+#: Refusals' round trips (send to 429: how long a send takes to reach the server's ledger and an
+#: answer to come back) can lengthen the lag: to this many times the median of the last
+#: _RTT_SAMPLES, plus PACE_LAG_FLOOR, at most PACE_LAG_MAX. A slow (loaded) server is thus
+#: given longer to see a send before its hints are trusted to include it.
+PACE_LAG_RTTS = 3.0
+PACE_LAG_FLOOR = 0.01
+PACE_LAG_MAX = 0.5
+_RTT_SAMPLES = 16
+
+#: Held requests in line (with a ``key``) ask again this often (seconds) by their place: the
+#: first few every 5 ms (room an answer shows goes to them first, so the pool is not left idle
+#: for a whole poll), those far back rarely (a thousand held requests polling every 20 ms kept
+#: a client's CPU busy in the soak): (places before, seconds), the last for everyone else.
+PACE_POLL_FIRST = 0.005
+_POLL_BY_PLACE = ((4, PACE_POLL_FIRST), (16, PACE_POLL), (64, 0.05))
+PACE_POLL_LAST = 0.25
+#: A held request (with a ``key``) that has not asked again for this long (seconds) is taken
+#: to be gone (cancelled, say) and loses its place until it asks again: four of its slowest
+#: polls, late even on a loaded machine.
+PACE_WAITER_TTL = 1.0
 
 _MAX_FIELD_LENGTH = 1024
 _INTEGER = re.compile(r"\d{1,15}")
@@ -181,9 +209,18 @@ class Pacer:
     times ``max_age`` without one, every request goes. Before any hint every request goes, as
     without pacing.
     Sends made less than ``lag`` seconds before a hint arrives still count against it: the
-    server may have written it before they reached it.
+    server may have written it before they reached it. Refusals (``observe`` with
+    ``refused=True`` and the refused send) time a send's way to the server and back; when they
+    show a slow server (``PACE_LAG_RTTS`` x their median is more than ``lag``), that window
+    grows to match, up to ``PACE_LAG_MAX``.
     A request larger than the whole advertised budget goes too: the server refuses it for good,
     which a hold would only delay. Thread- and task-safe: the lock is held for arithmetic only.
+
+    Held requests that give a ``key`` (any orderable value: the call's start time, then a
+    sequence number) go in key order, as a FIFO-queued server admits them: while one with a
+    smaller key is held (and still asking, within ``PACE_WAITER_TTL``), a larger key waits
+    behind it even if it would fit, so a large request is not starved by a stream of small ones
+    and a request refused earlier gets in earlier. Requests without a key are not queued.
 
     >>> pacer = Pacer(max_age=1.0)
     >>> pacer.observe(10.0, RoomHint(quota=1000, remaining=300, reset=5))
@@ -194,8 +231,8 @@ class Pacer:
     """
 
     __slots__ = (
-        "_expires", "_free", "_lock", "_quota", "_recent", "_seen", "_sent", "_trickle", "lag",
-        "max_age",
+        "_expires", "_free", "_lock", "_quota", "_recent", "_rtts", "_seen", "_sent",
+        "_trickle", "_waiters", "_waiting", "lag", "max_age",
     )  # fmt: skip
 
     def __init__(self, *, max_age: float = DEFAULT_PACE_MAX_AGE, lag: float = PACE_LAG) -> None:
@@ -213,24 +250,49 @@ class Pacer:
         self._seen = -math.inf
         self._expires = -math.inf
         self._trickle = -math.inf
+        # Held requests by key: their keys in order, and each key's latest poll (a key past its
+        # TTL is no longer waiting once it reaches the front; it queues again when it asks).
+        self._waiters: list[Any] = []  # sorted
+        self._waiting: dict[Hashable, float] = {}
+        self._rtts: deque[float] = deque(maxlen=_RTT_SAMPLES)
 
     def __repr__(self) -> str:
         return f"Pacer(free={self._free}, sent={self._sent}, expires={self._expires:.3f})"
 
-    def observe(self, now: float, hint: RoomHint, own: tuple[float, int] | None = None) -> None:
+    def effective_lag(self) -> float:
+        """How long a send stays counted against hints that arrive after it (seconds)."""
+        if not self._rtts:
+            return self.lag
+        ordered = sorted(self._rtts)
+        measured = PACE_LAG_RTTS * ordered[len(ordered) // 2] + PACE_LAG_FLOOR
+        return max(self.lag, min(PACE_LAG_MAX, measured))
+
+    def observe(
+        self,
+        now: float,
+        hint: RoomHint,
+        own: tuple[float, int] | None = None,
+        *,
+        refused: bool = False,
+    ) -> None:
         """A response that arrived at monotonic time ``now`` advertised ``hint``.
 
         ``own`` is the answered request's send, ``(when, need)`` as :meth:`take` let it go: the
         hint already accounts for it (reserved, released or refused), so it is not counted again.
+        ``refused``: the answer is a refusal (429), written as soon as the server saw the
+        request, so ``now - when`` times a send's way to the ledger and back.
         """
-        age = self.max_age
-        if hint.reset:
-            age = min(age, float(hint.reset) + self.lag)
         with self._lock:
+            if refused and own is not None and now >= own[0]:
+                self._rtts.append(now - own[0])
+            lag = self.effective_lag()
+            age = self.max_age
+            if hint.reset:
+                age = min(age, float(hint.reset) + lag)
             if now < self._seen:
                 return  # an older answer read late: the newer one stands
             recent = self._recent
-            while recent and recent[0][0] < now - self.lag:
+            while recent and recent[0][0] < now - lag:
                 recent.popleft()
             if own is not None:
                 with contextlib.suppress(ValueError):
@@ -241,38 +303,134 @@ class Pacer:
             self._seen = now
             self._expires = now + age
 
-    def take(self, now: float, need: int) -> float:
-        """0.0: send now (``need`` is counted against the hint); else seconds to hold first."""
-        with self._lock:
-            if self._quota is not None and need > self._quota:
-                self._note(now, need)
-                return 0.0
-            if now >= self._expires:
-                if now >= self._expires + _FORGET_AFTER * self.max_age or now >= self._trickle:
-                    # Stale: one request per PACE_TRICKLE goes, and its answer (a 429 at once,
-                    # if the room is gone) brings a fresh hint. Letting every held request go
-                    # the moment a hint ages out sent a herd: nearly all the retry storm's 429s.
-                    self._trickle = now + PACE_TRICKLE
-                    self._note(now, need)
-                    return 0.0
-                return min(PACE_POLL, self._trickle - now)
-            if self._sent + need <= self._free:
-                self._note(now, need)
-                return 0.0
-            return min(PACE_POLL, self._expires - now)
+    def live(self, now: float) -> bool:
+        """Whether the latest hint is still trusted at ``now``: answers keep showing the room."""
+        return now < self._expires
 
-    def take_if_fits(self, now: float, need: int) -> bool:
-        """Whether a live hint has room for ``need`` now (then it is counted as sent)."""
+    def known(self, now: float) -> bool:
+        """Whether the server is known to advertise its room: a hint seen and not forgotten
+        (it may have aged out; the next answer brings a fresh one)."""
+        return not self._forgotten(now)
+
+    def waiting(self, now: float) -> int:
+        """Held requests with a key that are still asking (queued in key order)."""
         with self._lock:
+            self._head(now)
+            return sum(1 for seen in self._waiting.values() if now - seen <= PACE_WAITER_TTL)
+
+    def enqueue(self, now: float, key: Hashable) -> None:
+        """Hold a place in line for ``key`` (a refused request, before it waits to retry)."""
+        with self._lock:
+            self._place(now, key)
+
+    def leave(self, key: Hashable) -> None:
+        """A held request gave up (its deadline, say): the next in line need not wait for it."""
+        with self._lock:
+            self._waiting.pop(key, None)
+
+    def _head(self, now: float) -> Any:
+        """The smallest key still waiting (None: nobody), dropping those gone quiet."""
+        queue, waiting = self._waiters, self._waiting
+        while queue:
+            key = queue[0]
+            seen = waiting.get(key)
+            if seen is not None and now - seen <= PACE_WAITER_TTL:
+                return key
+            del queue[0]
+            waiting.pop(key, None)
+        return None
+
+    def _place(self, now: float, key: Any) -> int:
+        """How many held requests are ahead of ``key`` (0: none, it may go), queueing it."""
+        if key is None:
+            return 0
+        waiting = self._waiting
+        if key not in waiting:
+            bisect.insort(self._waiters, key)
+        waiting[key] = now
+        if self._head(now) == key:
+            return 0
+        return bisect.bisect_left(self._waiters, key)
+
+    def _went(self, key: Any) -> None:
+        if key is not None and self._waiting.pop(key, None) is not None:
+            queue = self._waiters
+            i = bisect.bisect_left(queue, key)
+            if i < len(queue) and queue[i] == key:
+                del queue[i]
+
+    def poll_interval(self, now: float, key: Any = None) -> float:
+        """How soon a held request should ask again: the first few in line often, since room
+        that shows goes to them first; the rest less often (they keep their place)."""
+        with self._lock:
+            if key is None or key not in self._waiting:
+                return PACE_POLL
+            return self._interval(self._place(now, key))
+
+    @staticmethod
+    def _interval(place: int) -> float:
+        for before, seconds in _POLL_BY_PLACE:
+            if place < before:
+                return seconds
+        return PACE_POLL_LAST
+
+    def take(self, now: float, need: int, key: Any = None) -> float:
+        """0.0: send now (``need`` is counted against the hint); else seconds to hold first.
+
+        ``key``: the request's place in the queue of held requests (see the class).
+        """
+        with self._lock:
+            wait = self._take(now, need, key)
+            if wait == 0.0:
+                self._went(key)
+            return wait
+
+    def _take(self, now: float, need: int, key: Any) -> float:
+        # The head of the queue asks often; a request without a key as before.
+        poll = PACE_POLL if key is None else PACE_POLL_FIRST
+        if self._quota is not None and need > self._quota:
+            self._note(now, need)
+            return 0.0
+        if self._forgotten(now):
+            self._note(now, need)  # nothing known: every request goes, as without pacing
+            return 0.0
+        place = self._place(now, key)
+        if place:
+            return self._interval(place)
+        if now >= self._expires:
+            if now >= self._trickle:
+                # Stale: one request per PACE_TRICKLE goes, and its answer (a 429 at once,
+                # if the room is gone) brings a fresh hint. Letting every held request go
+                # the moment a hint ages out sent a herd: nearly all the retry storm's 429s.
+                self._trickle = now + PACE_TRICKLE
+                self._note(now, need)
+                return 0.0
+            return min(poll, self._trickle - now)
+        if self._sent + need <= self._free:
+            self._note(now, need)
+            return 0.0
+        return min(poll, self._expires - now)
+
+    def _forgotten(self, now: float) -> bool:
+        return now >= self._expires + _FORGET_AFTER * self.max_age
+
+    def take_if_fits(self, now: float, need: int, key: Any = None) -> bool:
+        """Whether a live hint has room for ``need`` now (then it is counted as sent); with a
+        ``key``, only once no smaller key is held (see the class)."""
+        with self._lock:
+            if self._place(now, key):
+                return False
             if now < self._expires and self._sent + need <= self._free:
                 self._note(now, need)
+                self._went(key)
                 return True
             return False
 
-    def send_anyway(self, now: float, need: int) -> None:
+    def send_anyway(self, now: float, need: int, key: Any = None) -> None:
         """Count a request that goes despite the hint (its deadline would not wait)."""
         with self._lock:
             self._note(now, need)
+            self._went(key)
 
     def _note(self, now: float, need: int) -> None:
         self._sent += need

@@ -107,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_quantile,
         metavar="Q",
         default=DEFAULT_RETRY_AFTER_QUANTILE,
-        help="estimate Retry-After from the Q quantile of recent output lengths "
-        f"(default {DEFAULT_RETRY_AFTER_QUANTILE}); 'none': from every request's cap, an upper "
-        "bound",
+        help="estimate Retry-After from the Q quantile of recent output lengths (a bet: some "
+        "clients are told less than the wait); 'none' (the default): from every holder's cap, "
+        "never shorter than the wait",
     )
     add("--api-key", help="require 'Authorization: Bearer KEY' (except /health and /metrics)")
     add("--seed", type=int, default=0, help="seed of output lengths, words and faults")
@@ -202,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .app import create_app
 
     app = create_app(config)
+    # Load the tokenizer now (about 0.3 s for tiktoken's), not on the first request: the first
+    # burst would wait for it, and its 429s (and their RateLimit room) would come that late.
+    config.tokenizer.count("warm up")
     usable = app.state.server.ledger.usable_tokens
     print(
         f"reference server: model {config.model}, context {config.context_window}, "

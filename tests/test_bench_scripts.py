@@ -67,6 +67,11 @@ def test_retry_storm(tmp_path: Path) -> None:
         # The server's count of attempts and the client-side hook's agree.
         assert r["attempts_server"] == r["attempts_client"]
         assert r["requests"] == data["requests"]
+    # The ceiling: the same trace through a FIFO-queued server, which never says 429.
+    ceiling = data["ceiling"]
+    assert ceiling["requests"] == data["requests"]
+    assert ceiling["http_429_server"] == 0
+    assert ceiling["completed"] > 0  # the 2 s deadline may cut the last of the queue
 
 
 def test_client_overhead(tmp_path: Path) -> None:

@@ -178,13 +178,29 @@ def test_cooldown_is_honoured_across_requests_of_one_client(server: RunningServe
 
 def test_the_room_a_429_advertises_lets_what_fits_go_at_once(server: RunningServer) -> None:
     """Pacing (the default): the 429 says 1678 tokens are free, so the small requests (112 in
-    blocks) go at once and are admitted; the large one still waits its advice out."""
+    blocks) go at once and are admitted; the large one still waits for room."""
     (large, large_finished), small, told, advice = _large_refused_then_small(server, RetryPolicy())
     assert large.attempts == 2
     assert large_finished - told >= advice * 0.9
     for completion, _ in small:
         assert completion.attempts == 1
         assert completion.retry_wait == 0
+
+
+def test_paced_in_order_requests_wait_behind_an_earlier_refused_one(
+    server: RunningServer,
+) -> None:
+    """``pace_in_order``: held requests go in the order their calls started, as a FIFO-queued
+    server admits them: the small requests would fit, but the large one refused before them
+    goes first, once the holder is done. No request hears "no" twice."""
+    policy = RetryPolicy(pace_in_order=True)
+    (large, large_finished), small, told, advice = _large_refused_then_small(server, policy)
+    assert large.attempts == 2
+    assert large_finished - told >= advice * 0.9
+    for completion, finished in small:
+        assert completion.attempts == 1
+        assert completion.retry_wait > 0  # held behind the large one, not refused
+        assert finished - told >= advice * 0.9
 
 
 def test_cooldown_holds_the_large_and_lets_the_small_fill_the_room(server: RunningServer) -> None:

@@ -10,10 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvclient import RetryPolicy
+from kvclient import APIStatusError, RetryPolicy, ServerBusyError
 from kvclient._pacing import (
+    PACE_LAG_MAX,
     PACE_POLL,
+    PACE_POLL_FIRST,
     PACE_TRICKLE,
+    PACE_WAITER_TTL,
     Pacer,
     RoomHint,
     format_ratelimit,
@@ -218,9 +221,14 @@ def test_room_advertised_since_a_429_beats_its_cooldown() -> None:
     fits = RetryCall(policy, cooldown, size=600, pacer=pacer)
     assert fits.hold_time() == 0.0  # 608 fit in the 700 free
     too_big = RetryCall(policy, cooldown, size=600, pacer=pacer)
-    assert too_big.hold_time() >= 2.0  # 608 more do not: the cooldown holds it
+    # 608 more do not: it holds, in short polls (a fresher answer may show room before the
+    # cooldown, the server's upper bound, runs out).
+    assert too_big.hold_time() == PACE_POLL
+    clock.advance(0.3)
+    pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=700, reset=2))
+    assert too_big.hold_time() == 0.0  # an answer showed room: it goes before the 2 s
     unpaced = RetryCall(RetryPolicy(clock=clock.monotonic, pace=False), cooldown, size=1)
-    assert unpaced.hold_time() >= 2.0
+    assert unpaced.hold_time() >= 1.7  # the rest of its cooldown
 
 
 def test_pacing_off_probes_and_the_deadline_never_hold() -> None:
@@ -239,7 +247,7 @@ def test_a_server_without_hints_is_paced_as_before() -> None:
     clock = FakeClock()
     call = _call(Pacer(), clock)
     assert call.hold_time() == 0.0
-    assert call.hold_rounds() == range(1000 + round(120.0 / PACE_POLL))
+    assert call.hold_rounds() == range(1000 + round(120.0 / PACE_POLL_FIRST))
 
 
 # --- the server's side ------------------------------------------------------------------------
@@ -281,3 +289,148 @@ def test_ratelimit_headers_from_a_snapshot() -> None:
         "RateLimit-Policy": '"kv";q=900;kvtok',
         "RateLimit": '"kv";r=388;t=1;tms=750',
     }
+
+
+# --- the queue of held requests, the measured lag, the paced retry (issue 15) ------------------
+
+
+def test_held_requests_go_in_key_order_whatever_their_size() -> None:
+    pacer = Pacer()
+    pacer.observe(0.0, RoomHint(quota=4000, remaining=500, reset=None))
+    assert pacer.take(0.01, 1000, key=(0.0, 1)) > 0  # does not fit: first in line
+    # A later, smaller one would fit, but waits behind it (no starving the large one).
+    assert pacer.take(0.02, 100, key=(0.01, 2)) > 0
+    assert pacer.take_if_fits(0.02, 100, key=(0.01, 2)) is False
+    assert pacer.take(0.02, 100) == 0.0  # a request without a key is not queued
+    pacer.observe(0.5, RoomHint(quota=4000, remaining=1200, reset=None))
+    assert pacer.take(0.51, 100, key=(0.01, 2)) > 0  # still behind the first
+    assert pacer.take(0.51, 1000, key=(0.0, 1)) == 0.0  # the first goes
+    assert pacer.take(0.52, 100, key=(0.01, 2)) == 0.0  # then the next
+    assert pacer.waiting(0.52) == 0
+
+
+def test_a_held_request_that_stops_asking_loses_its_place() -> None:
+    pacer = Pacer()
+    pacer.observe(0.0, RoomHint(quota=4000, remaining=0, reset=None))
+    assert pacer.take(0.0, 1000, key=(0.0, 1)) > 0
+    assert pacer.take(0.1, 100, key=(0.1, 2)) > 0  # behind it
+    pacer.observe(0.2, RoomHint(quota=4000, remaining=300, reset=None))
+    # The first was cancelled and never asks again: after PACE_WAITER_TTL the next goes.
+    assert pacer.take(0.2 + PACE_WAITER_TTL / 2, 100, key=(0.1, 2)) > 0
+    assert pacer.take(0.1 + PACE_WAITER_TTL + 0.05, 100, key=(0.1, 2)) == 0.0
+    # One that gives up says so, and the next need not wait for the TTL.
+    pacer.enqueue(2.0, (1.0, 3))
+    pacer.leave((1.0, 3))
+    assert pacer.take(2.0, 100, key=(1.5, 4)) == 0.0
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 30), st.integers(1, 900)), min_size=1, max_size=30),
+    st.lists(st.integers(0, 3000), min_size=1, max_size=30),
+)
+def test_no_request_goes_before_an_earlier_held_one(
+    calls: list[tuple[int, int]], rooms: list[int]
+) -> None:
+    """Whatever the sizes and the room advertised, a keyed request goes only when every request
+    with a smaller key that was held (and keeps asking) has gone."""
+    pacer = Pacer(lag=0.0)
+    keys = [(float(start), i) for i, (start, _) in enumerate(calls)]
+    needs = dict(zip(keys, (need for _, need in calls), strict=True))
+    held: set[tuple[float, int]] = set()
+    gone: list[tuple[float, int]] = []
+    now = 0.0
+    for room in rooms:
+        now += 0.01
+        pacer.observe(now, RoomHint(quota=4000, remaining=room, reset=None))
+        for key in sorted(set(keys) - set(gone)):
+            if pacer.take(now, needs[key], key=key) == 0.0:
+                assert all(other in gone for other in held if other < key)
+                gone.append(key)
+                held.discard(key)
+            else:
+                held.add(key)
+
+
+def test_refusals_that_come_back_slowly_lengthen_the_lag() -> None:
+    pacer = Pacer(lag=0.1)
+    assert pacer.effective_lag() == 0.1
+    hint = RoomHint(quota=4000, remaining=0, reset=None)
+    for i in range(5):  # 429s answered in 5 ms: a fast server, the default stands
+        pacer.observe(i + 0.005, hint, own=(float(i), 16), refused=True)
+    assert pacer.effective_lag() == 0.1
+    for i in range(10):  # then in 150 ms: 3 x the median + 10 ms, at most PACE_LAG_MAX
+        pacer.observe(10 + i + 0.15, hint, own=(10.0 + i, 16), refused=True)
+    assert pacer.effective_lag() == pytest.approx(0.46)
+    pacer.observe(30.0, hint, own=(29.0, 16), refused=True)  # a 1 s outlier
+    assert pacer.effective_lag() <= PACE_LAG_MAX
+    pacer.observe(31.0, hint, own=(30.9, 16))  # not a refusal: says nothing of the way in
+    assert len(pacer._rtts) == 16  # the last 16 refusals: 5 + 10 + 1
+
+
+def test_a_paced_429_waits_for_room_not_for_its_retry_after() -> None:
+    """Our server's Retry-After is the worst case; while answers show the room, a refused
+    request holds in its place and goes as soon as one shows room for it."""
+    clock = FakeClock()
+    pacer = Pacer()
+    cooldown = Cooldown()
+    policy = RetryPolicy(clock=clock.monotonic, deadline=10.0, pace_in_order=True)
+    call = RetryCall(policy, cooldown, size=600, pacer=pacer)
+    assert call.hold_time() == 0.0  # nothing known yet: it goes
+    call.begin_attempt()
+    pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=100, reset=8))
+    busy = _busy(retry_after=8.0)
+    decision = call.decide(busy)
+    assert decision.retry
+    assert decision.give_up is None
+    assert decision.wait == 0.0  # no sleep: the hold decides
+    assert call.hold_time() == PACE_POLL_FIRST  # held, polling, first in line
+    clock.advance(1.0)
+    pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=700, reset=7))
+    assert call.hold_time() == 0.0  # room shown at 1 s, not 8 s
+    # Refused again: now it backs off first (at least backoff_min), and still holds its place.
+    call.begin_attempt()
+    again = call.decide(_busy(retry_after=7.0))
+    assert again.retry
+    assert again.wait >= RetryPolicy().backoff_min
+
+
+def test_paced_or_not_advice_past_the_deadline_fails_at_once() -> None:
+    clock = FakeClock()
+    for pace in (True, False):
+        pacer = Pacer()
+        policy = RetryPolicy(clock=clock.monotonic, deadline=2.0, pace=pace)
+        call = RetryCall(policy, Cooldown(), size=600, pacer=pacer)
+        call.begin_attempt()
+        pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=0, reset=30))
+        decision = call.decide(_busy(retry_after=30.0))  # the worst case is past the deadline
+        assert isinstance(decision.give_up, ServerBusyError)
+
+
+def test_a_paced_hold_stops_at_the_advised_time() -> None:
+    clock = FakeClock()
+    pacer = Pacer()
+    call = RetryCall(RetryPolicy(clock=clock.monotonic), Cooldown(), size=600, pacer=pacer)
+    call.begin_attempt()
+    # No room; a release due in 0.3 s (the hint ages out 0.4 s from now, as no answer comes).
+    pacer.observe(clock.monotonic(), RoomHint(quota=4000, remaining=0, reset=0.3))
+    assert call.decide(_busy(retry_after=0.5)).wait == 0.0
+    waited = 0.0
+    for _ in range(1000):
+        wait = call.hold_time()
+        if wait == 0.0:
+            break
+        assert 0 < wait <= PACE_POLL
+        clock.advance(wait)
+        waited += wait
+    assert 0.5 <= waited <= 0.5 + PACE_POLL  # no answer showed room: the advice, not more
+
+
+def _busy(*, retry_after: float) -> APIStatusError:
+    request = httpx.Request("POST", "http://127.0.0.1/v1/completions")
+    response = httpx.Response(429, request=request)
+    return APIStatusError(
+        "KV cache budget exhausted",
+        response=response,
+        retry_after=retry_after,
+        retryable=True,
+    )

@@ -8,10 +8,12 @@ from reference_server.__main__ import build_parser, config_from_args
 from reference_server.config import DEFAULT_RETRY_AFTER_QUANTILE, ServerConfig
 
 
-def test_default_estimates_from_recent_outputs() -> None:
+def test_default_is_the_worst_case_never_a_quantile() -> None:
+    # Issue 12: by default no refused request is told less than the real wait, so the advice
+    # comes from every holder's cap, not from a quantile of recent outputs (a bet).
     config = config_from_args(build_parser().parse_args([]))
-    assert config.retry_after_quantile == DEFAULT_RETRY_AFTER_QUANTILE == 0.9
-    assert ServerConfig().retry_after_quantile == 0.9
+    assert config.retry_after_quantile is DEFAULT_RETRY_AFTER_QUANTILE is None
+    assert ServerConfig().retry_after_quantile is None
 
 
 @pytest.mark.parametrize(("arg", "value"), [("none", None), ("NONE", None), ("0.5", 0.5)])

@@ -30,7 +30,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reference_server import KVAdmissionController
-from reference_server.ledger import STAGGER_ROUNDS
+from reference_server.config import ServerConfig
+from reference_server.ledger import STAGGER_ROUNDS, Handle
 
 
 def earliest_fit(need: int, usable: int, now: float, holds: list[tuple[float, int]]) -> float:
@@ -291,3 +292,75 @@ def test_a_holder_whose_write_waits_on_the_client_is_expected_when_the_server_cu
     assert ledger.retry_after(need, 3.5) == pytest.approx(20.05 - 3.5)  # cut at due + overrun
     holder.writing_since = None  # it read again
     assert ledger.retry_after(need, 3.5) == pytest.approx(10.05 - 3.5)
+
+
+# --- the default (issue 12): never shorter than the worst case, for any ledger state ------------
+
+
+def _default_ledger(rate: float, overrun: float) -> KVAdmissionController:
+    """A ledger as the reference server builds it by default (no quantile), blocks of 1."""
+    config = ServerConfig(decode_rate=rate, send_timeout=overrun)
+    assert config.retry_after_quantile is None
+    return KVAdmissionController(
+        total_kv_tokens=6000,
+        safety_fraction=1.0,
+        context_window=4096,
+        decode_rate=rate,
+        block_size=1,
+        release_margin=3 * config.tick_seconds + 0.02,  # as app.ServerState sets it
+        output_quantile=config.retry_after_quantile,
+        overrun=config.send_timeout,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    admitted=holders,
+    now=st.floats(0.0, 60.0),
+    rate=st.floats(10.0, 2000.0),
+    overrun=st.floats(0.5, 10.0),
+    outputs=st.tuples(st.integers(0, 60), st.integers(0, 3000)),
+    stalled=st.lists(st.floats(0.0, 60.0) | st.none(), max_size=8),
+    need=st.integers(1, 6000),
+)
+def test_default_advice_is_never_shorter_than_the_worst_case(
+    admitted: list[tuple[float, int, int]],
+    now: float,
+    rate: float,
+    overrun: float,
+    outputs: tuple[int, int],
+    stalled: list[float | None],
+    need: int,
+) -> None:
+    """By default a refused request is told at least the time until it fits with every holder
+    running to its cap at the decode rate, and a holder whose write waits on its client (a
+    stalled reader) to its cut: ``send_timeout`` after its cap. No recent output, however
+    short, makes it less."""
+    ledger = _default_ledger(rate, overrun)
+    margin = ledger.release_margin
+    handles = []
+    for at, prompt, cap in sorted(admitted):
+        handle = ledger.try_admit(prompt, cap, now=min(at, now))
+        if handle is not None:
+            handles.append(handle)
+    for handle, since in zip(handles, stalled, strict=False):
+        handle.writing_since = None if since is None else min(since, now)
+    count, length = outputs
+    for _ in range(count):  # many outputs of one length (say 1 token): a quantile would trust it
+        ledger.record_output(length)
+    usable = ledger.usable_tokens
+    if need > usable or sum(h.reserved_tokens for h in handles) + need <= usable:
+        return  # never fits, or fits now: not a refusal
+
+    def latest_end(h: Handle) -> float:
+        # The latest this holder can hold: its cap; a stalled one, its cut.
+        stalled_now = h.writing_since is not None and now - h.writing_since > margin
+        end = h.due_at + overrun if stalled_now or h.due_at + margin <= now else h.due_at
+        if h.due_at <= now < h.due_at + margin and not stalled_now:
+            end = h.due_at + margin
+        return max(end, now + max(margin, 1.0 / rate))
+
+    worst = earliest_fit(need, usable, now, [(latest_end(h), h.reserved_tokens) for h in handles])
+    advice = ledger.retry_after(need, now)
+    assert advice > 0.0
+    assert advice >= worst - now - 1e-9
