@@ -14,7 +14,11 @@ carries a parameter of ours, ``kvtok`` (a Boolean, true): the quota is in KV tok
 the server reserves them (prompt + output cap, in whole KV blocks). A policy without it is not
 ours and is ignored; so is anything malformed. ``tms``, also ours, is ``t`` in milliseconds:
 reservations here last seconds, and whole seconds would keep a stale hint up to a second too
-long. These are the only lines that know the syntax.
+long. ``kvqueue`` (ours, a Boolean on the policy) says the server queues what does not fit (a
+FIFO admission queue, ``--max-queue-wait``): a client then sends at once and takes its place in
+that line, since holding requests locally only loses them their places (measured: 80 requests
+through a queueing gateway took 61 s paced, 14 s sent at once). These are the only lines that
+know the syntax.
 
 :class:`Pacer` turns the latest hint into "send now, or hold this long": one per client.
 
@@ -22,7 +26,7 @@ long. These are the only lines that know the syntax.
 >>> policy, current
 ('"kv";q=29491;kvtok', '"kv";r=1200;t=2;tms=1200')
 >>> parse_ratelimit({"RateLimit-Policy": policy, "RateLimit": current})
-RoomHint(quota=29491, remaining=1200, reset=1.2)
+RoomHint(quota=29491, remaining=1200, reset=1.2, queues=False)
 >>> parse_ratelimit({"RateLimit": '"default";r=5;t=1'}) is None
 True
 """
@@ -64,6 +68,8 @@ RATELIMIT_HEADER = "RateLimit"
 #: The quota policy's name, and our parameter saying that its unit is KV tokens.
 POLICY_NAME = "kv"
 UNIT_PARAM = "kvtok"
+#: Our parameter on the policy saying that the server queues requests that do not fit yet.
+QUEUE_PARAM = "kvqueue"
 MS_PARAM = "tms"
 #: A hint is trusted for at most this long (seconds), and never past its ``t``: the room it
 #: describes changes with every admission and release, some of which this client does not see.
@@ -113,15 +119,20 @@ class RoomHint:
     quota: int | None
     remaining: int
     reset: float | None
+    #: The server queues what does not fit (FIFO): pacing before the send would only lose places.
+    queues: bool = False
 
 
-def format_ratelimit(*, quota: int, remaining: int, reset: float) -> tuple[str, str]:
+def format_ratelimit(
+    *, quota: int, remaining: int, reset: float, queues: bool = False
+) -> tuple[str, str]:
     """``(RateLimit-Policy, RateLimit)`` values for a budget of ``quota`` KV tokens with
     ``remaining`` free and the next release due in ``reset`` seconds (``t`` rounded up to
-    whole seconds, ``tms`` to milliseconds)."""
+    whole seconds, ``tms`` to milliseconds); ``queues``: the server queues what does not fit."""
     reset = max(0.0, reset) if math.isfinite(reset) else 0.0
+    queue = f";{QUEUE_PARAM}" if queues else ""
     return (
-        f'"{POLICY_NAME}";q={max(0, quota)};{UNIT_PARAM}',
+        f'"{POLICY_NAME}";q={max(0, quota)};{UNIT_PARAM}{queue}',
         f'"{POLICY_NAME}";r={max(0, remaining)};t={math.ceil(reset)};'
         f"{MS_PARAM}={math.ceil(reset * 1000)}",
     )
@@ -193,7 +204,12 @@ def parse_ratelimit(headers: Mapping[str, str] | Any) -> RoomHint | None:
             reset: float | None = millis / 1000
         else:
             reset = None if seconds is None else float(seconds)
-        return RoomHint(quota=_integer(policy.get("q")), remaining=remaining, reset=reset)
+        return RoomHint(
+            quota=_integer(policy.get("q")),
+            remaining=remaining,
+            reset=reset,
+            queues=QUEUE_PARAM in policy and policy[QUEUE_PARAM] in (None, "?1"),
+        )
     except Exception:  # a header parser must never take the client down
         return None
 
@@ -231,7 +247,7 @@ class Pacer:
     """
 
     __slots__ = (
-        "_expires", "_free", "_lock", "_quota", "_recent", "_rtts", "_seen", "_sent",
+        "_expires", "_free", "_lock", "_queues", "_quota", "_recent", "_rtts", "_seen", "_sent",
         "_trickle", "_waiters", "_waiting", "lag", "max_age",
     )  # fmt: skip
 
@@ -246,6 +262,7 @@ class Pacer:
         self._lock = threading.Lock()
         self._free = 0
         self._quota: int | None = None
+        self._queues = False
         self._sent = 0
         self._seen = -math.inf
         self._expires = -math.inf
@@ -299,6 +316,7 @@ class Pacer:
                     recent.remove(own)
             self._free = hint.remaining
             self._quota = hint.quota
+            self._queues = hint.queues
             self._sent = sum(tokens for _, tokens in recent)
             self._seen = now
             self._expires = now + age
@@ -390,6 +408,9 @@ class Pacer:
         poll = PACE_POLL if key is None else PACE_POLL_FIRST
         if self._quota is not None and need > self._quota:
             self._note(now, need)
+            return 0.0
+        if self._queues and not self._forgotten(now):
+            self._note(now, need)  # the server's own line is fairer than holding here
             return 0.0
         if self._forgotten(now):
             self._note(now, need)  # nothing known: every request goes, as without pacing

@@ -135,13 +135,14 @@ class AdmissionQueue:
                 self.notify()  # the next in line may fit now
 
 
-def ratelimit_headers(room: Headroom) -> dict[str, str]:
+def ratelimit_headers(room: Headroom, *, queues: bool = False) -> dict[str, str]:
     """``RateLimit-Policy`` and ``RateLimit`` for ``room`` (see :mod:`kvclient._pacing` for the
-    syntax and the ``kvtok`` unit); none for a strategy whose room is not in reserved tokens."""
+    syntax, the ``kvtok`` unit and ``kvqueue``: ``queues``, what does not fit waits in a FIFO
+    queue); none for a strategy whose room is not in reserved tokens."""
     if not room.advertised:
         return {}
     policy, current = format_ratelimit(
-        quota=room.usable, remaining=room.free, reset=room.next_release_in
+        quota=room.usable, remaining=room.free, reset=room.next_release_in, queues=queues
     )
     return {POLICY_HEADER: policy, RATELIMIT_HEADER: current}
 
@@ -154,7 +155,10 @@ def room(
     """The RateLimit headers for an answer of a server with ``ledger`` (and ``queue``) now."""
     queued = queue.waiting_tokens if queue is not None else 0
     now = queue.now() if queue is not None else time.monotonic()
-    return ratelimit_headers(ledger.headroom(now, releasing=releasing, queued=queued))
+    queues = queue is not None and queue.max_wait > 0
+    return ratelimit_headers(
+        ledger.headroom(now, releasing=releasing, queued=queued), queues=queues
+    )
 
 
 def retry_after_header(seconds: float) -> tuple[str, str]:

@@ -7,6 +7,7 @@ same overload, counted by the server.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from kvclient import AsyncClient, RetryPolicy
-from kvclient._pacing import parse_ratelimit
+from kvclient._pacing import Pacer, RoomHint, parse_ratelimit
 from reference_server import RunningServer, running_server
 from reference_server._runner import running_gateway
 from reference_server.gateway import GatewayConfig
@@ -115,6 +116,58 @@ async def test_a_paced_client_collects_fewer_429s_than_an_unpaced_one() -> None:
     assert paced < unpaced
     assert paced <= 1
     assert admitted == 13
+
+
+class _SpyPacer(Pacer):
+    """A Pacer that records every hold it decides (0.0: sent at once)."""
+
+    __slots__ = ("holds",)
+
+    def __init__(self, holds: list[float]) -> None:
+        super().__init__()
+        self.holds = holds
+
+    def take(self, now: float, need: int, key: Any = None) -> float:
+        wait = super().take(now, need, key)
+        self.holds.append(wait)
+        return wait
+
+
+def first_hint(server: RunningServer) -> RoomHint:
+    """The room a queueing server advertises on an answer."""
+    answer = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    hint = parse_ratelimit(answer.headers)
+    assert hint is not None
+    assert answer.headers["RateLimit-Policy"].endswith(";kvqueue")
+    return hint
+
+
+@pytest.mark.anyio
+async def test_a_server_that_queues_says_so_and_paced_requests_join_its_line() -> None:
+    """With a FIFO queue (``max_queue_wait``) the policy carries ``kvqueue``: a paced client
+    sends at once and its requests wait in the server's line, none held locally (before
+    ``kvqueue`` they were held on the room net of the queue and lost their places: 80 requests
+    through a queueing gateway took 61 s paced against 14 s unpaced)."""
+    held: list[float] = []
+    with running_server(**BURST_CONFIG, max_queue_wait=30.0) as server:
+        policy = RetryPolicy(deadline=30)
+        async with AsyncClient(
+            base_url=server.base_url, context_window=2048, retry=policy
+        ) as client:
+            first = await client.complete("x", max_tokens=900)
+            assert first.attempts == 1
+            spy = _SpyPacer(held)
+            spy.observe(time.monotonic(), first_hint(server))
+            client._replicas[0].pacer = spy  # type: ignore[attr-defined]
+            client._pacer = spy  # type: ignore[attr-defined]
+            async with anyio.create_task_group() as group:
+                for _ in range(12):
+                    group.start_soon(lambda: client.complete("x", max_tokens=900))
+        metrics = server.metrics()
+    assert held
+    assert all(wait == 0.0 for wait in held)  # never held: the server queues
+    assert metrics["kv_admitted_total"] == 14  # the hint's probe, the first, the twelve
+    assert metrics["kv_rejected_total"] == 0
 
 
 def test_metrics_expose_the_room(server: RunningServer) -> None:

@@ -177,6 +177,24 @@ def test_an_aged_out_hint_lets_requests_trickle_then_is_forgotten() -> None:
     assert [pacer.take(11.0, 100) for _ in range(3)] == [0.0, 0.0, 0.0]  # forgotten
 
 
+def test_a_server_that_queues_is_sent_to_at_once() -> None:
+    """``kvqueue``: what does not fit waits in the server's FIFO line; holding it here would
+    only lose its place there."""
+    policy, current = format_ratelimit(quota=1000, remaining=0, reset=2.0, queues=True)
+    assert policy == '"kv";q=1000;kvtok;kvqueue'
+    hint = parse_ratelimit({"RateLimit-Policy": policy, "RateLimit": current})
+    assert hint == RoomHint(quota=1000, remaining=0, reset=2.0, queues=True)
+    assert parse_ratelimit({"RateLimit-Policy": '"kv";q=9;kvtok', "RateLimit": current}) == (
+        RoomHint(quota=9, remaining=0, reset=2.0)
+    )
+    pacer = Pacer(max_age=1.0)
+    pacer.observe(0.0, hint)
+    assert [pacer.take(0.1, 400) for _ in range(5)] == [0.0] * 5  # no room: sent all the same
+    assert pacer.take(0.2, 400, key=(0.0, 1)) == 0.0  # a call in order too
+    pacer.observe(0.3, RoomHint(quota=1000, remaining=0, reset=2.0))  # it stopped queueing
+    assert pacer.take(0.4, 400) > 0
+
+
 def test_a_late_older_answer_does_not_replace_a_newer_one() -> None:
     pacer = Pacer()
     pacer.observe(5.0, RoomHint(quota=100, remaining=10, reset=0))
@@ -289,6 +307,8 @@ def test_ratelimit_headers_from_a_snapshot() -> None:
         "RateLimit-Policy": '"kv";q=900;kvtok',
         "RateLimit": '"kv";r=388;t=1;tms=750',
     }
+    queued = ratelimit_headers(Headroom(usable=900, free=0, next_release_in=0.75), queues=True)
+    assert queued["RateLimit-Policy"] == '"kv";q=900;kvtok;kvqueue'
 
 
 # --- the queue of held requests, the measured lag, the paced retry (issue 15) ------------------
