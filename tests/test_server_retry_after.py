@@ -178,27 +178,25 @@ def test_advice_is_never_shorter_than_what_the_evidence_cannot_vouch_for(
 # --- staggering --------------------------------------------------------------------------------
 
 
+def _nine_thousand(*, release_margin: float) -> KVAdmissionController:
+    """The staggering cases' ledger: 1000 tok/s, usable 9000 in blocks of 1."""
+    return KVAdmissionController(
+        total_kv_tokens=9000,
+        safety_fraction=1.0,
+        context_window=8192,
+        decode_rate=1000.0,
+        block_size=1,
+        release_margin=release_margin,
+    )
+
+
 def naive_retries(*, same_connection: bool) -> list[float]:
     """The issue's case: one client back every 20 ms, 300 times, whatever it was told.
 
     1000 tok/s, usable 9000 (blocks of 1); a holder of 6,700 tokens due at 6.75 s.
     """
-    ledger = KVAdmissionController(
-        total_kv_tokens=9000,
-        safety_fraction=1.0,
-        context_window=8192,
-        decode_rate=1000.0,
-        block_size=1,
-        release_margin=0.05,
-    )
-    bare = KVAdmissionController(  # the same load, never told of a promise
-        total_kv_tokens=9000,
-        safety_fraction=1.0,
-        context_window=8192,
-        decode_rate=1000.0,
-        block_size=1,
-        release_margin=0.05,
-    )
+    ledger = _nine_thousand(release_margin=0.05)
+    bare = _nine_thousand(release_margin=0.05)  # the same load, never told of a promise
     assert ledger.try_admit(0, 6700, now=0.0) is not None
     assert bare.try_admit(0, 6700, now=0.0) is not None
     told = []
@@ -248,22 +246,8 @@ def test_clients_turned_away_together_are_still_spread_out() -> None:
 def test_staggered_advice_stays_within_the_limit_whatever_clients_do(
     refusals: list[tuple[float, int, float, int]], cap: int
 ) -> None:
-    ledger = KVAdmissionController(
-        total_kv_tokens=9000,
-        safety_fraction=1.0,
-        context_window=8192,
-        decode_rate=1000.0,
-        block_size=1,
-        release_margin=0.03,
-    )
-    bare = KVAdmissionController(  # the same load, never told of a promise
-        total_kv_tokens=9000,
-        safety_fraction=1.0,
-        context_window=8192,
-        decode_rate=1000.0,
-        block_size=1,
-        release_margin=0.03,
-    )
+    ledger = _nine_thousand(release_margin=0.03)
+    bare = _nine_thousand(release_margin=0.03)  # the same load, never told of a promise
     assert ledger.try_admit(0, cap, now=0.0) is not None
     assert bare.try_admit(0, cap, now=0.0) is not None
     now = 0.0
