@@ -19,7 +19,10 @@ in every counter (:data:`DEFAULT_NON_TEXT_PART_TOKENS`), never the characters of
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -27,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._chat_template import DEFAULT_CACHE_SHAPES, ChatTemplate
 from ._exceptions import ChatTemplateError, TokenizerError
+from ._fast_bpe import FastBPE, agrees, fast_bpe
 
 __all__ = [
     "DEFAULT_NON_TEXT_PART_TOKENS",
@@ -339,6 +343,37 @@ def _load_hf_tokenizer(source: str) -> Any:
         raise TokenizerError(f"cannot load tokenizer file {source!r}: {exc}") from exc
 
 
+def _checked_merges_dir() -> Path:
+    base = os.environ.get("KVCLIENT_CACHE")
+    return (Path(base) if base else Path.home() / ".cache" / "kvclient") / "fast-bpe"
+
+
+def _tiktoken_twin(tokenizer_file: Path, tokenizer: Any) -> FastBPE | None:
+    """tiktoken's encoder for ``tokenizer`` when it tokenizes alike (see ``_fast_bpe``). That a
+    file's merges follow its ranks is remembered by the file's SHA-256 (an empty file in
+    ``$KVCLIENT_CACHE/fast-bpe``), so a second load skips that check; nothing else is cached."""
+    try:
+        raw = tokenizer_file.read_bytes()
+        spec = json.loads(raw)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(spec, Mapping):
+        return None
+    mark = _checked_merges_dir() / hashlib.sha256(raw).hexdigest()
+    checked = mark.is_file()
+    bpe = fast_bpe(spec, merges_checked=checked)
+    if bpe is None:
+        return None
+    added = [t["content"] for t in spec.get("added_tokens") or ()]
+    if not agrees(bpe, tokenizer, added):
+        return None
+    if not checked:
+        with contextlib.suppress(OSError):  # a read-only home only costs the next load a second
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+    return bpe
+
+
 def _token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken object."""
     if isinstance(value, str):
@@ -439,8 +474,10 @@ class HuggingFaceCounter:
     accepts_tools = True
 
     __slots__ = (
+        "_bpe",
         "_extra_special",
         "_fast",
+        "_post_added",
         "_pretrained",
         "_tok",
         "add_special_tokens",
@@ -477,6 +514,10 @@ class HuggingFaceCounter:
         # add_bos_token on a tokenizer.json whose post-processor adds none).
         self._extra_special = extra_special_tokens
         self._pretrained = False
+        # from_pretrained: tiktoken's encoder where it gives the same ids, and how many tokens
+        # the post-processor adds to a raw prompt (the same for every text then).
+        self._bpe: FastBPE | None = None
+        self._post_added = 0
 
     @classmethod
     def from_pretrained(
@@ -486,6 +527,7 @@ class HuggingFaceCounter:
         non_text_part_tokens: int = DEFAULT_NON_TEXT_PART_TOKENS,
         chat_template: str | None = None,
         cache_shapes: int = DEFAULT_CACHE_SHAPES,
+        tiktoken_bpe: bool = True,
     ) -> HuggingFaceCounter:
         """Load a local model directory: ``tokenizer.json``, ``tokenizer_config.json`` and the
         chat template (``chat_template.jinja``, ``chat_template.json`` or the config's).
@@ -500,6 +542,11 @@ class HuggingFaceCounter:
         Mistral add BOS); when the config says ``add_bos_token`` (or ``add_eos_token``) and the
         post-processor does not add it, it is counted too, as ``transformers`` 4's Llama and Gemma
         tokenizers (which vLLM loads) rebuild their post-processor from those flags.
+
+        ``tiktoken_bpe``: where tiktoken's encoder, built from the same vocabulary, provably gives
+        the same ids (a byte-level BPE converted from tiktoken's, such as Llama 3's and Mistral
+        Nemo's, checked on load; see ``kvclient._fast_bpe``), counts use it: 3-5x faster on short
+        texts. False always uses ``tokenizers``. Loading costs about a second more then.
         """
         directory = Path(path)
         if not directory.is_dir():
@@ -527,9 +574,15 @@ class HuggingFaceCounter:
             extra_special_tokens=added,
         )
         counter._pretrained = True
+        if tiktoken_bpe:
+            counter._bpe = _tiktoken_twin(tokenizer_file, tokenizer)
+            counter._post_added = len(probe) - len(plain)
         return counter
 
     def _length(self, text: str, special: bool) -> int:
+        bpe = self._bpe
+        if bpe is not None:
+            return bpe.count(text) + (self._post_added if special else 0)
         # encode_batch_fast skips the offsets a plain encode tracks (tokenizers >= 0.20): the same
         # ids, 1.15-1.4x faster than encode at every length measured, from 10 words (about 50
         # characters) to 3,000 words, on all five real tokenizers (bench/token_counting.py).
@@ -539,6 +592,8 @@ class HuggingFaceCounter:
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` alone, without special tokens."""
+        if self._bpe is not None:
+            return self._bpe.encode(text)
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return ids
 
@@ -568,6 +623,8 @@ class HuggingFaceCounter:
     ) -> list[int]:
         """The ids the server tokenizes for this chat (media parts not included)."""
         text, _ = self.render(messages, tools=tools)
+        if self._bpe is not None:
+            return self._bpe.encode(text)
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return ids
 
@@ -589,6 +646,8 @@ class HuggingFaceCounter:
         else:
             text, media = template.render(messages, tools=tools, add_generation_prompt=True)
         media_tokens = media * self.non_text_part_tokens
+        if self._bpe is not None:
+            return self._bpe.count(text) + media_tokens
         fast = self._fast
         if fast is not None:  # _length, inlined on the hot path of every chat count
             return len(fast([text], add_special_tokens=False)[0]) + media_tokens
