@@ -34,6 +34,8 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> int:
+    if type(value) is int and value >= minimum:  # the common case, first (a hot path)
+        return value
     # bool is an int subclass; True as a token count is always a bug on the caller's side.
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")

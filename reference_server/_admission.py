@@ -102,7 +102,7 @@ class AdmissionQueue:
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
         if not self._waiters:
             handle = self.ledger.try_admit(
-                prompt_tokens, output_cap, now=self._clock(), count_rejection=False
+                prompt_tokens, output_cap, now=self._clock(), count_rejection=False, need=need
             )
             if handle is not None:
                 return handle
@@ -118,7 +118,11 @@ class AdmissionQueue:
                 while True:
                     if self._waiters[0] is waiter:
                         handle = self.ledger.try_admit(
-                            prompt_tokens, output_cap, now=self._clock(), count_rejection=False
+                            prompt_tokens,
+                            output_cap,
+                            now=self._clock(),
+                            count_rejection=False,
+                            need=need,
                         )
                         if handle is not None:
                             return handle

@@ -25,6 +25,10 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+#: One decoder for every body (json.loads with an argument builds a new one each call).
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def check_content_type(content_type: str | None) -> None:
     """JSON bodies only; a missing header is tolerated (curl and some SDKs omit it)."""
     if content_type is None:
@@ -46,7 +50,9 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise bad_request(f"the request body is not valid UTF-8 (byte {exc.start})") from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        if text.startswith("\ufeff"):  # what json.loads refuses before decoding
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        value = _DECODER.decode(text)
     except RecursionError:
         raise bad_request("the request body is nested too deeply") from None
     except json.JSONDecodeError as exc:

@@ -254,14 +254,26 @@ class _ClientGone(Exception):
     pass
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole body, or a 413 after draining (bounded) what the client still sends."""
-    too_large = APIError(
+def scope_header(scope: Scope, name: bytes) -> str | None:
+    """The first value of header ``name`` (lower-case, as ASGI gives names), without building
+    a ``Headers`` (a hot path)."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
         413,
         f"the request body exceeds the server's limit of {limit} bytes",
         code="request_too_large",
     )
-    declared = Headers(scope=scope).get("content-length")
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole body, or a 413 after draining (bounded) what the client still sends."""
+    declared = scope_header(scope, b"content-length")
     declared_size: int | None = None
     if declared is not None:
         try:
@@ -271,7 +283,7 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     if declared_size is not None and (declared_size < 0 or declared_size > _DRAIN_LIMIT_BYTES):
         # Too much to drain: answer at once (before the client has sent it all, if ever).
         raise (
-            too_large
+            _too_large(limit)
             if declared_size > 0
             else APIError(400, "invalid Content-Length header", code="invalid_request")
         )
@@ -291,8 +303,8 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         if not message.get("more_body", False) or total > _DRAIN_LIMIT_BYTES:
             break
     if over:
-        raise too_large
-    return b"".join(chunks)
+        raise _too_large(limit)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class _DisconnectWatch:
@@ -369,7 +381,7 @@ class GenerationEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = _state(scope)
         try:
-            check_content_type(Headers(scope=scope).get("content-type"))
+            check_content_type(scope_header(scope, b"content-type"))
             body = await _read_body(scope, receive, state.config.max_body_bytes)
             payload = parse_json_object(body)
             request = parse_generation(self.kind, payload)
@@ -623,7 +635,7 @@ class TokenizeEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = _state(scope)
         try:
-            check_content_type(Headers(scope=scope).get("content-type"))
+            check_content_type(scope_header(scope, b"content-type"))
             body = await _read_body(scope, receive, state.config.max_body_bytes)
             request = parse_generation("tokenize", parse_json_object(body))
             tokenizer = state.config.tokenizer

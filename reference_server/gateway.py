@@ -31,7 +31,6 @@ import anyio
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -63,10 +62,12 @@ from ._requests import (
 from ._upstream_http import UpstreamError, UpstreamPool, UpstreamResponse
 from .app import (
     APIKeyMiddleware,
-    UnexpectedErrorMiddleware,
     _ClientGone,
+    _internal_error,
+    _log_unexpected,
     _read_body,
     build_app,
+    scope_header,
 )
 from .config import DEFAULT_MAX_BODY_BYTES, DEFAULT_SEND_TIMEOUT
 from .ledger import DEFAULT_SAFETY_FRACTION, Handle, KVAdmissionController
@@ -277,13 +278,12 @@ class Upstream:
         ledger = self.ledger
         if ledger is None:
             return Endpoint(free=0, in_service=False)
-        stats = ledger.stats()
-        free = stats.usable_tokens - stats.reserved_tokens
-        full = ledger.max_concurrency is not None and stats.inflight >= ledger.max_concurrency
+        reserved, inflight = ledger.load()
+        full = ledger.max_concurrency is not None and inflight >= ledger.max_concurrency
         assert self.queue is not None
         return Endpoint(
-            free=-1 if full or self.queue.waiting else free,
-            in_flight=stats.inflight,
+            free=-1 if full or self.queue.waiting else ledger.usable_tokens - reserved,
+            in_flight=inflight,
             in_service=self.health.in_service(now),
         )
 
@@ -318,11 +318,28 @@ class GatewayState:
         ]
         self.fallback_counter: TokenCounter = config.counter or TiktokenCounter()
         self._discovery_lock: anyio.Lock | None = None
+        #: Once every upstream is discovered: (them, the largest admissible request, the
+        #: roomiest), computed once instead of per request.
+        self._all_known: tuple[list[Upstream], int, Upstream] | None = None
         self.responses: Counter[tuple[str, int]] = Counter()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_GatewayCollector(self))
 
     # --- discovery --------------------------------------------------------------------------
+
+    async def admission(self) -> tuple[list[Upstream], int, Upstream | None]:
+        """(the upstreams known, the largest request admissible, the upstream with the largest
+        usable budget: the one that decides whether a request can ever be admitted)."""
+        if self._all_known is not None:
+            return self._all_known
+        known = await self.ready()
+        if not known:
+            return known, 0, None
+        roomiest = max(known, key=lambda u: u.ledger.usable_tokens if u.ledger else 0)
+        result = (known, self.window(known), roomiest)
+        if len(known) == len(self.upstreams):
+            self._all_known = result
+        return result
 
     async def ready(self) -> list[Upstream]:
         """The upstreams known to the gateway, discovering (again) those not yet known."""
@@ -455,10 +472,10 @@ class _ClientWatch:
     re-armed only while a write waits) cancels the forwarding task, whose ``finally`` blocks
     release its reservation and abort its upstream connection. Plain asyncio: an anyio task
     group, a watcher task and a ``move_on_after`` per write cost about 150 µs a request and 13 µs
-    an event here."""
+    an event here. ``started``: the answer has begun (an unexpected error then cuts it)."""
 
     __slots__ = ("_loop", "_send", "_since", "_task", "_timer", "_watcher", "cancelled", "done",
-                 "limit")  # fmt: skip
+                 "limit", "started")  # fmt: skip
 
     def __init__(self, receive: Receive, task: asyncio.Task[Any], send: Send, limit: float):
         self._loop = asyncio.get_running_loop()
@@ -469,6 +486,7 @@ class _ClientWatch:
         self._timer: asyncio.TimerHandle | None = None
         self.cancelled = False
         self.done = False
+        self.started = False
         self._watcher = self._loop.create_task(self._watch(receive))
 
     async def _watch(self, receive: Receive) -> None:
@@ -485,6 +503,7 @@ class _ClientWatch:
             self._task.cancel()
 
     async def send(self, message: Message) -> None:
+        self.started = True  # the first message is always http.response.start
         since = self._since = self._loop.time()
         if self._timer is None:
             self._timer = self._loop.call_at(since + self.limit, self._check)
@@ -516,48 +535,81 @@ class _ClientWatch:
 
 
 class GatewayGeneration:
-    """``/v1/completions`` and ``/v1/chat/completions`` through the ledger to an upstream."""
+    """``/v1/completions`` and ``/v1/chat/completions`` through the ledger to an upstream.
 
-    def __init__(self, kind: Kind, path: str) -> None:
+    On the gateway's fast lane (no Starlette router or middleware around it), so it is its own
+    guard against unexpected errors, as :class:`~reference_server.app.UnexpectedErrorMiddleware`
+    is elsewhere: a generic 500 and the error's type logged, or a cut answer once it started."""
+
+    def __init__(self, kind: Kind, path: str, state: GatewayState) -> None:
         self.kind = kind
         self.path = path
+        self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = _gateway(scope)
+        watch: _ClientWatch | None = None
         try:
-            check_content_type(Headers(scope=scope).get("content-type"))
+            admitted = await self._prepare(scope, receive, send)
+            if admitted is None:
+                return
+            known, request, body, prompt_tokens, cap = admitted
+            task = asyncio.current_task()
+            assert task is not None
+            watch = _ClientWatch(receive, task, send, self.state.config.send_timeout)
+            try:
+                await self._admit_and_forward(
+                    known, request, body, prompt_tokens, cap, scope, receive, watch
+                )
+            except asyncio.CancelledError:
+                if not watch.cancelled:
+                    raise
+                # The client went away or stopped reading: everything was released on the way.
+            finally:
+                watch.finish()
+        except Exception as exc:
+            _log_unexpected(exc, scope["path"])
+            if watch is None or not watch.started:
+                await _internal_error()(scope, receive, send)
+
+    async def _prepare(
+        self, scope: Scope, receive: Receive, send: Send
+    ) -> tuple[list[Upstream], GenerationRequest, dict[str, Any], int, int] | None:
+        """Read, parse, count and cap the request; None when it was answered already (an error)
+        or its client went away."""
+        state = self.state
+        try:
+            check_content_type(scope_header(scope, b"content-type"))
             raw = await _read_body(scope, receive, state.config.max_body_bytes)
             body = parse_json_object(raw)
             request = parse_generation(self.kind, body)
-            known = await state.ready()
-            if not known:
+            known, window, roomiest = await state.admission()
+            if roomiest is None:
                 problems = "; ".join(
                     f"{u.url}: {u.discovery_error or 'not discovered'}" for u in state.upstreams
                 )
                 raise _unavailable(f"no upstream is in service ({problems})")
-            model = body.get("model") if isinstance(body.get("model"), str) else None
-            prompt_tokens = await self._count(state, known, request, model)
+            model = body.get("model")
+            prompt_tokens = await self._count(
+                state, known, request, model if isinstance(model, str) else None
+            )
             # The most generous upstream decides "never": a request that fits one is retryable.
-            roomiest = max(known, key=lambda u: u.ledger.usable_tokens if u.ledger else 0)
             assert roomiest.ledger is not None
             cap = admissible_cap(
                 roomiest.ledger,
                 prompt_tokens,
                 request.max_tokens,
-                context_window=state.window(known),
+                context_window=window,
                 param="messages" if request.messages is not None else "prompt",
             )
         except _ClientGone:
-            return
+            return None
         except APIError as error:
             await error.response()(scope, receive, send)
-            return
+            return None
         body["max_tokens"] = cap
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = cap
-        await self._admit_and_forward(
-            state, known, request, body, prompt_tokens, cap, scope, receive, send
-        )
+        return known, request, body, prompt_tokens, cap
 
     async def _count(
         self,
@@ -583,7 +635,6 @@ class GatewayGeneration:
 
     async def _admit_and_forward(
         self,
-        state: GatewayState,
         known: Sequence[Upstream],
         request: GenerationRequest,
         body: dict[str, Any],
@@ -591,61 +642,50 @@ class GatewayGeneration:
         cap: int,
         scope: Scope,
         receive: Receive,
-        send: Send,
+        watch: _ClientWatch,
     ) -> None:
         content = json.dumps(body).encode()
         headers = _forward_headers(scope)
         tried: set[int] = set()
         client = scope.get("client")  # (host, port): staggered advice per connection
-        task = asyncio.current_task()
-        assert task is not None
-        watch = _ClientWatch(receive, task, send, state.config.send_timeout)
-        try:
-            while True:
-                upstream = self._route(known, prompt_tokens, cap, tried)
-                if upstream is None:
-                    await _unavailable("every upstream failed this request").response()(
-                        scope, receive, send
-                    )
-                    break
-                assert upstream.queue is not None
-                assert upstream.ledger is not None
-                try:
-                    handle = await upstream.queue.acquire(
-                        prompt_tokens, cap, client=tuple(client) if client else None
-                    )
-                except Rejected as rejected:
-                    busy = too_busy(upstream.ledger, rejected, prompt_tokens, cap, upstream.queue)
-                    await busy(scope, receive, send)
-                    break
-                try:
-                    sent = await self._forward(
-                        upstream, handle, request, content, headers, scope, receive, watch.send
-                    )
-                finally:
-                    upstream.ledger.release(handle)
-                    upstream.queue.notify()
-                if sent:
-                    break
-                tried.add(id(upstream))  # failed before any byte: try another upstream
-        except asyncio.CancelledError:
-            if not watch.cancelled:
-                raise
-            # The client went away or stopped reading: everything was released on the way out.
-        finally:
-            watch.finish()
+        # Every upstream prices a request alike (prompt + cap in its blocks); priced once.
+        need = known[0].ledger.need_tokens(prompt_tokens, cap) if known[0].ledger else 0
+        send = watch.send
+        while True:
+            upstream = self._route(known, need, tried)
+            if upstream is None:
+                error = _unavailable("every upstream failed this request")
+                await error.response()(scope, receive, send)
+                return
+            assert upstream.queue is not None
+            assert upstream.ledger is not None
+            try:
+                handle = await upstream.queue.acquire(
+                    prompt_tokens, cap, client=tuple(client) if client else None
+                )
+            except Rejected as rejected:
+                busy = too_busy(upstream.ledger, rejected, prompt_tokens, cap, upstream.queue)
+                await busy(scope, receive, send)
+                return
+            try:
+                sent = await self._forward(
+                    upstream, handle, request, content, headers, scope, receive, send
+                )
+            finally:
+                upstream.ledger.release(handle)
+                upstream.queue.notify()
+            if sent:
+                return
+            tried.add(id(upstream))  # failed before any byte: try another upstream
 
-    def _route(
-        self, known: Sequence[Upstream], prompt_tokens: int, cap: int, tried: set[int]
-    ) -> Upstream | None:
+    def _route(self, known: Sequence[Upstream], need: int, tried: set[int]) -> Upstream | None:
         """Where the reservation fits with the most room; else the in-service upstream with the
         most room (its queue waits or refuses with its own Retry-After); else None."""
         now = time.monotonic()
-        candidates = [u for u in known if id(u) not in tried]
+        candidates = [u for u in known if id(u) not in tried] if tried else known
         if not candidates:
             return None
         views = [u.endpoint(now) for u in candidates]
-        need = candidates[0].ledger.need_tokens(prompt_tokens, cap) if candidates[0].ledger else 0
         order = ranked(views, need)
         if order:
             return candidates[order[0]]
@@ -893,8 +933,8 @@ class _GatewayCollector:
 def create_gateway_app(config: GatewayConfig) -> Starlette:
     """The gateway as an ASGI app; ``app.state.gateway`` is its :class:`GatewayState`."""
     state = GatewayState(config)
-    completions = GatewayGeneration("completions", "/v1/completions")
-    chat = GatewayGeneration("chat", "/v1/chat/completions")
+    completions = GatewayGeneration("completions", "/v1/completions", state)
+    chat = GatewayGeneration("chat", "/v1/chat/completions", state)
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -914,12 +954,12 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
 
     app = build_app(routes, api_key=config.api_key, lifespan=lifespan)
     app.state.gateway = state
-    # The two generation routes skip Starlette's router and its two exception middlewares (four
-    # wrappers of every write, one per relayed event): the same key check and the same guard
-    # against unexpected errors, one dictionary lookup. Everything else goes the usual way.
+    # The two generation routes skip Starlette's router and its exception middlewares (wrappers
+    # of every write, one per relayed event): the same key check, their own guard against
+    # unexpected errors (GatewayGeneration), one dictionary lookup. The rest goes the usual way.
     lanes: dict[str, ASGIApp] = {}
     for path, handler in (("/v1/completions", completions), ("/v1/chat/completions", chat)):
-        lane: ASGIApp = UnexpectedErrorMiddleware(handler)
+        lane: ASGIApp = handler
         if config.api_key is not None:
             lane = APIKeyMiddleware(lane, api_key=config.api_key)
         lanes[path] = lane

@@ -280,14 +280,22 @@ class KVAdmissionController:
         return self._reserved + need <= self.usable_tokens
 
     def try_admit(
-        self, prompt_tokens: int, output_cap: int, *, now: float, count_rejection: bool = True
+        self,
+        prompt_tokens: int,
+        output_cap: int,
+        *,
+        now: float,
+        count_rejection: bool = True,
+        need: int | None = None,
     ) -> Handle | None:
         """Reserve for a request, or return ``None`` when the budget is short now.
 
         ``count_rejection=False`` is for a queued request trying again: only its final answer
-        counts in ``rejected_total`` (see :meth:`record_rejection`).
+        counts in ``rejected_total`` (see :meth:`record_rejection`). ``need``: what
+        :meth:`need_tokens` gave for these sizes, when the caller has it already.
         """
-        need = self.need_tokens(prompt_tokens, output_cap)
+        if need is None:
+            need = self.need_tokens(prompt_tokens, output_cap)
         with self._lock:
             if not self._fits(need):
                 if count_rejection:
@@ -533,6 +541,12 @@ class KVAdmissionController:
             next_release_in=max(0.0, soonest - now) if soonest != math.inf else 0.0,
             advertised=self.strategy == "reserve",
         )
+
+    def load(self) -> tuple[int, int]:
+        """(tokens reserved, requests in flight) now: what routing needs, without the whole
+        :meth:`stats`."""
+        with self._lock:
+            return self._reserved, len(self._live)
 
     def live_handles(self) -> list[Handle]:
         """The handles currently holding a reservation, oldest first."""

@@ -630,3 +630,44 @@ def test_a_queued_request_whose_client_goes_away_leaves_the_queue_unforwarded() 
             holder.join(30)
             wait_for(lambda: gateway_at_zero(gateway) and at_zero(up))
             assert upstream.ledger.stats().admitted_total == 1  # the leaver was never forwarded
+
+
+def test_an_unexpected_error_on_the_fast_lane_is_a_generic_500_or_a_cut_stream(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The generation lane has no UnexpectedErrorMiddleware around it: its own guard answers a
+    generic 500 before the answer started (the type logged, never the message: it could quote a
+    prompt), cuts the answer after, and the reservation is released either way."""
+    from reference_server import gateway as gateway_module
+
+    secret = "a prompt that must not reach the log"
+    real_relay = gateway_module.GatewayGeneration._relay
+
+    async def broken_count(*args: Any) -> int:
+        raise RuntimeError(secret)
+
+    async def broken_relay(self: Any, upstream: Any, response: Any, send: Any) -> int:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError(secret)
+
+    with (
+        running_server(**FAST, kv_tokens=4096, context_window=1024) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gateway,
+        httpx.Client(base_url=gateway.base_url, timeout=10) as http,
+    ):
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert http.post("/v1/completions", json=body).status_code == 200
+        with monkeypatch.context() as patch:
+            patch.setattr(gateway_module.GatewayGeneration, "_count", broken_count)
+            answer = http.post("/v1/completions", json=body)
+        assert answer.status_code == 500
+        assert answer.json()["error"]["code"] == "internal_error"
+        with monkeypatch.context() as patch:
+            patch.setattr(gateway_module.GatewayGeneration, "_relay", broken_relay)
+            with pytest.raises(httpx.HTTPError):
+                http.post("/v1/completions", json={**body, "stream": True}).read()
+        assert gateway_module.GatewayGeneration._relay is real_relay
+        wait_for(lambda: gateway_at_zero(gateway))
+        assert http.post("/v1/completions", json=body).status_code == 200
+    assert secret not in caplog.text
+    assert "unexpected RuntimeError while serving /v1/completions" in caplog.text
