@@ -425,6 +425,35 @@ def _room_headers(upstream: Upstream, releasing: Handle | None = None) -> list[t
     return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
+def _with_cap(raw: bytes, body: dict[str, Any], cap: int) -> bytes:
+    """The body that goes upstream: the client's own bytes with ``max_tokens`` the reserved cap.
+
+    - no ``max_tokens`` (nor ``max_completion_tokens``) at all: the field appended to the
+      client's bytes (no key of the object decodes to it, so the appended one is the only one);
+    - ``max_tokens`` already the cap, written once and without escapes: the bytes unchanged (a
+      key spelled with ``\\u`` escapes or given twice could be read otherwise by another parser);
+    - anything else: the parsed body re-encoded with the cap.
+    """
+    if "max_completion_tokens" not in body:
+        if "max_tokens" not in body:
+            end = raw.rstrip()
+            if end.endswith(b"}"):
+                inner = end[:-1].rstrip()
+                comma = b"" if inner.endswith(b"{") else b","
+                return b'%s%s"max_tokens":%d}' % (inner, comma, cap)
+        elif (
+            body["max_tokens"] == cap
+            and type(body["max_tokens"]) is int
+            and b"\\u" not in raw
+            and raw.count(b'"max_tokens"') == 1
+        ):
+            return raw
+    body["max_tokens"] = cap
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = cap
+    return json.dumps(body).encode()
+
+
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
@@ -573,7 +602,7 @@ class GatewayGeneration:
 
     async def _prepare(
         self, scope: Scope, receive: Receive, send: Send
-    ) -> tuple[list[Upstream], GenerationRequest, dict[str, Any], int, int] | None:
+    ) -> tuple[list[Upstream], GenerationRequest, bytes, int, int] | None:
         """Read, parse, count and cap the request; None when it was answered already (an error)
         or its client went away."""
         state = self.state
@@ -606,10 +635,7 @@ class GatewayGeneration:
         except APIError as error:
             await error.response()(scope, receive, send)
             return None
-        body["max_tokens"] = cap
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = cap
-        return known, request, body, prompt_tokens, cap
+        return known, request, _with_cap(raw, body, cap), prompt_tokens, cap
 
     async def _count(
         self,
@@ -637,14 +663,13 @@ class GatewayGeneration:
         self,
         known: Sequence[Upstream],
         request: GenerationRequest,
-        body: dict[str, Any],
+        content: bytes,
         prompt_tokens: int,
         cap: int,
         scope: Scope,
         receive: Receive,
         watch: _ClientWatch,
     ) -> None:
-        content = json.dumps(body).encode()
         headers = _forward_headers(scope)
         tried: set[int] = set()
         client = scope.get("client")  # (host, port): staggered advice per connection

@@ -84,6 +84,55 @@ def test_routing_picks_a_fitting_endpoint_with_the_most_room(
     assert sorted(ranked(endpoints, need)) == fitting
 
 
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(
+    fields=st.dictionaries(st.sampled_from(["prompt", "model", "stream", "n", "x"]), _JSON),
+    given_cap=st.one_of(st.none(), st.integers(1, 50)),
+    cap=st.integers(1, 50),
+    indent=st.sampled_from([None, 2]),
+)
+def test_the_forwarded_body_is_the_clients_with_the_reserved_cap(
+    fields: dict[str, Any], given_cap: int | None, cap: int, indent: int | None
+) -> None:
+    from reference_server.gateway import _with_cap
+
+    body = dict(fields)
+    if given_cap is not None:
+        body["max_tokens"] = given_cap
+    raw = json.dumps(body, indent=indent).encode() + b"\n"
+    sent = _with_cap(raw, json.loads(raw), cap)
+    assert json.loads(sent) == {**body, "max_tokens": cap}
+    if given_cap == cap and b"\\u" not in raw:
+        assert sent == raw  # nothing to change: the client's bytes
+    if given_cap is None:
+        assert sent.startswith(raw.rstrip()[:-1].rstrip())  # appended to the client's bytes
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"max_tokens": 9000, "max_tokens": 5}',  # a parser keeping the first would read 9000
+        b'{"max_tok\\u0065ns": 9000, "max_tokens": 5}',  # the same key, spelled otherwise
+        b'{"max_tokens": 5, "max_completion_tokens": 9000}',
+    ],
+)
+def test_a_cap_that_could_be_read_otherwise_is_re_encoded(raw: bytes) -> None:
+    from reference_server.gateway import _with_cap
+
+    sent = _with_cap(raw, json.loads(raw), 5)
+    assert sent != raw
+    assert sent.count(b"max_tokens") == 1
+    assert b"9000" not in sent
+
+
 def test_health_sets_aside_after_failures_and_probes_back_once() -> None:
     health = Health(threshold=2, cooldown=5.0)
     health.failed(0.0)
