@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvclient import HuggingFaceCounter, KVClientError, TokenCounter
 
@@ -95,6 +96,37 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     )
 
 
+def serve(app: Any, *, host: str, port: int, loop: str, max_body_bytes: int) -> None:
+    """Serve ``app`` with the gateway's front (:mod:`reference_server._front`) until SIGINT or
+    SIGTERM; on uvloop when ``loop`` says so, or is ``auto`` and uvloop is installed."""
+    import asyncio
+    import importlib.util
+    import signal
+
+    from ._front import FrontServer
+    from ._runner import bind_loopback
+
+    if loop == "uvloop" or (loop == "auto" and importlib.util.find_spec("uvloop")):
+        import uvloop
+
+        runner: Any = uvloop.run
+    else:
+        runner = asyncio.run
+    sock = bind_loopback(host, port)
+    front = FrontServer(app, max_body_bytes=max_body_bytes)
+
+    async def main() -> None:
+        running = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            running.add_signal_handler(sig, front.stop)
+        await front.serve([sock])
+
+    try:
+        runner(main())
+    finally:
+        sock.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -104,9 +136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     import logging
 
-    import uvicorn
-
-    from ._protocol import HalfCloseHttpToolsProtocol
     from .gateway import create_gateway_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
@@ -116,18 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{', '.join(config.upstreams)} (discovered on the first request)",
         file=sys.stderr,
     )
-    # httptools' C parser (uvicorn's choice when it is installed), kept answering clients that
-    # half-close after their request as the reference server does.
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        http=HalfCloseHttpToolsProtocol,
-        loop=args.loop,
-        workers=1,
-        lifespan="on",
-        log_level=args.log_level,
-    )
+    serve(app, host=args.host, port=args.port, loop=args.loop, max_body_bytes=config.max_body_bytes)
     return 0
 
 

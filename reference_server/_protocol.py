@@ -1,5 +1,5 @@
-"""uvicorn's HTTP/1.1 protocols (h11, httptools), answering clients that half-close after their
-request.
+"""uvicorn's h11 protocol (the reference server's front), answering clients that half-close after
+their request (the gateway's own front, ``_front``, does the same).
 
 A client may shut down its sending side once its request is sent (``shutdown(SHUT_WR)``; RFC
 9112 section 9.6 lets a client close its half and still read the answer). asyncio closes a
@@ -17,9 +17,8 @@ was priced for) instead of being cancelled; a stream notices at its next write o
 from __future__ import annotations
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["HalfCloseH11Protocol", "HalfCloseHttpToolsProtocol"]
+__all__ = ["HalfCloseH11Protocol"]
 
 
 class HalfCloseH11Protocol(H11Protocol):
@@ -39,23 +38,4 @@ class HalfCloseH11Protocol(H11Protocol):
         if self._half_closed and (self.cycle is None or self.cycle.response_complete):
             # Nothing more can arrive; a pipelined request already read is being answered
             # by a new cycle (not complete), and this runs again when it is.
-            self.transport.close()
-
-
-class HalfCloseHttpToolsProtocol(HttpToolsProtocol):
-    """The same for uvicorn's httptools protocol (the gateway's front: its C parser costs less
-    per request than h11)."""
-
-    _half_closed = False
-
-    def eof_received(self) -> bool | None:  # type: ignore[override]
-        cycle = self.cycle
-        if cycle is None or cycle.response_complete or cycle.more_body:
-            return None
-        self._half_closed = True
-        return True
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if self._half_closed and (self.cycle is None or self.cycle.response_complete):
             self.transport.close()

@@ -11,6 +11,7 @@ yet the caller keeps direct access to the ledger and the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 import threading
@@ -22,7 +23,7 @@ from typing import Any, Literal
 import uvicorn
 from starlette.applications import Starlette
 
-from ._protocol import HalfCloseH11Protocol, HalfCloseHttpToolsProtocol
+from ._protocol import HalfCloseH11Protocol
 from .app import ServerState, create_app
 from .config import ServerConfig
 from .engine import SimulatedEngine
@@ -78,7 +79,8 @@ def bind_loopback(host: str, port: int, *, send_buffer: int | None = None) -> so
     request after the first on a keep-alive connection. The listener sets it too (Linux passes
     it on to accepted sockets).
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # "::1", "::"
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if send_buffer is not None:
@@ -157,6 +159,57 @@ def running_server(config: ServerConfig | None = None, **overrides: Any) -> Iter
 
 
 @contextmanager
+def serve_front_in_thread(
+    app: Any,
+    *,
+    max_body_bytes: int,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    keep_alive_timeout: float = 5.0,
+) -> Iterator[RunningServer]:
+    """Serve ``app`` with the gateway's own front (:mod:`reference_server._front`, lifespan
+    on) on asyncio in a daemon thread until the block exits."""
+    from ._front import FrontServer
+
+    sock = bind_loopback(host, port)
+    bound_port = sock.getsockname()[1]
+    front = FrontServer(
+        app,
+        max_body_bytes=max_body_bytes,
+        keep_alive_timeout=keep_alive_timeout,
+        graceful_timeout=1.0,
+    )
+    loop = asyncio.new_event_loop()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(front.serve([sock]))
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=run, name=f"gateway-{bound_port}", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + _START_TIMEOUT
+        while not front.started:
+            if failure or not thread.is_alive():
+                raise RuntimeError(f"the gateway failed to start: {failure!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start in time")
+            time.sleep(0.01)
+        yield RunningServer(app=app, host=host, port=bound_port)
+    finally:
+        if thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(front.stop)
+        thread.join(_STOP_TIMEOUT)
+        sock.close()
+
+
+@contextmanager
 def running_gateway(config: GatewayConfig) -> Iterator[RunningServer]:
     """Start ``kvclient gateway`` on a free loopback port; ``server.app.state.gateway`` is its
     :class:`~reference_server.gateway.GatewayState`."""
@@ -164,5 +217,5 @@ def running_gateway(config: GatewayConfig) -> Iterator[RunningServer]:
 
     app = create_gateway_app(config)
     # The front the CLI serves it with (see _gateway_cli.main).
-    with serve_in_thread(app, lifespan="on", http=HalfCloseHttpToolsProtocol) as server:
+    with serve_front_in_thread(app, max_body_bytes=config.max_body_bytes) as server:
         yield server
