@@ -38,13 +38,17 @@ import httptools
 
 from ._errors import error_response
 
-__all__ = ["DRAIN_LIMIT_BYTES", "FrontServer"]
+__all__ = ["DIRECT_EXTENSION", "DRAIN_LIMIT_BYTES", "FrontServer"]
 
 logger = logging.getLogger("kvclient.gateway.front")
 
 #: How much of an oversized body is read and thrown away before the 413 (then the connection
 #: closes); a declared Content-Length above this is answered at once.
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
+#: The scope's ``extensions`` key of the request's :class:`_Cycle`, for an app that writes a
+#: streamed body straight from another protocol's callback (the gateway relaying a stream):
+#: :meth:`_Cycle.write_chunk`, :meth:`_Cycle.write_paused`.
+DIRECT_EXTENSION = "kvclient.direct"
 #: The request line and headers together (llhttp has no limit of its own).
 MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
@@ -172,6 +176,19 @@ class _Cycle:
             conn.transport.write(body)
         if conn.write_paused is not None:
             await conn.drain()
+
+    def write_chunk(self, data: bytes) -> None:
+        """More of a started chunked answer, written now (not a coroutine: for a protocol's
+        callback). The caller watches :meth:`write_paused` for a client that stops reading."""
+        conn = self._conn
+        if not self.chunked or self._head is not None or self.complete:
+            raise RuntimeError("write_chunk needs a chunked answer whose head was sent")
+        if data and not conn.gone:
+            conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def write_paused(self) -> asyncio.Future[None] | None:
+        """While the client's socket is full: a future done once it takes data again."""
+        return self._conn.write_paused
 
     def _flush_head(self) -> None:
         self._flush = None
@@ -409,7 +426,7 @@ class HttpFront(asyncio.Protocol):
                 self.transport.resume_reading()
         self.task = self.loop.create_task(self._serve(request))
 
-    def _scope(self, request: _Request) -> dict[str, Any]:
+    def _scope(self, request: _Request, cycle: _Cycle) -> dict[str, Any]:
         url = request.url
         path, _, query = url.partition(b"?")
         return {
@@ -426,11 +443,12 @@ class HttpFront(asyncio.Protocol):
             "client": self.client,
             "server": self.local,
             "state": dict(self.server.state),
+            "extensions": {DIRECT_EXTENSION: cycle},
         }
 
     async def _serve(self, request: _Request) -> None:
         cycle = self.cycle = _Cycle(self, request)
-        scope = self._scope(request)
+        scope = self._scope(request, cycle)
         app: Any = self.server.app if not request.over_limit else self.server.too_large
         try:
             await app(scope, cycle.receive, cycle.send)

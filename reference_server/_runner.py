@@ -166,12 +166,14 @@ def serve_front_in_thread(
     host: str = "127.0.0.1",
     port: int = 0,
     keep_alive_timeout: float = 5.0,
+    send_buffer: int | None = None,
 ) -> Iterator[RunningServer]:
     """Serve ``app`` with the gateway's own front (:mod:`reference_server._front`, lifespan
-    on) on asyncio in a daemon thread until the block exits."""
+    on) on asyncio in a daemon thread until the block exits; ``send_buffer`` as in
+    :func:`bind_loopback`."""
     from ._front import FrontServer
 
-    sock = bind_loopback(host, port)
+    sock = bind_loopback(host, port, send_buffer=send_buffer)
     bound_port = sock.getsockname()[1]
     front = FrontServer(
         app,
@@ -210,12 +212,17 @@ def serve_front_in_thread(
 
 
 @contextmanager
-def running_gateway(config: GatewayConfig) -> Iterator[RunningServer]:
+def running_gateway(
+    config: GatewayConfig, *, send_buffer: int | None = None
+) -> Iterator[RunningServer]:
     """Start ``kvclient gateway`` on a free loopback port; ``server.app.state.gateway`` is its
-    :class:`~reference_server.gateway.GatewayState`."""
+    :class:`~reference_server.gateway.GatewayState`. ``send_buffer``: its clients' sockets'
+    SO_SNDBUF (a small one makes a slow reader's writes back up soon)."""
     from .gateway import create_gateway_app
 
     app = create_gateway_app(config)
     # The front the CLI serves it with (see _gateway_cli.main).
-    with serve_front_in_thread(app, max_body_bytes=config.max_body_bytes) as server:
+    with serve_front_in_thread(
+        app, max_body_bytes=config.max_body_bytes, send_buffer=send_buffer
+    ) as server:
         yield server

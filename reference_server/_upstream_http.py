@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -115,6 +115,8 @@ class _Connection(asyncio.Protocol):
         self.error: UpstreamError | None = None
         self.body: list[bytes] = []
         self.buffered = 0
+        #: While a body is spliced (UpstreamResponse.splice): where its bytes go as they arrive.
+        self.sink: Callable[[bytes], None] | None = None
 
     # --- asyncio.Protocol -----------------------------------------------------------------
 
@@ -130,6 +132,13 @@ class _Connection(asyncio.Protocol):
             self._broken(RemoteProtocolError(f"malformed answer: {exc}"))
             assert self.transport is not None
             self.transport.abort()
+            return
+        if self.sink is not None:
+            # Spliced: the bytes went on already; wake the reader only at the end, and count
+            # this arrival against the read timeout.
+            self._deadline = self.loop.time() + self._wait_timeout
+            if self.complete or self.error is not None:
+                self._wake()
             return
         if self.buffered > self.max_buffer and not self._reading_paused:
             self._reading_paused = True
@@ -182,6 +191,10 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if not body:
+            return
+        sink = self.sink
+        if sink is not None:
+            sink(body)
             return
         self.body.append(body)
         self.buffered += len(body)
@@ -311,6 +324,35 @@ class UpstreamResponse:
                 await waiter
             finally:
                 conn._waiter = None
+
+    async def splice(self, sink: Callable[[bytes], None]) -> None:
+        """Hand the rest of the body to ``sink`` as it arrives, from the connection's own
+        callback (no task wakes up per piece, as with :meth:`piece`), until the body ends.
+        Raises what :meth:`piece` raises; :meth:`pause` and :meth:`resume` hold the flow back."""
+        conn = self._conn
+        if conn.body:
+            sink(conn.take())
+        conn.sink = sink
+        try:
+            while not conn.complete:
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait(self._timeout)
+        finally:
+            conn.sink = None
+
+    def pause(self) -> None:
+        """Stop reading from the upstream (its engine's socket fills, and it waits)."""
+        conn = self._conn
+        if not conn.lost and conn.transport is not None and not conn._reading_paused:
+            conn._reading_paused = True
+            conn.transport.pause_reading()
+
+    def resume(self) -> None:
+        conn = self._conn
+        if not conn.lost and conn.transport is not None and conn._reading_paused:
+            conn._reading_paused = False
+            conn.transport.resume_reading()
 
     async def read(self) -> bytes:
         """The whole body."""

@@ -51,6 +51,7 @@ from kvclient._routing import Endpoint, Health, ranked
 
 from ._admission import AdmissionQueue, Rejected, admissible_cap, room, too_busy
 from ._errors import APIError, error_response
+from ._front import DIRECT_EXTENSION
 from ._requests import (
     GenerationRequest,
     Kind,
@@ -533,13 +534,21 @@ class _ClientWatch:
 
     async def send(self, message: Message) -> None:
         self.started = True  # the first message is always http.response.start
-        since = self._since = self._loop.time()
-        if self._timer is None:
-            self._timer = self._loop.call_at(since + self.limit, self._check)
+        self.blocked()
         try:
             await self._send(message)
         finally:
             self._since = None
+
+    def blocked(self) -> None:
+        """A write waits for the client from now (until :meth:`unblocked`)."""
+        if self._since is None:
+            since = self._since = self._loop.time()
+            if self._timer is None:
+                self._timer = self._loop.call_at(since + self.limit, self._check)
+
+    def unblocked(self) -> None:
+        self._since = None
 
     def _check(self) -> None:
         self._timer = None
@@ -694,7 +703,7 @@ class GatewayGeneration:
                 return
             try:
                 sent = await self._forward(
-                    upstream, handle, request, content, headers, scope, receive, send
+                    upstream, handle, request, content, headers, scope, receive, watch
                 )
             finally:
                 upstream.ledger.release(handle)
@@ -728,10 +737,11 @@ class GatewayGeneration:
         headers: bytes,
         scope: Scope,
         receive: Receive,
-        send: Send,
+        watch: _ClientWatch,
     ) -> bool:
         """Send to ``upstream`` and relay its answer. False when it failed before any byte of an
         answer (the caller tries another upstream); True once something was answered."""
+        send = watch.send
         started = time.monotonic()
         upstream.health.begin(started)
         try:
@@ -777,16 +787,27 @@ class GatewayGeneration:
                 await send({"type": "http.response.body", "body": data, "more_body": False})
                 upstream.relayed += 1
                 return True
-            events = await self._relay(upstream, response, send)
+            direct = scope.get("extensions", {}).get(DIRECT_EXTENSION)
+            events = await self._relay(upstream, response, watch, direct)
             upstream.observe(events - 2, time.monotonic() - started)  # less role and [DONE]
             return True
         finally:
             response.close()
 
-    async def _relay(self, upstream: Upstream, response: UpstreamResponse, send: Send) -> int:
-        """Relay a stream piece by piece as it arrives (what arrived together goes in one send);
+    async def _relay(
+        self,
+        upstream: Upstream,
+        response: UpstreamResponse,
+        watch: _ClientWatch,
+        direct: Any = None,
+    ) -> int:
+        """Relay a stream piece by piece as it arrives (what arrived together goes in one write);
         a break becomes an SSE error event. Returns how many events it relayed (0 after a
-        break)."""
+        break). ``direct``: the gateway's front's cycle (see ``_front.DIRECT_EXTENSION``), so
+        that after the first piece the rest is spliced: written to the client from the
+        upstream connection's own callback, with no task woken and no ASGI message per event
+        (about 20 of the 50 µs an event cost)."""
+        send = watch.send
         first: bytes | None
         try:
             first = await response.piece()
@@ -806,7 +827,11 @@ class GatewayGeneration:
         events = 0
         piece = first
         try:
-            while piece:
+            if direct is not None and piece:
+                events = piece.count(b"data:")
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                events += await _splice(response, direct, watch)
+            while piece and direct is None:
                 events += piece.count(b"data:")
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
                 piece = await response.piece()
@@ -828,6 +853,36 @@ class GatewayGeneration:
         }
         event = b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
         await send({"type": "http.response.body", "body": event, "more_body": False})
+
+
+async def _splice(response: UpstreamResponse, direct: Any, watch: _ClientWatch) -> int:
+    """The rest of a stream, from the upstream's callback straight to the client's socket;
+    while the client's socket is full, the upstream is not read (its engine waits) and the
+    watch's send timeout runs. Returns how many events went through."""
+    events = 0
+    held: asyncio.Future[None] | None = None
+
+    def go_on(_: asyncio.Future[None]) -> None:
+        watch.unblocked()
+        response.resume()
+
+    def sink(data: bytes) -> None:
+        nonlocal events, held
+        events += data.count(b"data:")
+        direct.write_chunk(data)
+        paused = direct.write_paused()
+        if paused is not None and paused is not held:
+            held = paused
+            response.pause()
+            watch.blocked()
+            paused.add_done_callback(go_on)
+
+    try:
+        await response.splice(sink)
+    finally:
+        if held is not None:
+            held.remove_done_callback(go_on)
+    return events
 
 
 # --- small endpoints ---------------------------------------------------------------------------

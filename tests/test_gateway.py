@@ -5,6 +5,7 @@ upstreams for the failure paths."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -541,6 +542,64 @@ def test_a_client_that_stops_reading_is_cut_after_the_send_timeout() -> None:
             reader.close()
 
 
+def test_a_slow_reader_gets_every_event_in_order_while_the_upstream_is_held_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The spliced relay: while the client's socket is full the upstream is not read (so the
+    gateway buffers nothing), then resumed; every event arrives, in order, within the send
+    timeout."""
+    blob = "y" * 20_000
+    count = 60  # 1.2 MB: far more than a 16 KB send buffer and the front's 64 KB hold
+
+    async def burst(request: Request) -> Response:
+        async def events() -> Any:
+            for i in range(count):
+                yield f'data: {{"choices":[{{"index":0,"text":"{i}:{blob}"}}]}}\n\n'.encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    from reference_server._upstream_http import UpstreamResponse
+
+    held = []
+    real_pause = UpstreamResponse.pause
+
+    def spy_pause(self: UpstreamResponse) -> None:
+        held.append(1)
+        real_pause(self)
+
+    monkeypatch.setattr(UpstreamResponse, "pause", spy_pause)
+    app = _discoverable([Route("/v1/completions", burst, methods=["POST"])], kv=4096)
+    with scripted_upstream(app) as up:
+        config = GatewayConfig(upstreams=(up.base_url,), send_timeout=5.0)
+        with running_gateway(config, send_buffer=16_384) as gateway:
+            reader = socket.socket()
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+            reader.connect((gateway.host, gateway.port))
+            reader.settimeout(10)
+            payload = json.dumps({"prompt": "x", "max_tokens": 100, "stream": True}).encode()
+            reader.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            wait_for(lambda: not gateway_at_zero(gateway))
+            time.sleep(0.5)  # not reading yet: the gateway's writes back up, well within 5 s
+            raw = b""
+            while not raw.endswith(b"\r\n0\r\n\r\n"):
+                chunk = reader.recv(65536)
+                assert chunk, "the gateway closed the stream"
+                raw += chunk
+            reader.close()
+            seen = [
+                int(m.group(1))
+                for m in re.finditer(rb'data: \{"choices":\[\{"index":0,"text":"(\d+):', raw)
+            ]
+            assert seen == list(range(count))
+            assert held, "the client's socket never filled: nothing was held back"
+            wait_for(lambda: gateway_at_zero(gateway))
+
+
 def test_an_upstreams_cookie_reaches_its_caller_and_nobody_else() -> None:
     cookies_seen: list[str | None] = []
 
@@ -695,8 +754,8 @@ def test_an_unexpected_error_on_the_fast_lane_is_a_generic_500_or_a_cut_stream(
     async def broken_count(*args: Any) -> int:
         raise RuntimeError(secret)
 
-    async def broken_relay(self: Any, upstream: Any, response: Any, send: Any) -> int:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
+    async def broken_relay(self: Any, upstream: Any, response: Any, watch: Any, *_: Any) -> int:
+        await watch.send({"type": "http.response.start", "status": 200, "headers": []})
         raise RuntimeError(secret)
 
     with (
