@@ -293,7 +293,11 @@ class Upstream:
         if self.engine not in TOKENIZE_ENGINES or request.token_ids is not None:
             return None
         driver = count_by_tokenize(
-            self.engine, prompt=request.prompt, messages=request.messages, model=model
+            self.engine,
+            prompt=request.prompt,
+            messages=request.messages,
+            model=model,
+            tools=request.tools,
         )
         return await self._drive(driver)
 

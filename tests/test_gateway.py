@@ -335,6 +335,36 @@ def test_upstream_503_without_retry_after_reaches_the_client_with_one() -> None:
     assert seen == [{"prompt": "hi", "max_tokens": 1024 - 3}]  # the explicit, clamped cap
 
 
+def test_a_chats_tools_are_counted_by_the_upstreams_tokenize() -> None:
+    """The template lays the tools out in the prompt: counted without them, the reservation
+    would fall short by their tokens."""
+    tokenized: list[dict[str, Any]] = []
+    forwarded: list[dict[str, Any]] = []
+
+    async def tokenize(request: Request) -> Response:
+        body = await request.json()
+        tokenized.append(body)
+        return JSONResponse({"count": 40 if "tools" in body else 10, "tokens": []})
+
+    async def chat(request: Request) -> Response:
+        forwarded.append(await request.json())
+        return JSONResponse({"choices": [], "usage": {"completion_tokens": 0}})
+
+    app = _discoverable([Route("/v1/chat/completions", chat, methods=["POST"])])
+    app.router.routes.insert(0, Route("/tokenize", tokenize, methods=["POST"]))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with (
+        scripted_upstream(app) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+    ):
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+        answer = httpx.post(gw.base_url + "/v1/chat/completions", json=body)
+        wait_for(lambda: gateway_at_zero(gw))
+    assert answer.status_code == 200
+    assert tokenized[-1]["tools"] == tools
+    assert forwarded[-1]["max_tokens"] == 1024 - 40  # the window less the tools' count too
+
+
 def test_upstream_500_is_answered_in_our_shape_and_never_retried() -> None:
     calls = []
 
