@@ -10,7 +10,8 @@ front costs about half of that. It serves exactly what the gateway needs:
   is drained (up to :data:`DRAIN_LIMIT_BYTES`, so the client sees the answer), then the
   connection closes; ``Expect: 100-continue`` answered;
 - answers by ``Content-Length`` (the head and the body in one write) or chunked, ``HEAD``
-  without a body, writes held back while the client's socket is full;
+  without a body, writes held back while the client's socket is full (and the connection cut
+  after ``send_timeout`` of that: a stalled reader must not pin a reservation);
 - a client that half-closes after its request still gets its answer (see ``_protocol``);
 - ``http.disconnect`` from ``receive`` once the client is gone or the answer is complete;
 - an idle keep-alive connection closed after ``keep_alive_timeout``;
@@ -100,7 +101,7 @@ class _Cycle:
     """One request's ASGI ``receive`` and ``send``."""
 
     __slots__ = ("_body_sent", "_conn", "_flush", "_gone", "_head", "_request", "chunked",
-                 "complete", "started")  # fmt: skip
+                 "complete", "on_gone", "started")  # fmt: skip
 
     def __init__(self, conn: HttpFront, request: _Request) -> None:
         self._conn = conn
@@ -112,6 +113,8 @@ class _Cycle:
         self.chunked = False
         self.started = False
         self.complete = False
+        #: Called (soon) when the client goes away: a watcher without a task on ``receive``.
+        self.on_gone: Callable[[], object] | None = None
 
     async def receive(self) -> dict[str, Any]:
         if not self._body_sent:
@@ -185,6 +188,14 @@ class _Cycle:
             raise RuntimeError("write_chunk needs a chunked answer whose head was sent")
         if data and not conn.gone:
             conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def watch_disconnect(self, callback: Callable[[], object] | None) -> None:
+        """``callback`` is called soon after the client goes away (at once if it has); None
+        stops watching. Without a task waiting on ``receive`` for it."""
+        if callback is not None and self._conn.gone:
+            self._conn.loop.call_soon(callback)
+            return
+        self.on_gone = callback
 
     def write_paused(self) -> asyncio.Future[None] | None:
         """While the client's socket is full: a future done once it takes data again."""
@@ -281,6 +292,10 @@ class HttpFront(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
+        cycle = self.cycle
+        if cycle is not None and cycle.on_gone is not None:
+            callback, cycle.on_gone = cycle.on_gone, None
+            self.loop.call_soon(callback)
         server = self.server
         server.connections.discard(self)
         if server._drained is not None and not server.connections:
@@ -303,9 +318,17 @@ class HttpFront(asyncio.Protocol):
             paused.set_result(None)
 
     async def drain(self) -> None:
+        """Until the client takes data again; past the server's ``send_timeout`` the
+        connection is cut (its answer's app sees the disconnect)."""
         paused = self.write_paused
-        if paused is not None and not self.gone:
-            await asyncio.shield(paused)
+        if paused is None or self.gone:
+            return
+        timeout = self.server.send_timeout
+        try:
+            await asyncio.wait_for(asyncio.shield(paused), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("an answer was cut: not read within the send timeout")
+            self.transport.abort()
 
     # --- httptools callbacks --------------------------------------------------------------
 
@@ -504,8 +527,11 @@ class FrontServer:
         keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT,
         graceful_timeout: float = 5.0,
         lifespan: bool = True,
+        send_timeout: float | None = None,
     ) -> None:
         self.app = app
+        #: A write the client has not taken within this many seconds cuts the connection.
+        self.send_timeout = send_timeout
         self.max_body_bytes = max_body_bytes
         self.keep_alive_timeout = keep_alive_timeout
         self.graceful_timeout = graceful_timeout

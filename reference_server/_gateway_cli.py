@@ -96,7 +96,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     )
 
 
-def serve(app: Any, *, host: str, port: int, loop: str, max_body_bytes: int) -> None:
+def serve(
+    app: Any, *, host: str, port: int, loop: str, max_body_bytes: int, send_timeout: float
+) -> None:
     """Serve ``app`` with the gateway's front (:mod:`reference_server._front`) until SIGINT or
     SIGTERM; on uvloop when ``loop`` says so, or is ``auto`` and uvloop is installed."""
     import asyncio
@@ -113,7 +115,7 @@ def serve(app: Any, *, host: str, port: int, loop: str, max_body_bytes: int) -> 
     else:
         runner = asyncio.run
     sock = bind_loopback(host, port)
-    front = FrontServer(app, max_body_bytes=max_body_bytes)
+    front = FrontServer(app, max_body_bytes=max_body_bytes, send_timeout=send_timeout)
 
     async def main() -> None:
         running = asyncio.get_running_loop()
@@ -145,7 +147,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{', '.join(config.upstreams)} (discovered on the first request)",
         file=sys.stderr,
     )
-    serve(app, host=args.host, port=args.port, loop=args.loop, max_body_bytes=config.max_body_bytes)
+    serve(
+        app,
+        host=args.host,
+        port=args.port,
+        loop=args.loop,
+        max_body_bytes=config.max_body_bytes,
+        send_timeout=config.send_timeout,
+    )
     return 0
 
 

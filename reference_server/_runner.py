@@ -167,6 +167,7 @@ def serve_front_in_thread(
     port: int = 0,
     keep_alive_timeout: float = 5.0,
     send_buffer: int | None = None,
+    send_timeout: float | None = None,
 ) -> Iterator[RunningServer]:
     """Serve ``app`` with the gateway's own front (:mod:`reference_server._front`, lifespan
     on) on asyncio in a daemon thread until the block exits; ``send_buffer`` as in
@@ -180,6 +181,7 @@ def serve_front_in_thread(
         max_body_bytes=max_body_bytes,
         keep_alive_timeout=keep_alive_timeout,
         graceful_timeout=1.0,
+        send_timeout=send_timeout,
     )
     loop = asyncio.new_event_loop()
     failure: list[BaseException] = []
@@ -223,6 +225,9 @@ def running_gateway(
     app = create_gateway_app(config)
     # The front the CLI serves it with (see _gateway_cli.main).
     with serve_front_in_thread(
-        app, max_body_bytes=config.max_body_bytes, send_buffer=send_buffer
+        app,
+        max_body_bytes=config.max_body_bytes,
+        send_buffer=send_buffer,
+        send_timeout=config.send_timeout,
     ) as server:
         yield server

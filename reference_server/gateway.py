@@ -506,12 +506,23 @@ class _ClientWatch:
     re-armed only while a write waits) cancels the forwarding task, whose ``finally`` blocks
     release its reservation and abort its upstream connection. Plain asyncio: an anyio task
     group, a watcher task and a ``move_on_after`` per write cost about 150 µs a request and 13 µs
-    an event here. ``started``: the answer has begun (an unexpected error then cuts it)."""
+    an event here. ``started``: the answer has begun (an unexpected error then cuts it).
 
-    __slots__ = ("_loop", "_send", "_since", "_task", "_timer", "_watcher", "cancelled", "done",
-                 "limit", "started")  # fmt: skip
+    On the gateway's own front (``direct``, its cycle) neither the task nor the timer is needed:
+    the front calls back when the client goes away and cuts a write that waits too long
+    itself; only a spliced stream held back by a full socket (:meth:`blocked`) is timed here."""
 
-    def __init__(self, receive: Receive, task: asyncio.Task[Any], send: Send, limit: float):
+    __slots__ = ("_direct", "_loop", "_send", "_since", "_task", "_timer", "_watcher",
+                 "cancelled", "done", "limit", "started")  # fmt: skip
+
+    def __init__(
+        self,
+        receive: Receive,
+        task: asyncio.Task[Any],
+        send: Send,
+        limit: float,
+        direct: Any = None,
+    ):
         self._loop = asyncio.get_running_loop()
         self._task = task
         self._send = send
@@ -521,7 +532,12 @@ class _ClientWatch:
         self.cancelled = False
         self.done = False
         self.started = False
-        self._watcher = self._loop.create_task(self._watch(receive))
+        self._direct = direct
+        self._watcher: asyncio.Task[None] | None = None
+        if direct is not None:
+            direct.watch_disconnect(self._cancel)
+        else:
+            self._watcher = self._loop.create_task(self._watch(receive))
 
     async def _watch(self, receive: Receive) -> None:
         while True:
@@ -538,6 +554,9 @@ class _ClientWatch:
 
     async def send(self, message: Message) -> None:
         self.started = True  # the first message is always http.response.start
+        if self._direct is not None:
+            await self._send(message)  # the front times a write that waits
+            return
         self.blocked()
         try:
             await self._send(message)
@@ -572,7 +591,9 @@ class _ClientWatch:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not self._watcher.done():
+        if self._direct is not None:
+            self._direct.watch_disconnect(None)
+        elif self._watcher is not None and not self._watcher.done():
             self._watcher.cancel()
 
 
@@ -597,7 +618,8 @@ class GatewayGeneration:
             known, request, body, prompt_tokens, cap = admitted
             task = asyncio.current_task()
             assert task is not None
-            watch = _ClientWatch(receive, task, send, self.state.config.send_timeout)
+            direct = scope.get("extensions", {}).get(DIRECT_EXTENSION)
+            watch = _ClientWatch(receive, task, send, self.state.config.send_timeout, direct)
             try:
                 await self._admit_and_forward(
                     known, request, body, prompt_tokens, cap, scope, receive, watch
@@ -720,6 +742,9 @@ class GatewayGeneration:
         """Where the reservation fits with the most room; else the in-service upstream with the
         most room (its queue waits or refuses with its own Retry-After); else None."""
         now = time.monotonic()
+        if len(known) == 1:  # where it fits or where it waits: the only one, when in service
+            only = known[0]
+            return only if not tried and only.health.in_service(now) else None
         candidates = [u for u in known if id(u) not in tried] if tried else known
         if not candidates:
             return None

@@ -54,6 +54,13 @@ class Recorder:
                 await asyncio.sleep(0.01)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
+        if path == "/big":  # more than any socket holds, in one answer
+            size = 64 * 1024 * 1024
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(size).encode())]})  # fmt: skip
+            await send({"type": "http.response.body", "body": b"z" * size})
+            self.disconnects.set()  # the write returned: taken, or cut
+            return
         if path == "/wait":  # until the client goes away
             assert (await receive())["type"] == "http.disconnect"
             self.disconnects.set()
@@ -74,11 +81,13 @@ class Recorder:
 
 
 @contextmanager
-def front(app: Any = None, idle: float = 5.0) -> Iterator[tuple[RunningServer, Recorder]]:
+def front(
+    app: Any = None, idle: float = 5.0, send_timeout: float | None = None
+) -> Iterator[tuple[RunningServer, Recorder]]:
     recorder = app or Recorder()
     try:
         with serve_front_in_thread(
-            recorder, max_body_bytes=LIMIT, keep_alive_timeout=idle
+            recorder, max_body_bytes=LIMIT, keep_alive_timeout=idle, send_timeout=send_timeout
         ) as server:
             yield server, recorder
     finally:
@@ -258,6 +267,17 @@ def test_receive_says_disconnect_when_the_client_goes_away() -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         sock.close()
         assert recorder.disconnects.wait(5)
+
+
+def test_a_write_the_client_does_not_take_is_cut_after_the_send_timeout() -> None:
+    with front(send_timeout=0.3) as (server, recorder):
+        sock = _raw(server)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"GET /big HTTP/1.1\r\nHost: t\r\n\r\n")
+        started = time.monotonic()
+        assert recorder.disconnects.wait(10)  # not one byte read, the socket kept open
+        assert time.monotonic() - started < 5
+        # (what the kernel had queued still trickles out; the app is done with it)
 
 
 def test_a_half_closed_client_gets_its_answer() -> None:
