@@ -273,13 +273,15 @@ def _cpu_of(pid: int | None, upstream: str) -> float:
     return cpu_seconds(pid) if pid else _metric(upstream, "process_cpu_seconds_total")
 
 
-def uvicorn_stack(loops: list[str]) -> str:
-    """The gateway's front: httptools (its half-closing protocol), and the loop(s) it ran on
-    (``auto``: uvloop when it is installed)."""
+def front_stack(loops: list[str]) -> str:
+    """The gateway's front (its own, reference_server/_front.py, on httptools), and the
+    loop(s) it ran on (``auto``: uvloop when it is installed)."""
     import importlib.util
 
     found = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    return "httptools + " + " / ".join(found if loop == "auto" else loop for loop in loops)
+    return "its own front (httptools) on " + " / ".join(
+        found if loop == "auto" else loop for loop in loops
+    )
 
 
 def probes(upstream: str, cpu: int | None) -> dict[str, Any]:
@@ -358,7 +360,9 @@ def main() -> None:
     nginx = None if args.no_nginx else shutil.which("nginx")
     tokenizer = args.tokenizer or default_tokenizer()
     notes = []
-    if nginx is None:
+    if args.no_nginx:
+        notes.append("nginx row skipped: --no-nginx")
+    elif nginx is None:
         notes.append("nginx row skipped: not installed (apt-get install nginx)")
     if tokenizer is None:
         notes.append(
@@ -467,10 +471,10 @@ def main() -> None:
                 ]
             )
     where = "proxies and load on CPU 0, upstream on CPU 1" if pinned else "not pinned"
-    stack = uvicorn_stack(loops)
+    stack = front_stack(loops)
     print_table(
         f"Non-streamed completions ({requests:,} per path, connection count and round, "
-        f"{rounds} interleaved round(s); {where}; uvicorn on {stack}; CPU of the direct "
+        f"{rounds} interleaved round(s); {where}; the gateway on {stack}; CPU of the direct "
         "rows: the upstream's own)",
         ["path", "conns", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "CPU ms/request"],
         rows,
@@ -534,7 +538,7 @@ def main() -> None:
         {
             "command": " ".join(["python", "bench/gateway_overhead.py", *sys.argv[1:]]),
             "pinned": pinned,
-            "uvicorn": stack,
+            "front": stack,
             "load_average": {"before": load_before[0], "after": load_after[0]},
             "requests": requests,
             "rounds": rounds,
