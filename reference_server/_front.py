@@ -257,7 +257,9 @@ class HttpFront(asyncio.Protocol):
         self.stopped = False
         self.write_paused: asyncio.Future[None] | None = None
         self.waiting: set[asyncio.Future[None]] = set()
-        self.idle: asyncio.TimerHandle | None = None
+        #: Since when the connection waits for a request (None: busy); the server's sweep
+        #: closes it after keep_alive_timeout (one timer for all, not one per request).
+        self.idle_since: float | None = None
         self.client: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
 
@@ -273,9 +275,7 @@ class HttpFront(asyncio.Protocol):
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
-        if self.idle is not None:
-            self.idle.cancel()
-            self.idle = None
+        self.idle_since = None
         if self.stopped:
             return
         try:
@@ -300,9 +300,7 @@ class HttpFront(asyncio.Protocol):
         server.connections.discard(self)
         if server._drained is not None and not server.connections:
             server._drained.set()
-        if self.idle is not None:
-            self.idle.cancel()
-            self.idle = None
+        self.idle_since = None
         for future in (*self.waiting, self.write_paused):
             if future is not None and not future.done():
                 future.set_result(None)
@@ -423,13 +421,12 @@ class HttpFront(asyncio.Protocol):
             self.transport.close()
 
     def _arm_idle(self) -> None:
-        timeout = self.server.keep_alive_timeout
-        if timeout > 0:
-            self.idle = self.loop.call_later(timeout, self._idle_timeout)
+        self.idle_since = self.loop.time()
 
-    def _idle_timeout(self) -> None:
-        self.idle = None
-        if self.task is None and self.parsing is None and not self.ready:
+    def close_if_idle(self, now: float, timeout: float) -> None:
+        since = self.idle_since
+        idle = self.task is None and self.parsing is None and not self.ready
+        if since is not None and now - since >= timeout and idle and not self.closing:
             self.closing = True
             self.transport.close()
 
@@ -543,6 +540,7 @@ class FrontServer:
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._stop: asyncio.Event | None = None
         self._drained: asyncio.Event | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
         self._date_second = 0
         self._date = b""
         limit = max_body_bytes
@@ -551,6 +549,16 @@ class FrontServer:
             f"the request body exceeds the server's limit of {limit} bytes",
             code="request_too_large",
         )
+
+    def _sweep(self) -> None:
+        """Close the connections idle for ``keep_alive_timeout``; again in a fraction of it."""
+        timeout = self.keep_alive_timeout
+        if timeout <= 0:
+            return
+        now = self.loop.time()
+        for conn in list(self.connections):
+            conn.close_if_idle(now, timeout)
+        self._sweeper = self.loop.call_later(min(1.0, timeout / 4), self._sweep)
 
     def date_line(self) -> bytes:
         """``date: ...`` for an answer (RFC 9110 6.6.1), formatted once a second."""
@@ -579,9 +587,12 @@ class FrontServer:
             for sock in sockets
         ]
         self.started = True
+        self._sweep()
         try:
             await self._stop.wait()
         finally:
+            if self._sweeper is not None:
+                self._sweeper.cancel()
             for server in servers:
                 server.close()
             for conn in list(self.connections):
