@@ -31,7 +31,7 @@ fast path only when they agree.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["AGREEMENT_TEXTS", "FastBPE", "agrees", "fast_bpe"]
@@ -67,12 +67,7 @@ class FastBPE:
         self._ordinary = encoding.encode_ordinary
         self._added = dict(added)
         if added:
-            # Leftmost, and of those starting there the longest: an alternation tries its
-            # branches in order, so the longer ones go first.
-            branches = sorted(added, key=len, reverse=True)
-            self._split: re.Pattern[str] | None = re.compile(
-                "(" + "|".join(map(re.escape, branches)) + ")"
-            )
+            self._split: re.Pattern[str] | None = re.compile("(" + _trie_pattern(added) + ")")
             self._firsts = "".join(sorted({token[0] for token in added}))
         else:
             self._split = None
@@ -108,6 +103,29 @@ class FastBPE:
             elif piece:
                 out.extend(self._ordinary(piece))
         return out
+
+
+def _trie_pattern(words: Iterable[str]) -> str:
+    """A regex matching any of ``words``, the longest where several start at one place (as
+    ``tokenizers`` matches added tokens: leftmost, then longest), as a trie: Mistral Nemo has
+    1,000 added tokens, and an alternation of them all costs ``re`` 20 µs a chat."""
+    end = ""  # a node's key for "a word ends here" (no word is empty)
+    trie: dict[str, Any] = {}
+    for word in words:
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+        node[end] = {}
+
+    def emit(node: dict[str, Any]) -> str:
+        branches = [re.escape(char) + emit(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        # Greedy: a longer word is tried before ending at this one.
+        return f"(?:{body})?" if end in node else body
+
+    return emit(trie)
 
 
 def _is_empty_sequence(value: Any, key: str) -> bool:

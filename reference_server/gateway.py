@@ -22,7 +22,6 @@ import logging
 import math
 import re
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -326,7 +325,6 @@ class GatewayState:
         #: Once every upstream is discovered: (them, the largest admissible request, the
         #: roomiest), computed once instead of per request.
         self._all_known: tuple[list[Upstream], int, Upstream] | None = None
-        self.responses: Counter[tuple[str, int]] = Counter()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_GatewayCollector(self))
 
@@ -389,9 +387,6 @@ class GatewayState:
         for upstream in self.upstreams:
             if upstream.http is not None:
                 upstream.http.close()
-
-    def count_response(self, path: str, status: int) -> None:
-        self.responses[(path, status)] += 1
 
 
 def _gateway(scope: Scope) -> GatewayState:

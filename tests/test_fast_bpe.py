@@ -320,3 +320,32 @@ def test_a_disagreement_on_load_falls_back_to_tokenizers(
     reference = _load(_tiktoken_style_spec())
     assert fallback.count("the king") == len(reference.encode("the king").ids)
     assert HuggingFaceCounter.from_pretrained(directory, tiktoken_bpe=False)._bpe is None
+
+
+def _leftmost_longest(words: list[str], text: str) -> list[str]:
+    """What tokenizers does with added tokens, restated plainly: at the leftmost place where
+    any word starts, the longest of them; then on from its end."""
+    found, i = [], 0
+    while i < len(text):
+        here = [w for w in words if text.startswith(w, i)]
+        if here:
+            word = max(here, key=len)
+            found.append(word)
+            i += len(word)
+        else:
+            i += 1
+    return found
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    words=st.lists(st.text(alphabet="ab<|>", min_size=1, max_size=5), min_size=1, max_size=8),
+    text=st.text(alphabet="ab<|>x", max_size=30),
+)
+def test_added_tokens_are_matched_leftmost_then_longest(words: list[str], text: str) -> None:
+    import re
+
+    from kvclient._fast_bpe import _trie_pattern
+
+    pattern = re.compile(_trie_pattern(words))
+    assert [m.group() for m in pattern.finditer(text)] == _leftmost_longest(words, text)
