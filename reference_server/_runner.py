@@ -16,7 +16,7 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -91,6 +91,18 @@ def bind_loopback(host: str, port: int, *, send_buffer: int | None = None) -> so
     return sock
 
 
+def _wait_started(
+    started: Callable[[], bool], thread: threading.Thread, failure: list[BaseException], what: str
+) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT
+    while not started():
+        if failure or not thread.is_alive():
+            raise RuntimeError(f"{what} failed to start: {failure!r}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start in time")
+        time.sleep(0.01)
+
+
 @contextmanager
 def serve_in_thread(
     app: Starlette,
@@ -130,13 +142,7 @@ def serve_in_thread(
     thread = threading.Thread(target=run, name=f"reference-server-{bound_port}", daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + _START_TIMEOUT
-        while not server.started:
-            if failure or not thread.is_alive():
-                raise RuntimeError(f"the reference server failed to start: {failure!r}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("the reference server did not start in time")
-            time.sleep(0.01)
+        _wait_started(lambda: server.started, thread, failure, "the reference server")
         yield RunningServer(app=app, host=host, port=bound_port)
     finally:
         server.should_exit = True
@@ -197,13 +203,7 @@ def serve_front_in_thread(
     thread = threading.Thread(target=run, name=f"gateway-{bound_port}", daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + _START_TIMEOUT
-        while not front.started:
-            if failure or not thread.is_alive():
-                raise RuntimeError(f"the gateway failed to start: {failure!r}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not start in time")
-            time.sleep(0.01)
+        _wait_started(lambda: front.started, thread, failure, "the gateway")
         yield RunningServer(app=app, host=host, port=bound_port)
     finally:
         if thread.is_alive():

@@ -537,6 +537,22 @@ def test_the_cli_builds_its_config_and_refuses_what_cannot_work(tmp_path: Path) 
         GatewayConfig(upstreams=("127.0.0.1:8000",))
 
 
+def _unread_stream(gateway: RunningServer) -> socket.socket:
+    """A streamed completion asked on a raw socket with a tiny receive buffer, once it holds a
+    reservation; nothing read yet."""
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+    reader.connect((gateway.host, gateway.port))
+    payload = json.dumps({"prompt": "x", "max_tokens": 100, "stream": True}).encode()
+    reader.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    wait_for(lambda: not gateway_at_zero(gateway))
+    return reader
+
+
 def test_a_client_that_stops_reading_is_cut_after_the_send_timeout() -> None:
     closed = threading.Event()
     blob = "x" * 60_000
@@ -556,16 +572,7 @@ def test_a_client_that_stops_reading_is_cut_after_the_send_timeout() -> None:
     with scripted_upstream(app) as up:
         config = GatewayConfig(upstreams=(up.base_url,), send_timeout=0.3)
         with running_gateway(config) as gateway:
-            reader = socket.socket()
-            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
-            reader.connect((gateway.host, gateway.port))
-            payload = json.dumps({"prompt": "x", "max_tokens": 100, "stream": True}).encode()
-            reader.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-                + payload
-            )
-            wait_for(lambda: not gateway_at_zero(gateway))
+            reader = _unread_stream(gateway)
             # Not one byte read, the socket kept open: cut and released all the same.
             wait_for(lambda: gateway_at_zero(gateway), timeout=10)
             assert closed.wait(5), "the upstream stream was not closed"
@@ -603,17 +610,8 @@ def test_a_slow_reader_gets_every_event_in_order_while_the_upstream_is_held_back
     with scripted_upstream(app) as up:
         config = GatewayConfig(upstreams=(up.base_url,), send_timeout=5.0)
         with running_gateway(config, send_buffer=16_384) as gateway:
-            reader = socket.socket()
-            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
-            reader.connect((gateway.host, gateway.port))
+            reader = _unread_stream(gateway)
             reader.settimeout(10)
-            payload = json.dumps({"prompt": "x", "max_tokens": 100, "stream": True}).encode()
-            reader.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-                + payload
-            )
-            wait_for(lambda: not gateway_at_zero(gateway))
             time.sleep(0.5)  # not reading yet: the gateway's writes back up, well within 5 s
             raw = b""
             while not raw.endswith(b"\r\n0\r\n\r\n"):
