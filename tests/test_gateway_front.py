@@ -314,3 +314,87 @@ def test_a_header_with_a_line_break_is_never_written(caplog: pytest.LogCaptureFi
         assert answer.status_code == 500
         assert "set-cookie" not in answer.headers
     assert "unexpected RuntimeError" in caplog.text
+
+
+def _request_bytes(i: int, size: int, chunked: bool) -> bytes:
+    body = bytes([97 + i % 26]) * size
+    if chunked:
+        middle = size // 2
+        framed = b""
+        for part in (body[:middle], body[middle:]):
+            if part:
+                framed += b"%x\r\n%s\r\n" % (len(part), part)
+        return f"POST /r{i} HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n".encode() + (
+            framed + b"0\r\n\r\n"
+        )
+    return f"POST /r{i} HTTP/1.1\r\nHost: t\r\nContent-Length: {size}\r\n\r\n".encode() + body
+
+
+def test_pipelined_requests_cut_anywhere_are_all_answered_in_order() -> None:
+    """However the bytes of several requests are cut into writes, each is answered once, in
+    order, with its own body (httptools' callbacks and the front's queue across reads)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    with front() as (server, _):
+
+        @settings(max_examples=40, deadline=None)
+        @given(
+            shapes=st.lists(
+                st.tuples(st.integers(0, LIMIT), st.booleans()), min_size=1, max_size=6
+            ),
+            cuts=st.lists(st.integers(1, 400), max_size=12),
+        )
+        def check(shapes: list[tuple[int, bool]], cuts: list[int]) -> None:
+            data = b"".join(_request_bytes(i, n, c) for i, (n, c) in enumerate(shapes))
+            sock = _raw(server)
+            at = 0
+            for cut in cuts:
+                if at >= len(data):
+                    break
+                sock.sendall(data[at : at + cut])
+                at += cut
+                time.sleep(0.001)
+            sock.sendall(data[at:])
+            answers = _read_answers(sock, len(shapes))
+            echoed = [json.loads(body) for _, _, body in answers]
+            assert [e["path"] for e in echoed] == [f"/r{i}" for i in range(len(shapes))]
+            assert [e["size"] for e in echoed] == [n for n, _ in shapes]
+            sock.close()
+
+        check()
+
+
+def test_garbage_never_takes_the_front_down() -> None:
+    """Whatever a client sends, the front answers it (400, 431, 413, or an echo) or closes, and
+    goes on serving everyone else."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    valid = b"GET /ok HTTP/1.1\r\nHost: t\r\n\r\n"
+    with front(idle=0.5) as (server, _), httpx.Client(base_url=server.base_url) as http:
+
+        @settings(max_examples=60, deadline=None)
+        @given(
+            junk=st.one_of(
+                st.binary(max_size=300),
+                st.builds(
+                    lambda a, b: valid[:a] + b, st.integers(0, len(valid)), st.binary(max_size=50)
+                ),
+            )
+        )
+        def check(junk: bytes) -> None:
+            sock = _raw(server)
+            sock.settimeout(2)
+            try:
+                sock.sendall(junk)
+                sock.shutdown(socket.SHUT_WR)
+                while sock.recv(65536):
+                    pass
+            except ConnectionResetError:
+                pass  # a reset is an answer too (a timeout is not: it fails)
+            finally:
+                sock.close()
+            assert http.get("/after").status_code == 200
+
+        check()
