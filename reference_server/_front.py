@@ -14,7 +14,9 @@ front costs about half of that. It serves exactly what the gateway needs:
   after ``send_timeout`` of that: a stalled reader must not pin a reservation);
 - a client that half-closes after its request still gets its answer (see ``_protocol``);
 - ``http.disconnect`` from ``receive`` once the client is gone or the answer is complete;
-- an idle keep-alive connection closed after ``keep_alive_timeout``;
+- an idle keep-alive connection closed after ``keep_alive_timeout``, and a request whose head
+  (request line and headers) is not complete ``head_timeout`` after it began answered 408 and
+  closed (a client trickling its headers holds no connection for long);
 - the ASGI lifespan (startup, shutdown), and a graceful stop that lets running requests end.
 
 Not served: HTTP/2, WebSockets, TLS (the gateway listens on loopback, or behind a terminator).
@@ -53,6 +55,7 @@ DIRECT_EXTENSION = "kvclient.direct"
 #: The request line and headers together (llhttp has no limit of its own).
 MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
+DEFAULT_HEAD_TIMEOUT = 10.0
 
 ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
@@ -70,6 +73,7 @@ _BAD_REQUEST = (
     b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n"
     b"content-length: 11\r\nconnection: close\r\n\r\nBad Request"
 )
+_HEAD_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _HEAD_TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\n"
     b"connection: close\r\n\r\n"
@@ -260,6 +264,9 @@ class HttpFront(asyncio.Protocol):
         #: Since when the connection waits for a request (None: busy); the server's sweep
         #: closes it after keep_alive_timeout (one timer for all, not one per request).
         self.idle_since: float | None = None
+        #: Since when a request's head is arriving (None: not in a head); the sweep answers 408
+        #: to one still incomplete after head_timeout (a client trickling its headers).
+        self.head_since: float | None = None
         self.client: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
 
@@ -333,6 +340,7 @@ class HttpFront(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.parsing = _Request()
         self.head_bytes = 0
+        self.head_since = self.loop.time()
 
     def on_url(self, url: bytes) -> None:
         request = self.parsing
@@ -357,6 +365,7 @@ class HttpFront(asyncio.Protocol):
             raise httptools.HttpParserError("head too large")
 
     def on_headers_complete(self) -> None:
+        self.head_since = None
         request = self.parsing
         assert request is not None
         parser = self.parser
@@ -429,6 +438,10 @@ class HttpFront(asyncio.Protocol):
         if since is not None and now - since >= timeout and idle and not self.closing:
             self.closing = True
             self.transport.close()
+        head = self.head_since
+        if head is not None and now - head >= self.server.head_timeout and not self.closing:
+            self.stopped = True
+            self._refuse(_HEAD_TIMEOUT)
 
     def _next(self) -> None:
         if self.task is not None or self.gone or self.closing:
@@ -525,8 +538,11 @@ class FrontServer:
         graceful_timeout: float = 5.0,
         lifespan: bool = True,
         send_timeout: float | None = None,
+        head_timeout: float = DEFAULT_HEAD_TIMEOUT,
     ) -> None:
         self.app = app
+        #: A request line and headers not complete this long after they began: 408, closed.
+        self.head_timeout = head_timeout
         #: A write the client has not taken within this many seconds cuts the connection.
         self.send_timeout = send_timeout
         self.max_body_bytes = max_body_bytes

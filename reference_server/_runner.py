@@ -174,6 +174,7 @@ def serve_front_in_thread(
     keep_alive_timeout: float = 5.0,
     send_buffer: int | None = None,
     send_timeout: float | None = None,
+    head_timeout: float = 10.0,
 ) -> Iterator[RunningServer]:
     """Serve ``app`` with the gateway's own front (:mod:`reference_server._front`, lifespan
     on) on asyncio in a daemon thread until the block exits; ``send_buffer`` as in
@@ -188,6 +189,7 @@ def serve_front_in_thread(
         keep_alive_timeout=keep_alive_timeout,
         graceful_timeout=1.0,
         send_timeout=send_timeout,
+        head_timeout=head_timeout,
     )
     loop = asyncio.new_event_loop()
     failure: list[BaseException] = []

@@ -289,6 +289,21 @@ def test_a_half_closed_client_gets_its_answer() -> None:
         assert _closed(sock)
 
 
+def test_a_head_that_trickles_in_is_answered_408_and_closed() -> None:
+    recorder = Recorder()
+    with serve_front_in_thread(recorder, max_body_bytes=LIMIT, head_timeout=0.3) as server:
+        sock = _raw(server)
+        sock.sendall(b"GET /slow HTTP/1.1\r\nHost: t\r\n")  # and never the blank line
+        started = time.monotonic()
+        assert _read_answers(sock, 1)[0][0] == 408
+        assert _closed(sock)
+        assert time.monotonic() - started < 3
+        with httpx.Client(base_url=server.base_url) as http:  # everyone else still served
+            assert http.get("/fine").status_code == 200
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 def test_lifespan_runs_and_idle_connections_close() -> None:
     recorder = Recorder()
     with front(recorder, idle=0.2) as (server, _):
