@@ -33,21 +33,21 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import unquote
 
 import httptools
 
-from ._errors import error_response
+from .app import _DRAIN_LIMIT_BYTES, _internal_error, _too_large
 
 __all__ = ["DIRECT_EXTENSION", "DRAIN_LIMIT_BYTES", "FrontServer"]
 
 logger = logging.getLogger("kvclient.gateway.front")
 
 #: How much of an oversized body is read and thrown away before the 413 (then the connection
-#: closes); a declared Content-Length above this is answered at once.
-DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
+#: closes); a declared Content-Length above this is answered at once. The reference server's.
+DRAIN_LIMIT_BYTES = _DRAIN_LIMIT_BYTES
 #: The scope's ``extensions`` key of the request's :class:`_Cycle`, for an app that writes a
 #: streamed body straight from another protocol's callback (the gateway relaying a stream):
 #: :meth:`_Cycle.write_chunk`, :meth:`_Cycle.write_paused`.
@@ -143,7 +143,7 @@ class _Cycle:
         if gone is not None and not gone.done():
             gone.set_result(None)
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: MutableMapping[str, Any]) -> None:
         conn = self._conn
         kind = message["type"]
         if kind == "http.response.start":
@@ -490,7 +490,7 @@ class HttpFront(asyncio.Protocol):
             if not cycle.started and not self.gone:
                 request.keep_alive = False
                 with contextlib.suppress(Exception):
-                    await _internal_error(scope, cycle.receive, cycle.send)
+                    await _internal_error()(scope, cycle.receive, cycle.send)
         except asyncio.CancelledError:
             cycle._ended()
             raise
@@ -517,13 +517,6 @@ class HttpFront(asyncio.Protocol):
 def _unquote(path: bytes) -> str:
     text = path.decode("latin-1")
     return unquote(text) if "%" in text else text
-
-
-async def _internal_error(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    response = error_response(
-        500, "The server had an internal error.", type="server_error", code="internal_error"
-    )
-    await response(scope, receive, send)
 
 
 class FrontServer:
@@ -559,12 +552,7 @@ class FrontServer:
         self._sweeper: asyncio.TimerHandle | None = None
         self._date_second = 0
         self._date = b""
-        limit = max_body_bytes
-        self.too_large = error_response(
-            413,
-            f"the request body exceeds the server's limit of {limit} bytes",
-            code="request_too_large",
-        )
+        self.too_large = _too_large(max_body_bytes).response()
 
     def _sweep(self) -> None:
         """Close the connections idle for ``keep_alive_timeout``; again in a fraction of it."""

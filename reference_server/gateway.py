@@ -507,8 +507,19 @@ class _ClientWatch:
     the front calls back when the client goes away and cuts a write that waits too long
     itself; only a spliced stream held back by a full socket (:meth:`blocked`) is timed here."""
 
-    __slots__ = ("_direct", "_loop", "_send", "_since", "_task", "_timer", "_watcher",
-                 "cancelled", "done", "limit", "started")  # fmt: skip
+    __slots__ = (
+        "_loop",
+        "_send",
+        "_since",
+        "_task",
+        "_timer",
+        "_watcher",
+        "cancelled",
+        "direct",
+        "done",
+        "limit",
+        "started",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -527,7 +538,7 @@ class _ClientWatch:
         self.cancelled = False
         self.done = False
         self.started = False
-        self._direct = direct
+        self.direct = direct
         self._watcher: asyncio.Task[None] | None = None
         if direct is not None:
             direct.watch_disconnect(self._cancel)
@@ -549,7 +560,7 @@ class _ClientWatch:
 
     async def send(self, message: Message) -> None:
         self.started = True  # the first message is always http.response.start
-        if self._direct is not None:
+        if self.direct is not None:
             await self._send(message)  # the front times a write that waits
             return
         self.blocked()
@@ -586,8 +597,8 @@ class _ClientWatch:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._direct is not None:
-            self._direct.watch_disconnect(None)
+        if self.direct is not None:
+            self.direct.watch_disconnect(None)
         elif self._watcher is not None and not self._watcher.done():
             self._watcher.cancel()
 
@@ -811,8 +822,7 @@ class GatewayGeneration:
                 await send({"type": "http.response.body", "body": data, "more_body": False})
                 upstream.relayed += 1
                 return True
-            direct = scope.get("extensions", {}).get(DIRECT_EXTENSION)
-            events = await self._relay(upstream, response, watch, direct)
+            events = await self._relay(upstream, response, watch, watch.direct)
             upstream.observe(events - 2, time.monotonic() - started)  # less role and [DONE]
             return True
         finally:
