@@ -7,6 +7,7 @@ same overload, counted by the server.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -189,18 +190,18 @@ def _sdk_burst(server: RunningServer, *, pace: bool, n: int = 12) -> float:
         context_window=2048,
         retry=RetryPolicy(pace=pace, deadline=30),
     )
+    # All n calls start together whatever the machine's load (threads started on a busy
+    # machine otherwise trickle in, and an unpaced burst then meets few refusals).
+    together = threading.Barrier(n)
+
+    def call() -> Any:
+        together.wait(timeout=30)
+        return client.completions.create(model=server.config.model, prompt="x", max_tokens=900)
+
     with client:
         client.completions.create(model=server.config.model, prompt="x", max_tokens=900)
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
-            calls = [
-                pool.submit(
-                    client.completions.create,
-                    model=server.config.model,
-                    prompt="x",
-                    max_tokens=900,
-                )
-                for _ in range(n)
-            ]
+            calls = [pool.submit(call) for _ in range(n)]
             for call in calls:
                 call.result()
     wait_for(lambda: at_zero(server))
