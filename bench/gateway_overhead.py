@@ -10,7 +10,11 @@ process on CPU 1. Four paths to it:
   ``nginx`` is not installed;
 - ``kvclient gateway`` counting each prompt with the upstream's ``/tokenize`` (its default);
 - ``kvclient gateway --tokenizer DIR`` counting locally (the Llama-3 model directory that
-  ``scripts/test_setup.py`` caches, or ``--tokenizer``), skipped when there is none.
+  ``scripts/test_setup.py`` caches, or ``--tokenizer``), skipped when there is none;
+- LiteLLM's proxy, the cost the goals are a tenth of (``litellm`` on PATH or ``--litellm PATH``,
+  installed in a venv of its own: ``pip install 'litellm[proxy]'``; its defaults, one worker, no
+  database, the upstream as an ``openai/`` model), skipped with a note when it is not there. It
+  gets a fifth of the requests (it is about fifty times slower).
 
 Each proxy runs in its own process on CPU 0, beside the load generator (this process: a minimal
 raw HTTP/1.1 client, asyncio protocols and httptools, keep-alive connections in a closed loop,
@@ -33,7 +37,12 @@ Measured, in interleaved rounds (figures pooled over rounds):
 
 Goals (issue 14, a tenth of LiteLLM's cost): added p50 <= 1 ms, CPU <= 0.75 ms per request,
 <= 50 µs per relayed event, tokens counted included; never a retry into an engine failure;
-Retry-After reaching the client as Retry-After.
+Retry-After reaching the client as Retry-After. The fixed figures are a tenth of LiteLLM's cost
+per request (7 ms added, 7.4 ms of CPU, 0.45 ms per event), which is what one connection
+measures. At 16 connections a closed loop saturates a core and the added p50 becomes a throughput
+figure (even nginx's moves by milliseconds between runs); there the goal is read as the issue
+states it, a tenth of LiteLLM's added p50 at 16 connections in the same run, and the 1 ms line is
+printed beside it. Without LiteLLM the 16-connection line is only the fixed 1 ms.
 
     python bench/gateway_overhead.py [--quick]
 """
@@ -69,6 +78,9 @@ GOAL_ADDED_P50_MS = 1.0
 GOAL_CPU_MS_PER_REQUEST = 0.75
 GOAL_CPU_US_PER_EVENT = 50.0
 CONNECTIONS = (1, 16)
+LITELLM = "LiteLLM proxy"
+#: LiteLLM gets this share of the requests and streams: it is about fifty times slower.
+LITELLM_SHARE = 0.2
 STREAM_CONCURRENCY = 8
 PROMPT = " ".join(f"word{i % 17}" for i in range(60))
 CLOCK_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -150,6 +162,67 @@ def nginx_process(nginx: str, upstream: str, *, cpu: int | None) -> Iterator[tup
             yield url, proc.pid
         finally:
             _stop(proc)
+
+
+LITELLM_CONF = """\
+model_list:
+  - model_name: instant
+    litellm_params:
+      model: openai/instant
+      api_base: {upstream}/v1
+      api_key: none
+litellm_settings:
+  set_verbose: false
+"""
+
+
+@contextlib.contextmanager
+def litellm_process(litellm: str, upstream: str, *, cpu: int | None) -> Iterator[tuple[str, int]]:
+    """LiteLLM's proxy in front of ``upstream``, with its defaults (one worker, no database).
+
+    Offline and on loopback only: its model cost map is the one it ships
+    (``LITELLM_LOCAL_MODEL_COST_MAP``), and it is allowed to start without a master key."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="kvclient-litellm-") as prefix:
+        conf = Path(prefix) / "config.yaml"
+        conf.write_text(LITELLM_CONF.format(upstream=upstream))
+        env = {
+            **os.environ,
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+            "LITELLM_LOG": "ERROR",
+        }
+        cmd = [litellm, "--config", str(conf), "--host", "127.0.0.1", "--port", str(port)]
+        proc = subprocess.Popen(
+            cmd,
+            preexec_fn=_pinner(cpu),
+            cwd=prefix,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_for(url + "/v1/models", proc, "LiteLLM's proxy", timeout=120)
+            yield url, proc.pid
+        finally:
+            _stop(proc)
+
+
+def litellm_version(litellm: str) -> str:
+    """The version of LiteLLM behind the ``litellm`` command (the Python of its shebang)."""
+    try:
+        first = Path(litellm).read_text(errors="replace").splitlines()[0]
+        python = first[2:].strip() if first.startswith("#!") else sys.executable
+        found = subprocess.run(
+            [python, "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return found.stdout.strip() or "unknown"
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def _children(pid: int) -> list[int]:
@@ -319,32 +392,47 @@ def front_stack(loops: list[str]) -> str:
     )
 
 
-def probes(upstream: str, cpu: int | None) -> dict[str, Any]:
-    """An upstream 500 is never retried; an upstream 429's Retry-After reaches the client."""
+def probe_proxy(url: str, upstream: str, *, timeout: float = 10) -> dict[str, Any]:
+    """Through the proxy at ``url``: how many upstream attempts an upstream 500 gets, and
+    whether an upstream 429's Retry-After reaches the client (and under which names)."""
     import httpx
 
     result: dict[str, Any] = {}
-    twice = ("--upstream", upstream, "--upstream", upstream)
-    with (
-        gateway_process(*twice, cpu=cpu) as (url, _),
-        httpx.Client(base_url=url, timeout=10) as http,
-    ):
+    with httpx.Client(base_url=url, timeout=timeout) as http:
         before = _answers(upstream, 500)
-        answer = http.post("/v1/completions", json={"prompt": "instant:500", "max_tokens": 4})
+        answer = http.post(
+            "/v1/completions", json={"model": "instant", "prompt": "instant:500", "max_tokens": 4}
+        )
         attempts = _answers(upstream, 500) - before
         result["500"] = {
             "status": answer.status_code,
             "upstream_attempts": attempts,
             "ok": answer.status_code == 500 and attempts == 1,
         }
-        answer = http.post("/v1/completions", json={"prompt": "instant:429", "max_tokens": 4})
+        before = _answers(upstream, 429)
+        answer = http.post(
+            "/v1/completions", json={"model": "instant", "prompt": "instant:429", "max_tokens": 4}
+        )
         seen = answer.headers.get("retry-after")
         result["429"] = {
             "status": answer.status_code,
+            "upstream_attempts": _answers(upstream, 429) - before,
             "retry_after": seen,
+            "headers_with_the_value": sorted(
+                k for k, v in answer.headers.items() if "retry-after" in k.lower()
+            ),
             "ok": answer.status_code == 429 and seen == "7",
         }
     return result
+
+
+def probes(upstream: str, cpu: int | None) -> dict[str, Any]:
+    """An upstream 500 is never retried; an upstream 429's Retry-After reaches the client:
+    through a gateway given the upstream twice, so that a retry would show as a second attempt
+    at the same server."""
+    twice = ("--upstream", upstream, "--upstream", upstream)
+    with gateway_process(*twice, cpu=cpu) as (url, _):
+        return probe_proxy(url, upstream)
 
 
 # --- the run -----------------------------------------------------------------------------------
@@ -352,6 +440,56 @@ def probes(upstream: str, cpu: int | None) -> dict[str, Any]:
 
 def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
+
+
+def _times(value: float, reference: float | None) -> str:
+    return f", {value / reference:.2f}x LiteLLM's" if reference else ""
+
+
+def gateway_goals(
+    name: str,
+    by_conn: dict[int, dict[str, Any]],
+    per_event: float | None,
+    litellm: dict[str, Any] | None,
+) -> dict[str, bool]:
+    """Prints and returns whether the gateway ``name`` met each goal.
+
+    The fixed figures are a tenth of LiteLLM's per-request cost; at 16 connections the added
+    p50 is held to a tenth of LiteLLM's measured in the same run when LiteLLM ran (a closed
+    loop there saturates a core, so what it adds is a throughput figure)."""
+    goals: dict[str, bool] = {}
+    print(f"\n{name} goals:")
+    for c in CONNECTIONS:
+        added = by_conn[c]["added_p50_ms"]
+        line = f"  added p50 at {c} connection(s): {added:.3f} ms;"
+        if c == 1 or litellm is None:
+            goals[f"added_p50_at_{c}"] = added <= GOAL_ADDED_P50_MS
+            line += f" <= {GOAL_ADDED_P50_MS} ms: {_met(goals[f'added_p50_at_{c}'])}"
+        else:
+            tenth = litellm["added_p50_ms"][c] / 10
+            goals[f"added_p50_at_{c}"] = added <= tenth
+            line += (
+                f" <= a tenth of LiteLLM's ({tenth:.3f} ms): {_met(added <= tenth)}"
+                f" (the fixed {GOAL_ADDED_P50_MS} ms: {_met(added <= GOAL_ADDED_P50_MS)})"
+            )
+        if litellm is not None:
+            line += _times(added, litellm["added_p50_ms"][c])
+        print(line)
+    ref_cpu = litellm["cpu_ms_per_request"] if litellm else None
+    ref_event = litellm["cpu_us_per_event"] if litellm else None
+    cpu_ms = max(r["cpu_ms_per_request"] for r in by_conn.values())
+    goals["cpu_per_request"] = cpu_ms <= GOAL_CPU_MS_PER_REQUEST
+    print(
+        f"  CPU <= {GOAL_CPU_MS_PER_REQUEST} ms per request: {_met(goals['cpu_per_request'])} "
+        f"({cpu_ms:.3f} ms, worst of 1 and 16"
+        f"{_times(cpu_ms, ref_cpu)})"
+    )
+    goals["cpu_per_event"] = per_event is not None and per_event <= GOAL_CPU_US_PER_EVENT
+    print(
+        f"  CPU <= {GOAL_CPU_US_PER_EVENT:g} µs per event: {_met(goals['cpu_per_event'])} "
+        f"({per_event or 0:.1f} µs{_times(per_event or 0, ref_event)})"
+    )
+    return goals
 
 
 def default_tokenizer() -> Path | None:
@@ -377,8 +515,18 @@ def main() -> None:
     parser.add_argument("--streams", type=int, help="streams per path (default 64, --quick 8)")
     parser.add_argument("--events", type=int, help="events per stream (default 200, --quick 50)")
     parser.add_argument("--event-gap", type=float, default=0.001, metavar="S")
+    parser.add_argument(
+        "--upstream-delay",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="the upstream waits S seconds before answering each generation (an engine's time; "
+        "every process then idles between requests, and each request costs more CPU)",
+    )
     parser.add_argument("--tokenizer", type=Path, help="model directory for the local-count row")
     parser.add_argument("--no-nginx", action="store_true")
+    parser.add_argument("--litellm", help="LiteLLM's `litellm` command (default: on PATH)")
+    parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument(
         "--loops",
         default="auto",
@@ -394,7 +542,16 @@ def main() -> None:
     proxy_cpu = 0 if pinned else None
     nginx = None if args.no_nginx else shutil.which("nginx")
     tokenizer = args.tokenizer or default_tokenizer()
+    litellm = None if args.no_litellm else (args.litellm or shutil.which("litellm"))
     notes = []
+    if args.no_litellm:
+        notes.append("LiteLLM row skipped: --no-litellm")
+    elif litellm is None:
+        notes.append(
+            "LiteLLM row skipped: no `litellm` (python3 -m venv ~/.venvs/litellm && "
+            "~/.venvs/litellm/bin/pip install 'litellm[proxy]'; then --litellm "
+            "~/.venvs/litellm/bin/litellm)"
+        )
     if args.no_nginx:
         notes.append("nginx row skipped: --no-nginx")
     elif nginx is None:
@@ -410,6 +567,7 @@ def main() -> None:
         {"model": "instant", "prompt": PROMPT, "max_tokens": events, "stream": True}
     ).encode()
     instant_args = ("--token-streams", "--event-gap", str(args.event_gap))
+    instant_args += ("--delay", str(args.upstream_delay))
     with contextlib.ExitStack() as stack:
         upstream = stack.enter_context(
             instant_server_process(*instant_args, cpu=1 if pinned else None)
@@ -432,6 +590,9 @@ def main() -> None:
                         cpu=proxy_cpu,
                     )
                 )  # fmt: skip
+        if litellm is not None:
+            paths[LITELLM] = stack.enter_context(litellm_process(litellm, upstream, cpu=proxy_cpu))
+        share = {name: LITELLM_SHARE if name == LITELLM else 1.0 for name in paths}
         for url, _ in paths.values():  # warm-up: imports, connections, discovery, the counter
             load(url, body, max(50, requests // 10), 4)
             load(url, stream_body, 2, 2)
@@ -444,7 +605,7 @@ def main() -> None:
                 for connections in CONNECTIONS:
                     # The direct row's CPU is the upstream's own (as it reports it).
                     before = _cpu_of(pid, upstream)
-                    lat, bad, _ = load(url, body, requests, connections)
+                    lat, bad, _ = load(url, body, int(requests * share[name]), connections)
                     spent = _cpu_of(pid, upstream) - before
                     cpu[(name, connections)] = cpu.get((name, connections), 0.0) + spent
                     latencies.setdefault((name, connections), []).extend(lat)
@@ -453,11 +614,12 @@ def main() -> None:
         stream_results: dict[str, dict[str, Any]] = {}
         for name, (url, pid) in paths.items():
             before = cpu_seconds(pid) if pid else 0.0
-            _, bad, received = load(url, stream_body, streams, STREAM_CONCURRENCY)
+            count = max(1, round(streams * share[name]))
+            _, bad, received = load(url, stream_body, count, STREAM_CONCURRENCY)
             spent = cpu_seconds(pid) - before if pid else None
-            expected = streams * (events + 2)  # token events, the final event, [DONE]
+            expected = count * (events + 2)  # token events, the final event, [DONE]
             stream_results[name] = {
-                "streams": streams,
+                "streams": count,
                 "events_per_stream": events,
                 "events_received": received,
                 "events_expected": expected,
@@ -468,7 +630,11 @@ def main() -> None:
                 else None,
             }
         probe = probes(upstream, proxy_cpu)
+        litellm_probe = None
+        if LITELLM in paths:  # its retries wait out the Retry-After (7 s) of each 429
+            litellm_probe = probe_proxy(paths[LITELLM][0], upstream, timeout=120)
     load_after = os.getloadavg()
+    release = litellm_version(litellm) if LITELLM in paths and litellm else None
 
     rows, results = [], []
     for name in paths:
@@ -506,6 +672,8 @@ def main() -> None:
                 ]
             )
     where = "proxies and load on CPU 0, upstream on CPU 1" if pinned else "not pinned"
+    if args.upstream_delay:
+        where += f"; the upstream answers after {args.upstream_delay * 1e3:g} ms"
     stack = front_stack(loops)
     print_table(
         f"Non-streamed completions ({requests:,} per path, connection count and round, "
@@ -532,33 +700,30 @@ def main() -> None:
         f"{probe['500']['upstream_attempts']} upstream attempt(s); upstream 429 -> "
         f"{probe['429']['status']} with Retry-After {probe['429']['retry_after']!r}"
     )
+    if litellm_probe is not None:
+        seen = litellm_probe["429"]
+        print(
+            f"probes through LiteLLM {release}: upstream 500 -> "
+            f"{litellm_probe['500']['status']} after "
+            f"{litellm_probe['500']['upstream_attempts']} upstream attempt(s); upstream 429 -> "
+            f"{seen['status']} after {seen['upstream_attempts']} attempt(s), Retry-After "
+            f"{seen['retry_after']!r}, headers carrying it: {seen['headers_with_the_value']}"
+        )
+    row = {(r["path"], r["connections"]): r for r in results}
+    reference = None
+    if LITELLM in paths:
+        reference = {
+            "added_p50_ms": {c: row[(LITELLM, c)]["added_p50_ms"] for c in CONNECTIONS},
+            "cpu_ms_per_request": max(row[(LITELLM, c)]["cpu_ms_per_request"] for c in CONNECTIONS),
+            "cpu_us_per_event": stream_results[LITELLM]["cpu_us_per_event"],
+        }
     goals: dict[str, dict[str, Any]] = {}
     for name in (n for n in paths if n.startswith("gateway")):
-        by_conn = {r["connections"]: r for r in results if r["path"] == name}
-        cpu_ms = max(r["cpu_ms_per_request"] for r in by_conn.values())
-        per_event = stream_results[name]["cpu_us_per_event"]
-        goals[name] = {
-            **{
-                f"added_p50_at_{c}": by_conn[c]["added_p50_ms"] <= GOAL_ADDED_P50_MS
-                for c in CONNECTIONS
-            },
-            "cpu_per_request": cpu_ms <= GOAL_CPU_MS_PER_REQUEST,
-            "cpu_per_event": per_event is not None and per_event <= GOAL_CPU_US_PER_EVENT,
-        }
-        print(f"\n{name} goals:")
-        for c in CONNECTIONS:
-            added = by_conn[c]["added_p50_ms"]
-            print(
-                f"  added p50 <= {GOAL_ADDED_P50_MS} ms at {c} connection(s): "
-                f"{_met(added <= GOAL_ADDED_P50_MS)} ({added:.3f} ms)"
-            )
-        print(
-            f"  CPU <= {GOAL_CPU_MS_PER_REQUEST} ms per request: "
-            f"{_met(goals[name]['cpu_per_request'])} ({cpu_ms:.3f} ms, worst of 1 and 16)"
-        )
-        print(
-            f"  CPU <= {GOAL_CPU_US_PER_EVENT:g} µs per event: "
-            f"{_met(goals[name]['cpu_per_event'])} ({per_event or 0:.1f} µs)"
+        goals[name] = gateway_goals(
+            name,
+            {c: row[(name, c)] for c in CONNECTIONS},
+            stream_results[name]["cpu_us_per_event"],
+            reference,
         )
     print(f"\nnever a retry into an engine failure: {_met(probe['500']['ok'])}")
     print(f"Retry-After reaches the client as Retry-After: {_met(probe['429']['ok'])}")
@@ -577,10 +742,13 @@ def main() -> None:
             "load_average": {"before": load_before[0], "after": load_after[0]},
             "requests": requests,
             "rounds": rounds,
+            "upstream_delay": args.upstream_delay,
             "tokenizer": str(tokenizer) if tokenizer else None,
             "results": results,
             "streams": stream_results,
             "probes": probe,
+            "litellm_probes": litellm_probe,
+            "litellm": reference and {**reference, "version": release},
             "non_200": failed,
             "goals": goals,
             "notes": notes,

@@ -6,6 +6,7 @@ final event, ``[DONE]``; with ``--token-streams`` a stream has ``max_tokens`` to
 stack's. Run alone or started by the bench scripts:
 
     python bench/instant_server.py --port 8001 [--cpu 1] [--token-streams] [--event-gap S]
+        [--delay S]
 
 It is also the "bare Starlette/uvicorn endpoint" the reference server's throughput is compared
 with in ``bench/ledger_server.py``, and the upstream behind ``kvclient gateway`` and nginx in
@@ -42,6 +43,8 @@ ANSWERS: Counter[int] = Counter()
 #: them; 0 sends them back to back).
 TOKEN_STREAMS = [False]
 EVENT_GAP = [0.0]
+#: ``--delay``: seconds a generation request waits before it is answered (an engine's time).
+DELAY = [0.0]
 COMPLETION = {
     "id": "cmpl-instant",
     "object": "text_completion",
@@ -106,6 +109,8 @@ def _events(body: dict) -> int:  # type: ignore[type-arg]
 
 async def _generate(request: Request, chat: bool) -> Response:
     body = await request.json()
+    if DELAY[0]:
+        await anyio.sleep(DELAY[0])
     response = _scripted(body)
     if response is None:
         if body.get("stream"):
@@ -172,9 +177,13 @@ def main() -> None:
         "--token-streams", action="store_true", help="streams of max_tokens events (default 1)"
     )
     parser.add_argument("--event-gap", type=float, default=0.0, help="seconds between events")
+    parser.add_argument(
+        "--delay", type=float, default=0.0, help="seconds before a generation is answered"
+    )
     args = parser.parse_args()
     TOKEN_STREAMS[0] = args.token_streams
     EVENT_GAP[0] = args.event_gap
+    DELAY[0] = args.delay
     if args.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})
     # h11 + asyncio whether or not httptools / uvloop are installed (the gateway's extras): the

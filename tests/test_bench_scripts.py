@@ -102,9 +102,14 @@ def test_gateway_overhead(tmp_path: Path) -> None:
         tmp_path,
         "gateway_overhead.py",
         *("--quick", "--requests", "30", "--streams", "2", "--events", "5"),
+        *("--upstream-delay", "0.002", "--no-litellm"),
     )
     assert "| path" in out
     assert "gateway (upstream /tokenize) goals" in out
+    assert "LiteLLM row skipped: --no-litellm" in out
+    assert data["upstream_delay"] == 0.002
+    # Every generation waited out the upstream's delay, through every path.
+    assert all(r["p50_ms"] >= 2.0 for r in data["results"])
     paths = {r["path"] for r in data["results"]}
     assert {"direct", "gateway (upstream /tokenize)"} <= paths
     for r in data["results"]:
@@ -115,7 +120,13 @@ def test_gateway_overhead(tmp_path: Path) -> None:
     assert data["non_200"] == dict.fromkeys(paths, 0)
     # The correctness probes: one attempt at an upstream 500, the 429's Retry-After relayed.
     assert data["probes"]["500"] == {"status": 500, "upstream_attempts": 1, "ok": True}
-    assert data["probes"]["429"] == {"status": 429, "retry_after": "7", "ok": True}
+    assert data["probes"]["429"] == {
+        "status": 429,
+        "upstream_attempts": 1,
+        "retry_after": "7",
+        "headers_with_the_value": ["retry-after"],
+        "ok": True,
+    }
 
 
 def test_replicas(tmp_path: Path) -> None:
