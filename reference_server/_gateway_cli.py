@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="count with this local model directory (tokenizer.json, tokenizer_config.json, "
         "its chat template) instead of the upstream's /tokenize",
     )  # fmt: skip
+    parser.add_argument(
+        "--count-first", action="store_true",
+        help="counting by the upstream's /tokenize, wait for each count before forwarding "
+        "(by default a request with an explicit max_tokens goes while its count is on the way, "
+        "the whole context window reserved until it lands, when that fits)",
+    )  # fmt: skip
     parser.add_argument("--api-key", help="require this bearer token from clients")
     parser.add_argument(
         "--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
@@ -92,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         decode_rate=args.decode_rate,
         send_timeout=args.send_timeout,
         counter=counter,
+        overlap_count=not args.count_first,
         api_key=args.api_key,
     )
 

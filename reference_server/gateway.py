@@ -83,6 +83,11 @@ DEFAULT_DECODE_RATE = 50.0
 DEFAULT_FAILURE_THRESHOLD = 3
 DEFAULT_OUT_OF_SERVICE_SECONDS = 2.0
 _THREAD_COUNT_CHARS = 32 * 1024
+#: Tokens a chat template or special tokens may add to a body's own bytes, for the upper bound
+#: under which a request is forwarded while its count is on the way (``overlap_count``).
+_OVERLAP_MARGIN = 256
+#: The longest a request that does not fit waits for counts on the way to land.
+_OVERLAP_WAIT = 10.0
 _MIN_RATE_TOKENS = 8
 _RATE_WEIGHT = 0.2
 #: Request headers that belong to one hop (RFC 9110 7.6.1) or that the upstream client sets
@@ -124,6 +129,10 @@ class GatewayConfig:
     decode_rate: float = DEFAULT_DECODE_RATE
     #: A local counter (a model's tokenizer); None: the upstream's /tokenize, else tiktoken.
     counter: TokenCounter | None = None
+    #: Counting by the upstream's /tokenize, forward a request with an explicit cap while its
+    #: count is on the way, reserving the whole context window until the count lands (when
+    #: that fits now): the count's round trip is off the request's path. False: count first.
+    overlap_count: bool = True
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout: float = 10.0
@@ -163,6 +172,9 @@ class Upstream:
     discovery: Discovery | None = None
     budget: Budget | None = None
     health: Health = field(default_factory=Health)
+    #: Counts on the way for requests admitted here on the whole window (see
+    #: ``GatewayConfig.overlap_count``): a request that does not fit waits for them to land.
+    overlapping: set[asyncio.Future[int]] = field(default_factory=set)
     errors: int = 0
     relayed: int = 0
     discovery_error: str | None = None
@@ -384,6 +396,10 @@ class GatewayState:
         return None
 
     async def aclose(self) -> None:
+        counting = [task for upstream in self.upstreams for task in upstream.overlapping]
+        for task in counting:  # counts still on the way for answers already given
+            task.cancel()
+        await asyncio.gather(*counting, return_exceptions=True)
         for upstream in self.upstreams:
             if upstream.http is not None:
                 upstream.http.close()
@@ -603,6 +619,25 @@ class _ClientWatch:
             self._watcher.cancel()
 
 
+@dataclass(eq=False)
+class _Prepared:
+    """A request read and parsed, on its way to admission: its cap and the body that carries it
+    once counted (``prompt_tokens``), or its count on the way (``counting``)."""
+
+    known: Sequence[Upstream]
+    request: GenerationRequest
+    raw: bytes
+    body: dict[str, Any]
+    window: int
+    roomiest: Upstream
+    prompt_tokens: int | None = None
+    cap: int = 0
+    content: bytes = b""
+    counting: asyncio.Future[int] | None = None
+    #: Upstreams that failed this request before any byte of an answer.
+    tried: set[int] = field(default_factory=set)
+
+
 class GatewayGeneration:
     """``/v1/completions`` and ``/v1/chat/completions`` through the ledger to an upstream.
 
@@ -618,18 +653,20 @@ class GatewayGeneration:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch: _ClientWatch | None = None
         try:
-            admitted = await self._prepare(scope, receive, send)
-            if admitted is None:
+            prepared = await self._prepare(scope, receive, send)
+            if prepared is None:
                 return
-            known, request, body, prompt_tokens, cap = admitted
             task = asyncio.current_task()
             assert task is not None
             direct = scope.get("extensions", {}).get(DIRECT_EXTENSION)
             watch = _ClientWatch(receive, task, send, self.state.config.send_timeout, direct)
             try:
-                await self._admit_and_forward(
-                    known, request, body, prompt_tokens, cap, scope, receive, watch
-                )
+                if prepared.counting is not None:
+                    if await self._forward_on_bound(prepared, scope, receive, watch):
+                        return
+                    if not await self._counted(prepared, scope, receive, watch.send):
+                        return
+                await self._admit_and_forward(prepared, scope, receive, watch)
             except asyncio.CancelledError:
                 if not watch.cancelled:
                     raise
@@ -640,12 +677,13 @@ class GatewayGeneration:
             _log_unexpected(exc, scope["path"])
             if watch is None or not watch.started:
                 await _internal_error()(scope, receive, send)
+        # A count still on the way is left to land (bounded by the read timeout): cancelling it
+        # would abort its pooled connection, and each request would then open a new one.
 
-    async def _prepare(
-        self, scope: Scope, receive: Receive, send: Send
-    ) -> tuple[list[Upstream], GenerationRequest, bytes, int, int] | None:
+    async def _prepare(self, scope: Scope, receive: Receive, send: Send) -> _Prepared | None:
         """Read, parse, count and cap the request; None when it was answered already (an error)
-        or its client went away."""
+        or its client went away. With ``overlap_count``, a request that may go before its count
+        lands comes back with the count on the way (``counting``) instead."""
         state = self.state
         try:
             check_content_type(scope_header(scope, b"content-type"))
@@ -659,24 +697,120 @@ class GatewayGeneration:
                 )
                 raise _unavailable(f"no upstream is in service ({problems})")
             model = body.get("model")
-            prompt_tokens = await self._count(
-                state, known, request, model if isinstance(model, str) else None
-            )
-            # The most generous upstream decides "never": a request that fits one is retryable.
-            assert roomiest.ledger is not None
-            cap = admissible_cap(
-                roomiest.ledger,
-                prompt_tokens,
-                request.max_tokens,
-                context_window=window,
-                param="messages" if request.messages is not None else "prompt",
-            )
+            prepared = _Prepared(known, request, raw, body, window, roomiest)
+            count = self._count(state, known, request, model if isinstance(model, str) else None)
+            if self._may_overlap(prepared):
+                assert request.max_tokens is not None
+                prepared.cap = request.max_tokens
+                prepared.content = _with_cap(raw, body, request.max_tokens)
+                prepared.counting = asyncio.ensure_future(count)
+                return prepared
+            self._cap(prepared, await count)
         except _ClientGone:
             return None
         except APIError as error:
             await error.response()(scope, receive, send)
             return None
-        return known, request, _with_cap(raw, body, cap), prompt_tokens, cap
+        return prepared
+
+    def _cap(self, prepared: _Prepared, prompt_tokens: int) -> None:
+        """The cap the request is reserved and forwarded with, and the body that carries it."""
+        request = prepared.request
+        # The most generous upstream decides "never": a request that fits one is retryable.
+        assert prepared.roomiest.ledger is not None
+        prepared.prompt_tokens = prompt_tokens
+        prepared.cap = admissible_cap(
+            prepared.roomiest.ledger,
+            prompt_tokens,
+            request.max_tokens,
+            context_window=prepared.window,
+            param="messages" if request.messages is not None else "prompt",
+        )
+        prepared.content = _with_cap(prepared.raw, prepared.body, prepared.cap)
+
+    def _may_overlap(self, prepared: _Prepared) -> bool:
+        """Whether the request may be forwarded while the upstream counts it: counting by an
+        upstream's /tokenize, an explicit cap, and a body whose bytes (a prompt never has more
+        tokens than bytes, a template adds a few) leave the cap room in the window, so the
+        count will not change the cap. Whether the whole window fits is decided at admission."""
+        state, request = self.state, prepared.request
+        if not state.config.overlap_count or state.config.counter is not None:
+            return False
+        if request.max_tokens is None or request.token_ids is not None:
+            return False
+        if len(prepared.raw) + _OVERLAP_MARGIN + request.max_tokens > prepared.window:
+            return False
+        now = time.monotonic()
+        counting = next((u for u in prepared.known if u.health.in_service(now)), None)
+        return counting is not None and counting.engine in TOKENIZE_ENGINES
+
+    async def _forward_on_bound(
+        self, prepared: _Prepared, scope: Scope, receive: Receive, watch: _ClientWatch
+    ) -> bool:
+        """Admit on the whole context window (what no request can outgrow) where that fits now,
+        with nobody queued, and forward while the count is on the way; the reservation shrinks
+        to the exact need when the count lands. False when it did not fit, or the upstream
+        failed before any byte of an answer: the caller counts, then admits as usual."""
+        counting, cap, window = prepared.counting, prepared.cap, prepared.window
+        assert counting is not None
+        known = prepared.known
+        bound = window - cap
+        need = known[0].ledger.need_tokens(bound, cap) if known[0].ledger else 0
+        upstream = self._route(known, need, prepared.tried)
+        if upstream is None or upstream.queue is None or upstream.queue.waiting:
+            return False
+        ledger, queue = upstream.ledger, upstream.queue
+        assert ledger is not None
+        handle = ledger.try_admit(bound, cap, now=queue.now(), count_rejection=False, need=need)
+        if handle is None:
+            return False
+
+        def landed(task: asyncio.Future[int]) -> None:
+            upstream.overlapping.discard(task)
+            if task.cancelled():
+                return  # the request ended first
+            error = task.exception()
+            if error is not None:  # the whole window stays reserved until the request ends
+                _log_unexpected(error, self.path)
+                return
+            prompt_tokens = task.result()
+            if prompt_tokens + cap <= window and ledger.shrink(handle, prompt_tokens):
+                queue.notify()
+
+        upstream.overlapping.add(counting)
+        counting.add_done_callback(landed)
+        try:
+            sent = await self._forward(
+                upstream,
+                handle,
+                prepared.request,
+                prepared.content,
+                _forward_headers(scope),
+                scope,
+                receive,
+                watch,
+            )
+        finally:
+            ledger.release(handle)
+            queue.notify()
+        if sent:
+            return True
+        prepared.tried.add(id(upstream))  # failed before any byte: the others, once counted
+        return False
+
+    async def _counted(
+        self, prepared: _Prepared, scope: Scope, receive: Receive, send: Send
+    ) -> bool:
+        """Wait for the count on the way and cap the request by it; False when that answered
+        the request already (an error)."""
+        assert prepared.counting is not None
+        prompt_tokens = await prepared.counting
+        try:
+            self._cap(prepared, prompt_tokens)
+        except APIError as error:
+            await error.response()(scope, receive, send)
+            return False
+        return True
 
     async def _count(
         self,
@@ -701,18 +835,12 @@ class GatewayGeneration:
         return count_prompt(request, counter)
 
     async def _admit_and_forward(
-        self,
-        known: Sequence[Upstream],
-        request: GenerationRequest,
-        content: bytes,
-        prompt_tokens: int,
-        cap: int,
-        scope: Scope,
-        receive: Receive,
-        watch: _ClientWatch,
+        self, prepared: _Prepared, scope: Scope, receive: Receive, watch: _ClientWatch
     ) -> None:
+        known, request, content = prepared.known, prepared.request, prepared.content
+        prompt_tokens, cap, tried = prepared.prompt_tokens, prepared.cap, prepared.tried
+        assert prompt_tokens is not None
         headers = _forward_headers(scope)
-        tried: set[int] = set()
         client = scope.get("client")  # (host, port): staggered advice per connection
         # Every upstream prices a request alike (prompt + cap in its blocks); priced once.
         need = known[0].ledger.need_tokens(prompt_tokens, cap) if known[0].ledger else 0
@@ -725,6 +853,12 @@ class GatewayGeneration:
                 return
             assert upstream.queue is not None
             assert upstream.ledger is not None
+            if upstream.overlapping and upstream.ledger.load()[0] + need > (
+                upstream.ledger.usable_tokens
+            ):
+                # Some of what is held is a whole window for a count on the way: once they
+                # land, it may fit after all. No refusal on a reservation about to shrink.
+                await asyncio.wait(list(upstream.overlapping), timeout=_OVERLAP_WAIT)
             try:
                 handle = await upstream.queue.acquire(
                     prompt_tokens, cap, client=tuple(client) if client else None

@@ -74,13 +74,14 @@ _MAX_PROMISES = 64
 class LedgerEvent:
     """One admission, release or refusal, for an observer (``on_event``) to log.
 
-    ``kind`` is ``"admit"``, ``"release"`` or ``"refuse"``; ``id`` the handle's (0 for a refusal);
-    ``tokens`` what was reserved, released or asked for; ``retry_after`` the seconds a refusal
-    advised. No time: the ledger has no clock, the observer stamps events as it receives them
-    (they arrive in the ledger's own order, under its lock).
+    ``kind`` is ``"admit"``, ``"release"``, ``"shrink"`` or ``"refuse"``; ``id`` the handle's (0
+    for a refusal); ``tokens`` what was reserved, released, given back by a shrink or asked for;
+    ``retry_after`` the seconds a refusal advised. No time: the ledger has no clock, the
+    observer stamps events as it receives them (they arrive in the ledger's own order, under its
+    lock).
     """
 
-    kind: Literal["admit", "release", "refuse"]
+    kind: Literal["admit", "release", "shrink", "refuse"]
     id: int
     tokens: int
     retry_after: float = 0.0
@@ -351,6 +352,25 @@ class KVAdmissionController:
             if self._on_event is not None:
                 event = LedgerEvent(kind="release", id=handle.id, tokens=handle.reserved_tokens)
                 self._on_event(event)
+
+    def shrink(self, handle: Handle, prompt_tokens: int) -> int:
+        """Lower a live reservation to what ``prompt_tokens`` and its cap need, once the prompt's
+        exact count is known (it was admitted on an upper bound). Never raises it: a need above
+        what is held keeps the reservation as it is. Returns the tokens given back (0 when
+        none, or when the handle was released already)."""
+        need = self.need_tokens(prompt_tokens, handle.output_cap)
+        with self._lock:
+            if handle.released or self._live.get(handle.id) is not handle:
+                return 0
+            freed = handle.reserved_tokens - need
+            if freed <= 0:
+                return 0
+            handle.reserved_tokens = need
+            handle.prompt_tokens = prompt_tokens
+            self._reserved -= freed
+            if self._on_event is not None:
+                self._on_event(LedgerEvent(kind="shrink", id=handle.id, tokens=freed))
+            return freed
 
     # --- back-pressure -----------------------------------------------------------------------
 

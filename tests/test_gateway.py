@@ -4,6 +4,7 @@ upstreams for the failure paths."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import socket
@@ -365,6 +366,186 @@ def test_a_chats_tools_are_counted_by_the_upstreams_tokenize() -> None:
     assert forwarded[-1]["max_tokens"] == 1024 - 40  # the window less the tools' count too
 
 
+# --- counting while forwarding (overlap_count) -------------------------------------------------
+
+
+class _Gate:
+    """A switch the test thread sets and the upstream's handlers (on another loop) wait on."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def passed(self) -> None:
+        if not await anyio.to_thread.run_sync(self._open.wait, 10.0):
+            raise TimeoutError("the gate never opened")
+
+
+def _counting_upstream(
+    counts: dict[str, tuple[int, _Gate | float]],
+    streams: dict[str, _Gate],
+    log: list[tuple[str, str, int]],
+    *,
+    window: int = 1024,
+    kv: int = 4096,
+) -> Starlette:
+    """An upstream whose /tokenize answers prompt ``p`` with ``counts[p]`` once its gate opens
+    (or after that many seconds), and whose completion of ``p`` streams until ``streams[p]``
+    opens (else answers at once). ``log``: (what, prompt, client port), in the order seen."""
+
+    async def tokenize(request: Request) -> Response:
+        body = await request.json()
+        prompt = body.get("prompt", "")
+        log.append(("tokenize", prompt, request.client.port if request.client else 0))
+        count, gate = counts[prompt]
+        if isinstance(gate, _Gate):
+            await gate.passed()
+        else:
+            await anyio.sleep(gate)
+        log.append(("counted", prompt, 0))
+        return JSONResponse({"count": count, "tokens": [0] * count})
+
+    async def completions(request: Request) -> Response:
+        body = await request.json()
+        prompt = body["prompt"]
+        log.append(("complete", prompt, request.client.port if request.client else 0))
+        gate = streams.get(prompt)
+        if gate is None:
+            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+            return JSONResponse({"choices": [{"index": 0, "text": "x"}], "usage": usage})
+
+        async def events() -> Any:
+            yield 'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+            await gate.passed()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = _discoverable(
+        [Route("/v1/completions", completions, methods=["POST"])], window=window, kv=kv
+    )
+    app.router.routes.insert(0, Route("/tokenize", tokenize, methods=["POST"]))
+    return app
+
+
+def test_a_request_with_a_cap_goes_while_its_count_is_on_the_way_then_its_reservation_shrinks() -> (
+    None
+):
+    """The whole window is held until the count lands (no request can outgrow it), then the
+    exact need: the count's round trip is off the request's path."""
+    count_gate, stream_gate = _Gate(), _Gate()
+    log: list[tuple[str, str, int]] = []
+    app = _counting_upstream({"a": (10, count_gate)}, {"a": stream_gate}, log)
+    with (
+        scripted_upstream(app) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+        httpx.Client(base_url=gw.base_url, timeout=10) as http,
+    ):
+        with http.stream(
+            "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 20, "stream": True}
+        ) as answer:
+            assert answer.status_code == 200
+            lines = answer.iter_lines()
+            assert next(lines).startswith("data:")  # answered while the count is held back
+            assert ("counted", "a", 0) not in log
+            ledger = gateway_state(gw).upstreams[0].ledger  # discovered on the first request
+            assert ledger is not None
+            assert ledger.stats().reserved_tokens == ledger.need_tokens(1024 - 20, 20)
+            count_gate.open()
+            wait_for(lambda: ledger.stats().reserved_tokens == ledger.need_tokens(10, 20))
+            stream_gate.open()
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+        wait_for(lambda: gateway_at_zero(gw))
+    kinds = [what for what, _, _ in log]
+    assert kinds.index("complete") < kinds.index("counted")
+
+
+def test_a_request_that_fits_once_counts_land_waits_for_them_instead_of_a_429() -> None:
+    """B does not fit beside A's whole window, but fits beside A's count: it waits for that
+    count to land instead of being refused on a reservation about to shrink."""
+    a_count, a_stream = _Gate(), _Gate()
+    log: list[tuple[str, str, int]] = []
+    app = _counting_upstream({"a": (10, a_count), "b": (10, 0.0)}, {"a": a_stream}, log)
+    config = GatewayConfig(
+        upstreams=("http://unused",), kv_tokens=(1024 + 16,), safety_fraction=1.0
+    )
+    with (
+        scripted_upstream(app) as up,
+        running_gateway(dataclasses.replace(config, upstreams=(up.base_url,))) as gw,
+        httpx.Client(base_url=gw.base_url, timeout=10) as http,
+        http.stream(
+            "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 20, "stream": True}
+        ) as holder,
+    ):
+        assert holder.status_code == 200
+        ledger = gateway_state(gw).upstreams[0].ledger
+        assert ledger is not None
+        window, counted = ledger.need_tokens(1024 - 20, 20), ledger.need_tokens(10, 20)
+        assert window + counted > ledger.usable_tokens >= 2 * counted
+        opened = threading.Timer(0.3, a_count.open)
+        opened.start()
+        started = time.monotonic()
+        answer = http.post("/v1/completions", json={"prompt": "b", "max_tokens": 20})
+        waited = time.monotonic() - started
+        opened.join()
+        assert answer.status_code == 200, answer.text
+        assert waited >= 0.25  # it waited for A's count, not for A's end
+        a_stream.open()
+        for _ in holder.iter_lines():
+            pass
+        wait_for(lambda: gateway_at_zero(gw))
+    # B was counted before A's count landed, and forwarded after it.
+    assert log.index(("counted", "b", 0)) < log.index(("counted", "a", 0))
+    assert log.index(("counted", "a", 0)) < [w for w, p, _ in log].index("complete", 1)
+
+
+def test_an_unset_cap_and_count_first_wait_for_the_count_before_forwarding() -> None:
+    gates = {"u": _Gate(), "f": _Gate()}
+    log: list[tuple[str, str, int]] = []
+    app = _counting_upstream({p: (10, gate) for p, gate in gates.items()}, {}, log)
+    with scripted_upstream(app) as up:
+        cases = [
+            (GatewayConfig(upstreams=(up.base_url,)), {"prompt": "u"}),  # its cap needs the count
+            (
+                GatewayConfig(upstreams=(up.base_url,), overlap_count=False),
+                {"prompt": "f", "max_tokens": 20},
+            ),
+        ]
+        for config, body in cases:
+            with running_gateway(config) as gw:
+                timer = threading.Timer(0.2, gates[str(body["prompt"])].open)
+                timer.start()
+                answer = httpx.post(gw.base_url + "/v1/completions", json=body, timeout=10)
+                timer.join()
+                assert answer.status_code == 200
+                wait_for(lambda: gateway_at_zero(gw))
+    seen = [(what, prompt) for what, prompt, _ in log]
+    for prompt in gates:
+        assert seen.index(("counted", prompt)) < seen.index(("complete", prompt))
+
+
+def test_a_count_that_lands_after_its_answer_keeps_its_connection() -> None:
+    """A count that lands after its answer (the upstream counts it after generating) is left to
+    land: cancelled, it would abort its pooled connection, and each count would connect anew."""
+    log: list[tuple[str, str, int]] = []
+    app = _counting_upstream({"p": (10, 0.05)}, {}, log)
+    with (
+        scripted_upstream(app) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+        httpx.Client(base_url=gw.base_url, timeout=10) as http,
+    ):
+        for i in range(10):
+            answer = http.post("/v1/completions", json={"prompt": "p", "max_tokens": 4})
+            assert answer.status_code == 200
+            assert sum(1 for w, _, _ in log if w == "counted") == i  # answered before it landed
+            wait_for(lambda n=i + 1: sum(1 for w, _, _ in log if w == "counted") == n)
+        wait_for(lambda: gateway_at_zero(gw))
+    ports = {port for what, _, port in log if what == "tokenize"}
+    assert len(ports) <= 2  # one pooled connection (two at most), not one per count
+
+
 def test_upstream_500_is_answered_in_our_shape_and_never_retried() -> None:
     calls = []
 
@@ -525,6 +706,9 @@ def test_the_cli_builds_its_config_and_refuses_what_cannot_work(tmp_path: Path) 
     config = config_from_args(args)
     assert config.upstreams == ("http://127.0.0.1:1", "http://127.0.0.1:2/")
     assert (config.kv_tokens, config.max_queue_wait) == ((4096,), 5.0)
+    assert config.overlap_count
+    first = config_from_args(parser.parse_args(["--upstream", "http://a:1", "--count-first"]))
+    assert not first.overlap_count
     with pytest.raises(ValueError, match="more --kv-tokens"):
         config_from_args(
             parser.parse_args(["--upstream", "http://a:1", "--kv-tokens", "1", "--kv-tokens", "2"])
@@ -786,9 +970,10 @@ def test_an_unexpected_error_on_the_fast_lane_is_a_generic_500_or_a_cut_stream(
         await watch.send({"type": "http.response.start", "status": 200, "headers": []})
         raise RuntimeError(secret)
 
+    # Counting first (an answer waits for its count), so that a broken count comes before it.
     with (
         running_server(**FAST, kv_tokens=4096, context_window=1024) as up,
-        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gateway,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,), overlap_count=False)) as gateway,
         httpx.Client(base_url=gateway.base_url, timeout=10) as http,
     ):
         body = {"prompt": "hi", "max_tokens": 2}
