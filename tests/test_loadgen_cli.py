@@ -234,7 +234,7 @@ def test_sweep_finds_the_knee_near_the_measured_capacity(
                 server.base_url,
                 "--sweep",
                 "--sweep-points", "4",
-                "--duration", "1.5",
+                "--duration", "3",  # long enough for a 30 % overload to miss the SLO
                 "--probe-requests", "24",
                 "--arrival", "constant",
                 "--prompt-tokens", str(KNEE_PROMPT),
