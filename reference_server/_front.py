@@ -14,9 +14,10 @@ front costs about half of that. It serves exactly what the gateway needs:
   after ``send_timeout`` of that: a stalled reader must not pin a reservation);
 - a client that half-closes after its request still gets its answer (see ``_protocol``);
 - ``http.disconnect`` from ``receive`` once the client is gone or the answer is complete;
-- an idle keep-alive connection closed after ``keep_alive_timeout``, and a request whose head
-  (request line and headers) is not complete ``head_timeout`` after it began answered 408 and
-  closed (a client trickling its headers holds no connection for long);
+- an idle keep-alive connection closed after ``keep_alive_timeout``; a request whose head
+  (request line and headers) is not complete ``head_timeout`` after it began, or whose body
+  has not moved for ``body_timeout`` (nginx's ``client_body_timeout``), answered 408 and closed
+  (a client trickling its headers or its body holds no connection for long);
 - the ASGI lifespan (startup, shutdown), and a graceful stop that lets running requests end.
 
 Not served: HTTP/2, WebSockets, TLS (the gateway listens on loopback, or behind a terminator).
@@ -56,6 +57,7 @@ DIRECT_EXTENSION = "kvclient.direct"
 MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
 DEFAULT_HEAD_TIMEOUT = 10.0
+DEFAULT_BODY_TIMEOUT = 30.0
 
 ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
@@ -73,7 +75,7 @@ _BAD_REQUEST = (
     b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n"
     b"content-length: 11\r\nconnection: close\r\n\r\nBad Request"
 )
-_HEAD_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+_REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _HEAD_TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\n"
     b"connection: close\r\n\r\n"
@@ -267,6 +269,9 @@ class HttpFront(asyncio.Protocol):
         #: Since when a request's head is arriving (None: not in a head); the sweep answers 408
         #: to one still incomplete after head_timeout (a client trickling its headers).
         self.head_since: float | None = None
+        #: When a request's body last moved (None: not in a body); while no answer runs on the
+        #: connection, the sweep answers 408 to one that has not moved for body_timeout.
+        self.body_since: float | None = None
         self.client: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
 
@@ -366,6 +371,7 @@ class HttpFront(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.head_since = None
+        self.body_since = self.loop.time()
         request = self.parsing
         assert request is not None
         parser = self.parser
@@ -391,6 +397,7 @@ class HttpFront(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         request = self.parsing
         assert request is not None
+        self.body_since = self.loop.time()
         request.size += len(body)
         if request.size > self.server.max_body_bytes:
             request.over_limit = True
@@ -405,6 +412,7 @@ class HttpFront(asyncio.Protocol):
         request.over_limit = True
         request.keep_alive = False
         self.parsing = None
+        self.body_since = None
         self.ready.append(request)
         self.stopped = True
         self.transport.pause_reading()
@@ -415,6 +423,7 @@ class HttpFront(asyncio.Protocol):
         request = self.parsing
         assert request is not None
         self.parsing = None
+        self.body_since = None
         self.ready.append(request)
         if len(self.ready) > 8:
             self.transport.pause_reading()  # a client pipelining without reading: wait
@@ -441,7 +450,16 @@ class HttpFront(asyncio.Protocol):
         head = self.head_since
         if head is not None and now - head >= self.server.head_timeout and not self.closing:
             self.stopped = True
-            self._refuse(_HEAD_TIMEOUT)
+            self._refuse(_REQUEST_TIMEOUT)
+        body = self.body_since
+        if (
+            body is not None
+            and self.task is None
+            and now - body >= self.server.body_timeout
+            and not self.closing
+        ):
+            self.stopped = True
+            self._refuse(_REQUEST_TIMEOUT)
 
     def _next(self) -> None:
         if self.task is not None or self.gone or self.closing:
@@ -497,6 +515,8 @@ class HttpFront(asyncio.Protocol):
         finally:
             self.task = None
             self.cycle = None
+            if self.body_since is not None:  # a pipelined body's clock starts now
+                self.body_since = self.loop.time()
             if not cycle.complete or not request.keep_alive or self.server.stopping:
                 # An answer cut short, or one that ends the connection.
                 self.closing = True
@@ -532,10 +552,13 @@ class FrontServer:
         lifespan: bool = True,
         send_timeout: float | None = None,
         head_timeout: float = DEFAULT_HEAD_TIMEOUT,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
     ) -> None:
         self.app = app
         #: A request line and headers not complete this long after they began: 408, closed.
         self.head_timeout = head_timeout
+        #: A request body that has not moved for this long (no answer running): 408, closed.
+        self.body_timeout = body_timeout
         #: A write the client has not taken within this many seconds cuts the connection.
         self.send_timeout = send_timeout
         self.max_body_bytes = max_body_bytes

@@ -175,6 +175,7 @@ def serve_front_in_thread(
     send_buffer: int | None = None,
     send_timeout: float | None = None,
     head_timeout: float = 10.0,
+    body_timeout: float = 30.0,
 ) -> Iterator[RunningServer]:
     """Serve ``app`` with the gateway's own front (:mod:`reference_server._front`, lifespan
     on) on asyncio in a daemon thread until the block exits; ``send_buffer`` as in
@@ -190,6 +191,7 @@ def serve_front_in_thread(
         graceful_timeout=1.0,
         send_timeout=send_timeout,
         head_timeout=head_timeout,
+        body_timeout=body_timeout,
     )
     loop = asyncio.new_event_loop()
     failure: list[BaseException] = []

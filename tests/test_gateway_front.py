@@ -27,6 +27,7 @@ class Recorder:
     def __init__(self) -> None:
         self.lifespan: list[str] = []
         self.disconnects = threading.Event()
+        self.paths: list[str] = []  # every request the app was given
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -36,6 +37,7 @@ class Recorder:
                 await send({"type": message["type"] + ".complete"})
                 if message["type"] == "lifespan.shutdown":
                     return
+        self.paths.append(scope["path"])
         message = await receive()
         body = message["body"]
         path = scope["path"]
@@ -298,6 +300,31 @@ def test_a_head_that_trickles_in_is_answered_408_and_closed() -> None:
         assert _read_answers(sock, 1)[0][0] == 408
         assert _closed(sock)
         assert time.monotonic() - started < 3
+        with httpx.Client(base_url=server.base_url) as http:  # everyone else still served
+            assert http.get("/fine").status_code == 200
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def test_a_body_that_stops_moving_is_answered_408_and_closed() -> None:
+    """A body that keeps moving is waited for, however slowly; one that stops for
+    ``body_timeout`` is answered 408 and its connection closed, before the app ever saw it."""
+    recorder = Recorder()
+    with serve_front_in_thread(recorder, max_body_bytes=LIMIT, body_timeout=0.4) as server:
+        sock = _raw(server)
+        sock.sendall(b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 6\r\n\r\nab")
+        for piece in (b"cd", b"ef"):  # 0.6 s in all, each gap under the timeout
+            time.sleep(0.3)
+            sock.sendall(piece)
+        status, _, body = _read_answers(sock, 1)[0]
+        assert status == 200
+        assert json.loads(body)["size"] == 6
+        sock.sendall(b"POST /stuck HTTP/1.1\r\nHost: t\r\nContent-Length: 6\r\n\r\nab")
+        started = time.monotonic()
+        assert _read_answers(sock, 1)[0][0] == 408
+        assert _closed(sock)
+        assert 0.3 <= time.monotonic() - started < 3
+        assert all(path != "/stuck" for path in recorder.paths)
         with httpx.Client(base_url=server.base_url) as http:  # everyone else still served
             assert http.get("/fine").status_code == 200
     while _OPEN:
