@@ -58,6 +58,8 @@ MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
 DEFAULT_HEAD_TIMEOUT = 10.0
 DEFAULT_BODY_TIMEOUT = 30.0
+#: SO_LINGER on, zero seconds: close() resets the connection (struct linger of two ints).
+_LINGER_ZERO = (1).to_bytes(4, "little") + (0).to_bytes(4, "little")
 
 ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
@@ -338,7 +340,17 @@ class HttpFront(asyncio.Protocol):
             await asyncio.wait_for(asyncio.shield(paused), timeout)
         except asyncio.TimeoutError:
             logger.warning("an answer was cut: not read within the send timeout")
-            self.transport.abort()
+            self.reset()
+
+    def reset(self) -> None:
+        """Cut the connection with a reset: what the kernel still holds for a client that does
+        not read is dropped, not trickled out to it after the app is done, and the client is
+        told the answer was cut, not that it ended."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ZERO)
+        self.transport.abort()
 
     # --- httptools callbacks --------------------------------------------------------------
 

@@ -271,6 +271,11 @@ def test_receive_says_disconnect_when_the_client_goes_away() -> None:
         assert recorder.disconnects.wait(5)
 
 
+def _read_to_the_end(sock: socket.socket) -> None:
+    while sock.recv(1 << 16):
+        pass
+
+
 def test_a_write_the_client_does_not_take_is_cut_after_the_send_timeout() -> None:
     with front(send_timeout=0.3) as (server, recorder):
         sock = _raw(server)
@@ -279,7 +284,12 @@ def test_a_write_the_client_does_not_take_is_cut_after_the_send_timeout() -> Non
         started = time.monotonic()
         assert recorder.disconnects.wait(10)  # not one byte read, the socket kept open
         assert time.monotonic() - started < 5
-        # (what the kernel had queued still trickles out; the app is done with it)
+        # Cut with a reset: what the kernel had queued is dropped, and the client is told the
+        # answer was cut, not that it ended (a plain close would trickle it out, then EOF).
+        time.sleep(0.1)
+        sock.settimeout(5)
+        with pytest.raises(ConnectionResetError):
+            _read_to_the_end(sock)
 
 
 def test_a_half_closed_client_gets_its_answer() -> None:
