@@ -145,12 +145,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     import logging
 
+    from ._runner import http_url
     from .gateway import create_gateway_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
     app = create_gateway_app(config)
     print(
-        f"kvclient gateway on http://{args.host}:{args.port} in front of "
+        f"kvclient gateway on {http_url(args.host, args.port)} in front of "
         f"{', '.join(config.upstreams)} (discovered on the first request)",
         file=sys.stderr,
     )

@@ -36,6 +36,11 @@ _START_TIMEOUT = 10.0
 _STOP_TIMEOUT = 10.0
 
 
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (RFC 3986)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 class RunningServer:
     """A live server: ``base_url`` to reach it, the app and its parts to look inside."""
 
@@ -43,7 +48,7 @@ class RunningServer:
         self.app = app
         self.host = host
         self.port = port
-        self.base_url = f"http://{host}:{port}"
+        self.base_url = http_url(host, port)
 
     @property
     def state(self) -> ServerState:

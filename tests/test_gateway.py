@@ -317,6 +317,25 @@ def _discoverable(routes: list[Route], *, window: int = 1024, kv: int = 4096) ->
     )
 
 
+def test_the_gateway_listens_and_forwards_over_ipv6_loopback() -> None:
+    """``--host ::1`` and an upstream at ``http://[::1]:PORT``: bracketed URLs both ways."""
+    from reference_server._runner import serve_front_in_thread
+    from reference_server.gateway import create_gateway_app
+
+    async def completions(request: Request) -> Response:
+        return JSONResponse({"choices": [], "usage": {"completion_tokens": 0}})
+
+    app = _discoverable([Route("/v1/completions", completions, methods=["POST"])])
+    with serve_in_thread(app, host="::1") as up:
+        assert up.base_url == f"http://[::1]:{up.port}"
+        gateway = create_gateway_app(GatewayConfig(upstreams=(up.base_url,)))
+        with serve_front_in_thread(gateway, max_body_bytes=1 << 20, host="::1") as gw:
+            assert gw.base_url.startswith("http://[::1]:")
+            answer = httpx.post(gw.base_url + "/v1/completions", json={"prompt": "hi"})
+            assert answer.status_code == 200, answer.text
+            assert httpx.get(gw.base_url + "/health").json()["status"] == "ok"
+
+
 def test_upstream_503_without_retry_after_reaches_the_client_with_one() -> None:
     seen: list[dict[str, Any]] = []
 
