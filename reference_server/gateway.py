@@ -88,6 +88,10 @@ _THREAD_COUNT_CHARS = 32 * 1024
 _OVERLAP_MARGIN = 256
 #: The longest a request that does not fit waits for counts on the way to land.
 _OVERLAP_WAIT = 10.0
+#: A request is admitted on the whole window only where that leaves this many windows free
+#: before it: a window held for a count on the way then distorts little what others see (their
+#: routing by free budget above all), and the overlap stops by itself as the room fills.
+_OVERLAP_ROOM = 4
 _MIN_RATE_TOKENS = 8
 _RATE_WEIGHT = 0.2
 #: Request headers that belong to one hop (RFC 9110 7.6.1) or that the upstream client sets
@@ -747,8 +751,9 @@ class GatewayGeneration:
     async def _forward_on_bound(
         self, prepared: _Prepared, scope: Scope, receive: Receive, watch: _ClientWatch
     ) -> bool:
-        """Admit on the whole context window (what no request can outgrow) where that fits now,
-        with nobody queued, and forward while the count is on the way; the reservation shrinks
+        """Admit on the whole context window (what no request can outgrow) where that fits now
+        with room for ``_OVERLAP_ROOM`` windows, nobody queued, and forward while the count is
+        on the way; the reservation shrinks
         to the exact need when the count lands. False when it did not fit, or the upstream
         failed before any byte of an answer: the caller counts, then admits as usual."""
         counting, cap, window = prepared.counting, prepared.cap, prepared.window
@@ -761,6 +766,8 @@ class GatewayGeneration:
             return False
         ledger, queue = upstream.ledger, upstream.queue
         assert ledger is not None
+        if ledger.usable_tokens - ledger.load()[0] < _OVERLAP_ROOM * need:
+            return False
         handle = ledger.try_admit(bound, cap, now=queue.now(), count_rejection=False, need=need)
         if handle is None:
             return False

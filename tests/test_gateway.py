@@ -4,7 +4,6 @@ upstreams for the failure paths."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import socket
@@ -456,7 +455,8 @@ def test_a_request_with_a_cap_goes_while_its_count_is_on_the_way_then_its_reserv
     exact need: the count's round trip is off the request's path."""
     count_gate, stream_gate = _Gate(), _Gate()
     log: list[tuple[str, str, int]] = []
-    app = _counting_upstream({"a": (10, count_gate)}, {"a": stream_gate}, log)
+    # Room for the four windows a request is admitted on a window beside (_OVERLAP_ROOM).
+    app = _counting_upstream({"a": (10, count_gate)}, {"a": stream_gate}, log, kv=16384)
     with (
         scripted_upstream(app) as up,
         running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
@@ -482,27 +482,38 @@ def test_a_request_with_a_cap_goes_while_its_count_is_on_the_way_then_its_reserv
 
 
 def test_a_request_that_fits_once_counts_land_waits_for_them_instead_of_a_429() -> None:
-    """B does not fit beside A's whole window, but fits beside A's count: it waits for that
-    count to land instead of being refused on a reservation about to shrink."""
-    a_count, a_stream = _Gate(), _Gate()
+    """A is admitted on the whole window (four were free), three fillers take the rest; B does
+    not fit beside A's window, but fits beside A's count: it waits for that count to land
+    instead of being refused on a reservation about to shrink."""
+    a_count, held = _Gate(), _Gate()
     log: list[tuple[str, str, int]] = []
-    app = _counting_upstream({"a": (10, a_count), "b": (10, 0.0)}, {"a": a_stream}, log)
-    config = GatewayConfig(
-        upstreams=("http://unused",), kv_tokens=(1024 + 16,), safety_fraction=1.0
-    )
-    with (
-        scripted_upstream(app) as up,
-        running_gateway(dataclasses.replace(config, upstreams=(up.base_url,))) as gw,
-        httpx.Client(base_url=gw.base_url, timeout=10) as http,
-        http.stream(
-            "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 20, "stream": True}
-        ) as holder,
-    ):
-        assert holder.status_code == 200
+    fillers = ["c1", "c2", "c3"]
+    counts: dict[str, tuple[int, _Gate | float]] = {"a": (10, a_count), "b": (10, 0.0)}
+    counts.update(dict.fromkeys(fillers, (10, 0.0)))
+    app = _counting_upstream(counts, {"a": held, **dict.fromkeys(fillers, held)}, log)
+    with ExitStack() as stack:
+        up = stack.enter_context(scripted_upstream(app))
+        config = GatewayConfig(
+            upstreams=(up.base_url,), kv_tokens=(4 * 1024 + 16,), safety_fraction=1.0
+        )
+        gw = stack.enter_context(running_gateway(config))
+        http = stack.enter_context(httpx.Client(base_url=gw.base_url, timeout=10))
+        streams = []
+        for prompt, cap in [("a", 20)] + [(c, 1014) for c in fillers]:  # a filler's cap: no
+            body = {"prompt": prompt, "max_tokens": cap, "stream": True}  # room to overlap
+            stream = stack.enter_context(http.stream("POST", "/v1/completions", json=body))
+            assert stream.status_code == 200
+            streams.append(stream)
         ledger = gateway_state(gw).upstreams[0].ledger
         assert ledger is not None
-        window, counted = ledger.need_tokens(1024 - 20, 20), ledger.need_tokens(10, 20)
-        assert window + counted > ledger.usable_tokens >= 2 * counted
+        window, filler, counted = (
+            ledger.need_tokens(1024 - 20, 20),
+            ledger.need_tokens(10, 1014),
+            ledger.need_tokens(10, 20),
+        )
+        assert ledger.stats().reserved_tokens == window + 3 * filler  # A still on its window
+        assert window + 3 * filler + counted > ledger.usable_tokens
+        assert counted + 3 * filler + counted <= ledger.usable_tokens
         opened = threading.Timer(0.3, a_count.open)
         opened.start()
         started = time.monotonic()
@@ -510,18 +521,22 @@ def test_a_request_that_fits_once_counts_land_waits_for_them_instead_of_a_429() 
         waited = time.monotonic() - started
         opened.join()
         assert answer.status_code == 200, answer.text
-        assert waited >= 0.25  # it waited for A's count, not for A's end
-        a_stream.open()
-        for _ in holder.iter_lines():
-            pass
+        assert waited >= 0.25  # it waited for A's count, not for anyone's end
+        held.open()
+        for stream in streams:
+            for _ in stream.iter_lines():
+                pass
         wait_for(lambda: gateway_at_zero(gw))
     # B was counted before A's count landed, and forwarded after it.
     assert log.index(("counted", "b", 0)) < log.index(("counted", "a", 0))
-    assert log.index(("counted", "a", 0)) < [w for w, p, _ in log].index("complete", 1)
+    completes = [p for w, p, _ in log if w == "complete"]
+    assert completes[-1] == "b"
 
 
-def test_an_unset_cap_and_count_first_wait_for_the_count_before_forwarding() -> None:
-    gates = {"u": _Gate(), "f": _Gate()}
+def test_an_unset_cap_count_first_and_little_room_wait_for_the_count_before_forwarding() -> None:
+    """No overlap without a cap (the cap comes from the count), with --count-first, or where
+    fewer than four windows are free (this upstream's 4,096 KV tokens hold three and a half)."""
+    gates = {"u": _Gate(), "f": _Gate(), "r": _Gate()}
     log: list[tuple[str, str, int]] = []
     app = _counting_upstream({p: (10, gate) for p, gate in gates.items()}, {}, log)
     with scripted_upstream(app) as up:
@@ -531,6 +546,7 @@ def test_an_unset_cap_and_count_first_wait_for_the_count_before_forwarding() -> 
                 GatewayConfig(upstreams=(up.base_url,), overlap_count=False),
                 {"prompt": "f", "max_tokens": 20},
             ),
+            (GatewayConfig(upstreams=(up.base_url,)), {"prompt": "r", "max_tokens": 20}),
         ]
         for config, body in cases:
             with running_gateway(config) as gw:
@@ -549,7 +565,7 @@ def test_a_count_that_lands_after_its_answer_keeps_its_connection() -> None:
     """A count that lands after its answer (the upstream counts it after generating) is left to
     land: cancelled, it would abort its pooled connection, and each count would connect anew."""
     log: list[tuple[str, str, int]] = []
-    app = _counting_upstream({"p": (10, 0.05)}, {}, log)
+    app = _counting_upstream({"p": (10, 0.05)}, {}, log, kv=16384)
     with (
         scripted_upstream(app) as up,
         running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
@@ -561,8 +577,8 @@ def test_a_count_that_lands_after_its_answer_keeps_its_connection() -> None:
             assert sum(1 for w, _, _ in log if w == "counted") == i  # answered before it landed
             wait_for(lambda n=i + 1: sum(1 for w, _, _ in log if w == "counted") == n)
         wait_for(lambda: gateway_at_zero(gw))
-    ports = {port for what, _, port in log if what == "tokenize"}
-    assert len(ports) <= 2  # one pooled connection (two at most), not one per count
+    ports = {port for what, _, port in log if what in ("tokenize", "complete")}
+    assert len(ports) <= 4  # a few pooled connections, not a new one for each of 10 counts
 
 
 def test_upstream_500_is_answered_in_our_shape_and_never_retried() -> None:
