@@ -565,17 +565,20 @@ def test_a_count_that_lands_after_its_answer_keeps_its_connection() -> None:
     """A count that lands after its answer (the upstream counts it after generating) is left to
     land: cancelled, it would abort its pooled connection, and each count would connect anew."""
     log: list[tuple[str, str, int]] = []
-    app = _counting_upstream({"p": (10, 0.05)}, {}, log, kv=16384)
+    gates = {f"p{i}": _Gate() for i in range(10)}
+    counts: dict[str, tuple[int, _Gate | float]] = {p: (10, g) for p, g in gates.items()}
+    app = _counting_upstream(counts, {}, log, kv=16384)
     with (
         scripted_upstream(app) as up,
         running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
         httpx.Client(base_url=gw.base_url, timeout=10) as http,
     ):
-        for i in range(10):
-            answer = http.post("/v1/completions", json={"prompt": "p", "max_tokens": 4})
+        for prompt, gate in gates.items():
+            answer = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
             assert answer.status_code == 200
-            assert sum(1 for w, _, _ in log if w == "counted") == i  # answered before it landed
-            wait_for(lambda n=i + 1: sum(1 for w, _, _ in log if w == "counted") == n)
+            assert ("counted", prompt, 0) not in log  # answered before its count landed
+            gate.open()
+            wait_for(lambda p=prompt: ("counted", p, 0) in log)
         wait_for(lambda: gateway_at_zero(gw))
     ports = {port for what, _, port in log if what in ("tokenize", "complete")}
     assert len(ports) <= 4  # a few pooled connections, not a new one for each of 10 counts
