@@ -320,10 +320,10 @@ def test_a_body_that_stops_moving_is_answered_408_and_closed() -> None:
     """A body that keeps moving is waited for, however slowly; one that stops for
     ``body_timeout`` is answered 408 and its connection closed, before the app ever saw it."""
     recorder = Recorder()
-    with serve_front_in_thread(recorder, max_body_bytes=LIMIT, body_timeout=0.4) as server:
+    with serve_front_in_thread(recorder, max_body_bytes=LIMIT, body_timeout=1.0) as server:
         sock = _raw(server)
         sock.sendall(b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 6\r\n\r\nab")
-        for piece in (b"cd", b"ef"):  # 0.6 s in all, each gap under the timeout
+        for piece in (b"cd", b"ef"):  # each gap well under the timeout
             time.sleep(0.3)
             sock.sendall(piece)
         status, _, body = _read_answers(sock, 1)[0]
@@ -333,7 +333,7 @@ def test_a_body_that_stops_moving_is_answered_408_and_closed() -> None:
         started = time.monotonic()
         assert _read_answers(sock, 1)[0][0] == 408
         assert _closed(sock)
-        assert 0.3 <= time.monotonic() - started < 3
+        assert 0.9 <= time.monotonic() - started < 5
         assert all(path != "/stuck" for path in recorder.paths)
         with httpx.Client(base_url=server.base_url) as http:  # everyone else still served
             assert http.get("/fine").status_code == 200
