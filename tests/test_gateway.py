@@ -277,7 +277,7 @@ def test_two_upstreams_share_by_free_budget_and_survive_one_dying() -> None:
         runner.join(60)
         assert not runner.is_alive(), "requests hung after an upstream died"
         wait_for(lambda: gateway_at_zero(gateway))
-        assert at_zero(big)
+        wait_for(lambda: at_zero(big))  # its own finally runs on its own thread
     failed = [r for r in second if not isinstance(r, Completion)]
     # Nothing lost: every request completed or failed with a clear error; only streams that had
     # started on the dying upstream may fail.
