@@ -130,19 +130,37 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
+def _serving(
+    cmd: list[str],
+    port: int,
+    ready: str,
+    what: str,
+    *,
+    cpu: int | None,
+    timeout: float = 20.0,
+    **popen: Any,
+) -> Iterator[tuple[str, int]]:
+    """``cmd`` started (pinned to ``cpu``, stderr silenced) and stopped; yields (URL, pid) once
+    ``ready`` (a path) answers on ``port``."""
+    popen.setdefault("stderr", subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, preexec_fn=_pinner(cpu), **popen)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for(url + ready, proc, what, timeout=timeout)
+        yield url, proc.pid
+    finally:
+        _stop(proc)
+
+
+@contextlib.contextmanager
 def gateway_process(*args: str, cpu: int | None) -> Iterator[tuple[str, int]]:
     """``python -m kvclient.cli gateway ARGS`` on a free port; yields (URL, pid) once
     ``/health`` says its upstreams are discovered."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvclient.cli", "gateway", "--port", str(port)]
     cmd += ["--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, preexec_fn=_pinner(cpu), stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for(url + "/health", proc, "the gateway")
-        yield url, proc.pid
-    finally:
-        _stop(proc)
+    with _serving(cmd, port, "/health", "the gateway", cpu=cpu) as served:
+        yield served
 
 
 @contextlib.contextmanager
@@ -156,13 +174,8 @@ def nginx_process(nginx: str, upstream: str, *, cpu: int | None) -> Iterator[tup
         conf.write_text(NGINX_CONF.format(prefix=prefix, port=port, upstream_port=upstream_port))
         cmd = [nginx, "-c", str(conf), "-p", prefix, "-e", f"{prefix}/error.log"]
         cmd += ["-g", "daemon off;"]
-        proc = subprocess.Popen(cmd, preexec_fn=_pinner(cpu), stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _wait_for(url + "/v1/models", proc, "nginx")
-            yield url, proc.pid
-        finally:
-            _stop(proc)
+        with _serving(cmd, port, "/v1/models", "nginx", cpu=cpu) as served:
+            yield served
 
 
 LITELLM_CONF = """\
@@ -194,20 +207,11 @@ def litellm_process(litellm: str, upstream: str, *, cpu: int | None) -> Iterator
             "LITELLM_LOG": "ERROR",
         }
         cmd = [litellm, "--config", str(conf), "--host", "127.0.0.1", "--port", str(port)]
-        proc = subprocess.Popen(
-            cmd,
-            preexec_fn=_pinner(cpu),
-            cwd=prefix,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _wait_for(url + "/v1/models", proc, "LiteLLM's proxy", timeout=120)
-            yield url, proc.pid
-        finally:
-            _stop(proc)
+        with _serving(
+            cmd, port, "/v1/models", "LiteLLM's proxy", cpu=cpu, timeout=120,
+            cwd=prefix, env=env, stdout=subprocess.DEVNULL,
+        ) as served:  # fmt: skip
+            yield served
 
 
 def litellm_version(litellm: str) -> str:
