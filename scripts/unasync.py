@@ -10,7 +10,7 @@ shim pair or into the pure core, not into this table.
     python scripts/unasync.py           # rewrite the sync file
     python scripts/unasync.py --check   # exit 1 when the checked-in sync file differs
 
-tests/test_unasync.py runs the check, so the suite (and CI) fails on a drifted copy.
+tests/unit/test_unasync.py runs the check, so the suite (and CI) fails on a drifted copy.
 """
 
 from __future__ import annotations

@@ -1,0 +1,164 @@
+"""Real loopback sockets against the real server (uvicorn), issue 12 items 2 and 6: a client that
+stops reading cannot pin its reservation, and a client that half-closes after its request still
+gets its answer. Every case ends with the ledger back at zero."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from reference_server import RunningServer, running_server
+from tests.helpers.servers import at_zero, wait_for
+
+
+def request_bytes(path: str, body: dict[str, Any], *, close: bool = False) -> bytes:
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n"
+    )
+    return head.encode() + payload
+
+
+def read_all(sock: socket.socket, timeout: float = 10.0) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(1 << 20):
+        data += chunk
+    return data
+
+
+# --- item 2: a client that stops reading a stream ------------------------------------------------
+
+#: 1.5 M tokens at 1 M tok/s: due 1.5 s after admission, about 7 MB of text, more than the
+#: loopback socket buffers can hold (about 4 MB here).
+STALL: dict[str, Any] = {
+    "kv_tokens": 4_000_000,
+    "context_window": 2_000_000,
+    "decode_rate": 1_000_000.0,
+    "mean_output_tokens": 50_000_000.0,  # natural lengths far beyond the cap: runs to the cap
+    "tick_seconds": 0.005,
+    "send_timeout": 0.3,
+}
+STALL_CAP = 1_500_000
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_and_releases() -> None:
+    with running_server(**STALL) as server:
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # small: fills at once
+        reader.connect((server.host, server.port))
+        body = {"prompt": "x", "max_tokens": STALL_CAP, "stream": True}
+        reader.sendall(request_bytes("/v1/completions", body))
+        wait_for(lambda: server.metrics()["kv_inflight_requests"] == 1)
+        admitted = time.monotonic()
+        [handle] = server.ledger.live_handles()
+        # Once its writes wait on the client, the ledger expects it only when it is cut.
+        wait_for(
+            lambda: (
+                handle.writing_since is not None and time.monotonic() - handle.writing_since > 0.1
+            )
+        )
+        now = time.monotonic()
+        advice = server.ledger.retry_after(server.ledger.usable_tokens, now)
+        assert advice == pytest.approx(handle.due_at + 0.3 - now)
+        # Not one byte read, the socket kept open: released once the answer is send_timeout
+        # past its worst case (1.5 s), not when the client finally reads or hangs up.
+        wait_for(lambda: at_zero(server), timeout=STALL_CAP / 1e6 + 0.3 + 3.0)
+        held = time.monotonic() - admitted
+        metrics = server.metrics()
+        assert metrics["kv_send_timeouts_total"] == 1
+        data = read_all(reader)  # what the buffers held, then the server's close
+        reader.close()
+        assert data.startswith(b"HTTP/1.1 200")
+        assert b"data: [DONE]" not in data  # cut, not finished
+        assert not data.endswith(b"0\r\n\r\n")
+        assert held >= 1.5
+        # The ledger's bound: the due time (cap / rate + release margin) plus send_timeout.
+        assert server.ledger.overrun == 0.3
+
+
+def test_a_reader_that_keeps_up_is_never_cut() -> None:
+    with running_server(
+        kv_tokens=8192, decode_rate=20_000.0, tick_seconds=0.005, send_timeout=0.05
+    ) as server:
+        with socket.create_connection((server.host, server.port)) as sock:
+            body = {"prompt": "x", "max_tokens": 2000, "stream": True}
+            sock.sendall(request_bytes("/v1/completions", body, close=True))
+            data = read_all(sock)
+        assert data.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")  # the last chunk, then the end
+        assert server.metrics()["kv_send_timeouts_total"] == 0
+        wait_for(lambda: at_zero(server))
+
+
+# --- item 6: a client that half-closes after sending ---------------------------------------------
+
+FAST: dict[str, Any] = {
+    "kv_tokens": 4096,
+    "context_window": 2048,
+    "decode_rate": 2000.0,
+    "mean_output_tokens": 10_000.0,
+    "tick_seconds": 0.005,
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    with running_server(**FAST) as running:
+        yield running
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_half_closed_client_still_gets_its_answer(server: RunningServer, path: str) -> None:
+    body: dict[str, Any] = {"max_tokens": 200}  # 0.1 s of generation at 2000 tok/s
+    if path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    else:
+        body["prompt"] = "hello"
+    with socket.create_connection((server.host, server.port)) as sock:
+        sock.sendall(request_bytes(path, body))
+        sock.shutdown(socket.SHUT_WR)  # done sending: HTTP lets the client still read
+        data = read_all(sock)
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), data[:300]
+    answer = json.loads(payload)
+    if path != "/tokenize":
+        assert answer["usage"]["completion_tokens"] == 200
+    wait_for(lambda: at_zero(server))
+
+
+def test_a_half_closed_stream_is_read_to_the_end(server: RunningServer) -> None:
+    with socket.create_connection((server.host, server.port)) as sock:
+        body = {"prompt": "hello", "max_tokens": 100, "stream": True}
+        sock.sendall(request_bytes("/v1/completions", body))
+        sock.shutdown(socket.SHUT_WR)
+        data = read_all(sock)
+    assert data.startswith(b"HTTP/1.1 200")
+    assert b"data: [DONE]" in data
+    wait_for(lambda: at_zero(server))
+
+
+def test_an_end_of_file_inside_the_body_still_closes_at_once(server: RunningServer) -> None:
+    with socket.create_connection((server.host, server.port)) as sock:
+        whole = request_bytes("/v1/completions", {"prompt": "hello", "max_tokens": 5})
+        sock.sendall(whole[:-5])  # the body is incomplete
+        sock.shutdown(socket.SHUT_WR)
+        data = read_all(sock)
+    assert b"200 OK" not in data  # no answer to a request that never arrived
+    wait_for(lambda: at_zero(server))
+    assert server.metrics()["kv_inflight_requests"] == 0
+
+
+def test_a_client_that_closes_while_waiting_is_released_by_the_end(
+    server: RunningServer,
+) -> None:
+    sock = socket.create_connection((server.host, server.port))
+    sock.sendall(request_bytes("/v1/completions", {"prompt": "hello", "max_tokens": 400}))
+    wait_for(lambda: server.metrics()["kv_inflight_requests"] == 1)
+    sock.close()  # gone: looks like a half-close until the answer's write fails
+    wait_for(lambda: at_zero(server), timeout=400 / 2000 + 3.0)
