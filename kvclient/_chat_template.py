@@ -17,38 +17,25 @@ A template that rejects the conversation (``raise_exception``, or an error while
 raises :class:`~kvclient.ChatTemplateError`. ``transformers`` is not used: it is the independent
 reference the tests compare with.
 
-Rendering costs Jinja's interpreter 50-250 µs a chat, more than tokenizing a short one. So a
-template keeps, per conversation *shape* (everything but the content strings), a skeleton traced
-by ``_template_trace``: the output as literals and content slots, with the guards on content it
-holds under. A chat of a shape seen before is filled into it (a few µs); a new shape, a failed
-guard or a template that reads content in ways a skeleton cannot replay renders in full.
+Every chat is rendered in full: the count must be exact, and the template is the only thing
+that knows what the server will see.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 from ._exceptions import ChatTemplateError, TokenizerError
 
 __all__ = [
-    "DEFAULT_CACHE_SHAPES",
-    "CacheInfo",
     "ChatTemplate",
     "ContentFormat",
     "detect_content_format",
     "split_parts",
 ]
-
-#: Conversation shapes whose traced skeletons a template keeps (least recently used evicted).
-DEFAULT_CACHE_SHAPES = 256
-#: Skeletons kept per shape (one per set of guard outcomes met, e.g. a content that starts with
-#: ``<tool_response>`` and one that does not); past that, misses render in full untraced.
-_VARIANTS_PER_SHAPE = 4
 
 ContentFormat = Literal["string", "openai"]
 
@@ -196,40 +183,6 @@ def split_parts(content: Any) -> tuple[list[str] | None, int]:
     return texts, media
 
 
-class CacheInfo(NamedTuple):
-    """How a template's renders were served (counted without a lock: approximate under threads)."""
-
-    hits: int
-    """Renders filled from a traced skeleton."""
-    misses: int
-    """Renders done in full (first of a shape, a guard that failed, an uncacheable shape)."""
-    shapes: int
-    """Conversation shapes held."""
-
-
-class _Unfreezable(Exception):
-    pass
-
-
-def _freeze(value: Any) -> Any:
-    """A hashable, type-exact image of a JSON-like value (``1``, ``1.0``, ``True`` differ)."""
-    kind = type(value)
-    if kind is str:
-        return value
-    if kind is dict:
-        return (dict, tuple((_freeze(k), _freeze(v)) for k, v in value.items()))
-    if kind is list or kind is tuple:
-        return (kind, tuple(_freeze(item) for item in value))
-    if kind is float:
-        return (float, repr(value))  # -0.0 and 0.0 render differently
-    if kind is int or kind is bool or value is None:
-        return (kind, value)
-    raise _Unfreezable
-
-
-_NONE = _freeze(None)
-
-
 def _parsed_call(call: Any) -> Any:
     """A tool call with its arguments as an object, as vLLM passes them to templates."""
     if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
@@ -254,19 +207,7 @@ class ChatTemplate:
     '[a\\nb]'
     """
 
-    __slots__ = (
-        "_cache",
-        "_cache_size",
-        "_compiled",
-        "_hits",
-        "_lock",
-        "_misses",
-        "_template_error",
-        "_traced",
-        "content_format",
-        "source",
-        "special_tokens",
-    )
+    __slots__ = ("_compiled", "_template_error", "content_format", "source", "special_tokens")
 
     def __init__(
         self,
@@ -274,11 +215,8 @@ class ChatTemplate:
         *,
         special_tokens: Mapping[str, Any] | None = None,
         content_format: ContentFormat | None = None,
-        cache_shapes: int = DEFAULT_CACHE_SHAPES,
     ) -> None:
         jinja2 = _import_jinja()
-        if isinstance(cache_shapes, bool) or not isinstance(cache_shapes, int) or cache_shapes < 0:
-            raise ValueError(f"cache_shapes must be an integer >= 0, got {cache_shapes!r}")
         self.source = source
         #: ``bos_token``, ``eos_token``, ... as the template sees them (transformers passes the
         #: tokenizer's whole special-token map).
@@ -291,18 +229,10 @@ class ChatTemplate:
         self.content_format: ContentFormat = (
             content_format if content_format is not None else detect_content_format(source)
         )
-        #: Traced skeletons by conversation shape (see ``_template_trace``); 0 turns it off.
-        self._cache_size = cache_shapes
-        self._cache: OrderedDict[Any, list[Any]] = OrderedDict()
-        self._lock = threading.Lock()
-        self._traced: Any = None  # the template compiled for tracing, at the first trace
-        self._hits = self._misses = 0
 
     def prepare(
         self,
         messages: Sequence[Mapping[str, Any]],
-        *,
-        wrap: Callable[[str], Any] | None = None,
     ) -> tuple[list[dict[str, Any]], int]:
         """Messages as vLLM hands them to the template, and the media parts taken out.
 
@@ -311,7 +241,6 @@ class ChatTemplate:
         is joined with newlines (kept as text parts); only ``role``, ``content``, ``name``,
         ``tool_calls`` (assistant), ``tool_call_id`` (tool) and ``reasoning`` reach the template;
         tool-call arguments given as a JSON string are parsed into an object (``{}`` if invalid).
-        ``wrap`` (tracing) replaces each content string, in the order :meth:`_shape` lists them.
         """
         checked: object = messages
         if isinstance(checked, (str, bytes)) or not isinstance(checked, Sequence):
@@ -337,12 +266,9 @@ class ChatTemplate:
                 texts, media = split, media + count
             out: dict[str, Any] = {"role": role}
             if parts_kept and role != "tool":
-                out["content"] = [
-                    {"type": "text", "text": text if wrap is None else wrap(text)} for text in texts
-                ]
+                out["content"] = [{"type": "text", "text": text} for text in texts]
             else:
-                joined = "\n".join(texts)
-                out["content"] = joined if wrap is None else wrap(joined)
+                out["content"] = "\n".join(texts)
             if role == "assistant":
                 calls = message.get("tool_calls")
                 if isinstance(calls, list) and calls:
@@ -356,99 +282,6 @@ class ChatTemplate:
                 out["name"] = message["name"]
             prepared.append(out)
         return prepared, media
-
-    def _shape(
-        self,
-        messages: Any,
-        tools: Any,
-        add_generation_prompt: Any,
-        extra: dict[str, Any],
-    ) -> tuple[Any, list[str], int] | None:
-        """The conversation's shape (everything that reaches the template but its content
-        strings), its content strings in :meth:`prepare`'s order, and its media parts; None for
-        anything unusual (rendered in full, where :meth:`prepare` raises what it raises)."""
-        if type(messages) is not list and type(messages) is not tuple:
-            return None
-        parts_kept = self.content_format == "openai"
-        # Flat: each message's role says how many items follow it.
-        shape: list[Any] = []
-        contents: list[str] = []
-        media = 0
-        try:
-            for message in messages:
-                if type(message) is not dict:
-                    return None
-                role = message.get("role")
-                content = message.get("content")
-                if type(role) is not str:
-                    return None
-                flag: Any
-                if type(content) is str and len(message) == 2:
-                    # The common message: {"role": ..., "content": "..."}, nothing else.
-                    contents.append(content)
-                    flag = (content != "",) if parts_kept and role != "tool" else content != ""
-                    if role == "assistant":
-                        shape += (role, flag, None, None, _NONE)
-                    elif role == "tool":
-                        shape += (role, flag, None, _Unfreezable)
-                    else:
-                        shape += (role, flag, None)
-                    continue
-                if type(content) is str:
-                    texts: Any = (content,)
-                elif content is None:
-                    texts = ()
-                elif type(content) is list:
-                    texts = []
-                    for part in content:
-                        if type(part) is str:
-                            texts.append(part)
-                        elif type(part) is dict:
-                            if part.get("type", "text") not in _TEXT_PART_TYPES:
-                                media += 1
-                            elif type(part.get("text")) is str:
-                                texts.append(part["text"])
-                            else:
-                                return None
-                        else:
-                            return None
-                else:
-                    return None
-                if parts_kept and role != "tool":
-                    contents.extend(texts)
-                    flag = tuple([text != "" for text in texts])
-                else:
-                    joined = texts[0] if len(texts) == 1 else "\n".join(texts)
-                    contents.append(joined)
-                    flag = joined != ""
-                name = message.get("name")
-                if name is not None and type(name) is not str:
-                    if isinstance(name, str):
-                        return None
-                    name = None
-                if role == "assistant":
-                    calls = message.get("tool_calls")
-                    calls = _freeze(calls) if isinstance(calls, list) and calls else None
-                    reasoning = message.get("reasoning", message.get("reasoning_content"))
-                    shape += (role, flag, name, calls, _freeze(reasoning))
-                elif role == "tool":
-                    call_id = (
-                        _freeze(message["tool_call_id"])
-                        if "tool_call_id" in message
-                        else _Unfreezable
-                    )
-                    shape += (role, flag, name, call_id)
-                else:
-                    shape += (role, flag, name)
-            key = (
-                _freeze(add_generation_prompt),
-                None if tools is None else _freeze([dict(tool) for tool in tools]),
-                _freeze(sorted(extra.items())) if extra else None,
-                tuple(shape),
-            )
-        except (_Unfreezable, TypeError, ValueError):
-            return None
-        return key, contents, media
 
     def _context(
         self,
@@ -475,50 +308,9 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **extra: Any,
     ) -> tuple[str, int]:
-        """The prompt text the server tokenizes, and the media parts left for the caller to cost.
-
-        A conversation whose shape was traced before (see ``_template_trace``) is filled into
-        that skeleton instead of rendered: the same text, without running the template.
-        """
-        shape = (
-            self._shape(messages, tools, add_generation_prompt, extra) if self._cache_size else None
-        )
-        if shape is None:
-            prepared, media = self.prepare(messages)
-            return self._render_full(prepared, tools, add_generation_prompt, extra), media
-        key, contents, media = shape
-        variants = self._cache.get(key)  # atomic; a concurrent eviction only costs a miss
-        if variants is not None:
-            try:  # noqa: SIM105 - contextlib.suppress costs more on this hot path
-                self._cache.move_to_end(key)
-            except KeyError:
-                pass
-        # A shape is traced the second time it is seen: one-off shapes (a tool call's unique
-        # arguments are part of the shape) cost a full render only, never a trace as well.
-        trace = variants is not None and len(variants) < _VARIANTS_PER_SHAPE
-        for skeleton in variants or ():
-            text = skeleton.replay(contents)
-            if text is not None:
-                self._hits += 1
-                return text, media
-            if skeleton.output is None and skeleton.holds(skeleton.reals(contents)):
-                trace = False  # traced before: cannot be replayed under these guards
-                break
-        self._misses += 1
-        prepared, _ = self.prepare(messages)
-        text = self._render_full(prepared, tools, add_generation_prompt, extra)
-        skeleton = (
-            self._trace(messages, tools, add_generation_prompt, extra, contents, text)
-            if trace
-            else None
-        )
-        with self._lock:
-            held = self._cache.setdefault(key, [])
-            if skeleton is not None and len(held) < _VARIANTS_PER_SHAPE:
-                held.append(skeleton)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return text, media
+        """The prompt text the server tokenizes, and the media parts left for the caller to cost."""
+        prepared, media = self.prepare(messages)
+        return self._render_full(prepared, tools, add_generation_prompt, extra), media
 
     def _render_full(
         self,
@@ -540,44 +332,3 @@ class ChatTemplate:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         return text
-
-    def _trace(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None,
-        add_generation_prompt: bool,
-        extra: dict[str, Any],
-        contents: list[str],
-        text: str,
-    ) -> Any:
-        """A skeleton for this conversation's shape, checked against its full render ``text``."""
-        from . import _template_trace as tracing
-
-        never = tracing.Skeleton(tracing.Trace(), None)  # matches every conversation of the shape
-        if self._traced is None:
-            self._traced = tracing.tracing_environment(self._compiled.environment).from_string(
-                self.source
-            )
-        trace = tracing.Trace()
-        prepared, _ = self.prepare(messages, wrap=trace.content)
-        if trace.contents != contents:
-            return never
-        try:
-            output = self._traced.render(
-                **self._context(prepared, tools, add_generation_prompt, extra)
-            )
-        except tracing.Uncacheable:
-            return tracing.Skeleton(trace, None)
-        except Exception:  # the traced render went elsewhere than the real one did
-            return never
-        if not tracing.verified(output):
-            return never
-        skeleton = tracing.Skeleton(trace, output)
-        reals = skeleton.reals(contents)
-        if not skeleton.holds(reals) or skeleton.fill(reals) != text:
-            return never
-        return skeleton
-
-    def cache_info(self) -> CacheInfo:
-        """How renders were served so far: filled from a skeleton, or rendered in full."""
-        return CacheInfo(self._hits, self._misses, len(self._cache))

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ._chat_template import DEFAULT_CACHE_SHAPES, ChatTemplate
+from ._chat_template import ChatTemplate
 from ._exceptions import ChatTemplateError, TokenizerError
 from ._fast_bpe import FastBPE, agrees, fast_bpe
 
@@ -430,7 +430,7 @@ _SPECIAL_TOKEN_KEYS = (
 
 
 def _model_template(
-    directory: Path, chat_template: str | None, cache_shapes: int
+    directory: Path, chat_template: str | None
 ) -> tuple[Mapping[str, Any], dict[str, Any], ChatTemplate | None]:
     """A model directory's tokenizer config, special tokens and chat template (no tokenizer)."""
     config_file = directory / "tokenizer_config.json"
@@ -448,11 +448,7 @@ def _model_template(
     if isinstance(extra, list):
         special["additional_special_tokens"] = [_token_text(t) for t in extra]
     source = chat_template if chat_template is not None else _find_chat_template(directory, config)
-    template = (
-        ChatTemplate(source, special_tokens=special, cache_shapes=cache_shapes)
-        if source is not None
-        else None
-    )
+    template = ChatTemplate(source, special_tokens=special) if source is not None else None
     return config, special, template
 
 
@@ -526,16 +522,12 @@ class HuggingFaceCounter:
         *,
         non_text_part_tokens: int = DEFAULT_NON_TEXT_PART_TOKENS,
         chat_template: str | None = None,
-        cache_shapes: int = DEFAULT_CACHE_SHAPES,
         tiktoken_bpe: bool = True,
     ) -> HuggingFaceCounter:
         """Load a local model directory: ``tokenizer.json``, ``tokenizer_config.json`` and the
         chat template (``chat_template.jinja``, ``chat_template.json`` or the config's).
 
-        ``chat_template`` overrides the model's. ``cache_shapes``: how many conversation shapes
-        keep a traced skeleton of the template's output, so a chat of a shape seen before is
-        filled in instead of rendered (same text; 0 renders every chat in full). Without any
-        template, chats raise
+        ``chat_template`` overrides the model's. Without any template, chats raise
         :class:`~kvclient.ChatTemplateError` (as vLLM refuses them) rather than guess.
 
         Raw prompts: the tokenizer's post-processor adds what it adds (Llama 3.1, Gemma 3 and
@@ -555,7 +547,7 @@ class HuggingFaceCounter:
         if not tokenizer_file.is_file():
             raise TokenizerError(f"{str(directory)!r} has no tokenizer.json")
         tokenizer = _load_hf_tokenizer(str(tokenizer_file))
-        config, special, template = _model_template(directory, chat_template, cache_shapes)
+        config, special, template = _model_template(directory, chat_template)
         probe: list[int] = tokenizer.encode("a", add_special_tokens=True).ids
         plain: list[int] = tokenizer.encode("a", add_special_tokens=False).ids
         added = 0
