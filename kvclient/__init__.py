@@ -14,7 +14,7 @@ from ._accounting import (
     reservation_tokens,
     round_up_to_blocks,
 )
-from ._client import AsyncClient, AsyncStream, Client, Stream
+from ._async_client import AsyncClient, AsyncStream
 from ._exceptions import (
     APIConnectionError,
     APIResponseError,
@@ -40,6 +40,7 @@ from ._exceptions import (
 from ._models import Completion, CompletionChunk, RetryEvent, ToolCall, Usage
 from ._retry import RetryBudget, RetryPolicy, parse_retry_after
 from ._server_counter import ServerTokenizeCounter
+from ._sync_client import Client, Stream
 from ._tokens import HuggingFaceCounter, TiktokenCounter, TokenCounter, Tokenizer
 from ._version import __version__
 

@@ -18,29 +18,27 @@ from typing import Any
 import httpx
 
 from ._client import (
-    _STALE_RESENDS,
-    _WINDOW_POLL,
     DEFAULT_SAFETY_MARGIN,
     DEFAULT_TIMEOUT,
+    STALE_RESENDS,
+    WINDOW_POLL,
     BaseClient,
-    _Prepared,
-    _Replica,
-    _slot_outcome,
-    _stale_connection,
-    _StreamBase,
+    Prepared,
 )
 from ._dialects import Answer, Discovery, Probe
 from ._exceptions import APIResponseError, KVClientError
+from ._http import Bounded, stale_connection, transport_error
 from ._models import Completion, CompletionChunk, RetryEvent
-from ._retry import RetryCall, RetryPolicy
+from ._replicas import Call, Replica, slot_outcome
+from ._retry import RetryPolicy
 from ._shims import AsyncLock, AsyncSignal, async_close_chain, async_drop, async_eager
-from ._streaming import AsyncLines, aiter_events
+from ._streaming import AsyncLines, StreamBase, aiter_events
 from ._tokens import Message, TokenCounter
 
 __all__ = ["AsyncClient", "AsyncStream"]
 
 
-class AsyncStream(_StreamBase):
+class AsyncStream(StreamBase):
     """A streamed answer: ``async with client.chat_stream(...) as stream: async for chunk in
     stream: ...``.
 
@@ -51,9 +49,14 @@ class AsyncStream(_StreamBase):
     _client: AsyncClient
 
     def __init__(
-        self, client: AsyncClient, prepare: Callable[[], Awaitable[_Prepared]], *, chat: bool
+        self, client: AsyncClient, prepare: Callable[[], Awaitable[Prepared]], *, chat: bool
     ) -> None:
-        super().__init__(async_eager(prepare), chat=chat)
+        super().__init__(
+            async_eager(prepare),
+            chat=chat,
+            read_timeout=client._base_timeout.read,
+            clock=client.retry.clock,
+        )
         self._prepare = prepare
         self._client = client
         self._response: httpx.Response | None = None
@@ -81,12 +84,12 @@ class AsyncStream(_StreamBase):
         if self._prepared_value is None:
             # Discovery and counting happen here, so `async with client.chat_stream(...)` works.
             self._prepared_value = await self._prepare()
-        self._call = client._new_call(self._prepared_value)
+        prepared = self._prepared_value
+        self._call = call = client.new_call(prepared.size)
 
-        async def attempt(
-            call: RetryCall,
+        async def first_event(
+            response: httpx.Response,
         ) -> tuple[httpx.Response, Any, Any, dict[str, Any] | None]:
-            response = await client._send(self._prepared, call, stream=True)
             lines = response.aiter_bytes()
             events = aiter_events(AsyncLines(lines), max_events=self._max_events())
             try:
@@ -99,13 +102,15 @@ class AsyncStream(_StreamBase):
             except httpx.HTTPError as exc:
                 await async_close_chain(response, events, lines)
                 # No event yet: nothing delivered, so this is as retryable as a refused connection.
-                raise client._transport_error(exc, response.request, answered=False) from exc
+                raise transport_error(exc, response.request, answered=False) from exc
             except BaseException:
                 await async_close_chain(response, events, lines)
                 raise
             return response, events, lines, first
 
-        opened = await client._run(self._call, attempt, keep_slot=True)
+        opened = await client._run(
+            call, lambda call: client._request(prepared, call), stream=True, opened=first_event
+        )
         self._response, self._events, self._lines, first = opened
         self._opened(self._response)
         self._feed(first)
@@ -146,7 +151,7 @@ class AsyncStream(_StreamBase):
 
     def __del__(self) -> None:
         # Dropped unclosed (``async for chunk in client.chat_stream(...): break``).
-        if getattr(self, "_holds_slot", False):
+        if getattr(self, "_bounded", None) is not None:
             with contextlib.suppress(Exception):
                 async_drop(self)
 
@@ -157,6 +162,8 @@ class AsyncClient(BaseClient):
     >>> async with AsyncClient(base_url="http://127.0.0.1:8000") as c:  # doctest: +SKIP
     ...     (await c.chat([{"role": "user", "content": "hi"}])).text
     """
+
+    _http: httpx.AsyncClient
 
     def __init__(
         self,
@@ -192,9 +199,7 @@ class AsyncClient(BaseClient):
             raise ValueError("pass transport= or http_client=, not both")
         self._owns_http = http_client is None
         if http_client is None:
-            http_client = httpx.AsyncClient(
-                transport=transport, timeout=timeout, headers=self._take_constant_headers()
-            )
+            http_client = httpx.AsyncClient(transport=transport, timeout=timeout)
         self._http = http_client
         self._discovery_lock = AsyncLock()
         # Wakes the sends waiting for a send-window slot whenever one is given back.
@@ -218,118 +223,16 @@ class AsyncClient(BaseClient):
 
     # --- I/O ---------------------------------------------------------------------------------
 
-    async def _hold(self, call: RetryCall) -> None:
-        for _ in call.hold_rounds():
-            wait = call.hold_time()
-            if wait <= 0:
-                return
-            await self.retry.async_sleep(wait)
-            call.held(wait)
-        raise self._stuck(call)
+    async def discover(self, *, verify: bool = False) -> None:
+        """Learn the model and the context window, whichever was not given, from the server
+        (once; every replica's window with several: the smallest counts).
 
-    async def _acquire_slot(self, call: RetryCall) -> None:
-        clock = self.retry.clock
-        size = call.size
-        window = self._window_of(call)
-        if not self.retry.window or window.try_acquire(clock(), size):
-            return
-        started = time.monotonic()
-        async with self._window_changed:
-            while not window.try_acquire(clock(), size):
-                left = call.time_left()
-                if left <= 0:
-                    raise self._window_busy(call)
-                await self._window_changed.wait(min(left, _WINDOW_POLL))
-        call.held(time.monotonic() - started)
-
-    def _release_slot(self, outcome: str, call: RetryCall) -> None:
-        if self._released(outcome, call):
-            self._window_changed.notify_all()
-
-    async def _attempt(
-        self, call: RetryCall, attempt: Callable[[RetryCall], Any], keep_slot: bool
-    ) -> Any:
-        """One attempt: go to the replica that fits it best, hold out that replica's cooldown
-        and pacing, take a send-window slot (kept past success when ``keep_slot``: a stream
-        gives it back when it closes), send. A connection failure or a 503 before any byte goes
-        again at once to another replica, if there is one in service."""
-        again = False
-        while True:
-            self._route(call, again=again)
-            await self._hold(call)
-            await self._acquire_slot(call)
-            if not again:
-                call.begin_attempt()  # a fail-over is the same attempt, somewhere else
-            self._sending(call)
-            try:
-                result = await attempt(call)
-            except BaseException as exc:
-                self._release_slot(_slot_outcome(exc), call)
-                if self._fail_over(call, exc):
-                    again = True
-                    continue
-                raise
-            self._answered(call)
-            if not keep_slot:
-                self._release_slot("ok", call)
-            return result
-
-    async def _run(
-        self, call: RetryCall, attempt: Callable[[RetryCall], Any], *, keep_slot: bool = False
-    ) -> Any:
-        """Attempts until one succeeds or the policy gives up.
-
-        The first attempt runs outside tenacity: most calls succeed at once, and entering the
-        retry loop costs more than the rest of the client's work. A failure is replayed as the
-        loop's first outcome, so every decision is still the policy's.
+        ``verify``: when both were given, still check that the server answers, takes the key
+        and serves the model. Raises :class:`KVClientError` saying what is missing.
         """
-        try:
-            result = await self._attempt(call, attempt, keep_slot)
-        except Exception as exc:
-            first: Exception | None = exc
-        else:
-            call.decide(None)
-            return result
-        results: list[Any] = []
-        async for manager in call.async_attempts():
-            with manager:
-                if first is not None:
-                    error, first = first, None
-                    raise error
-                results.append(await self._attempt(call, attempt, keep_slot))
-        return results[-1]
-
-    async def _send_request(
-        self, request: httpx.Request, call: RetryCall, *, stream: bool
-    ) -> httpx.Response:
-        while True:
-            try:
-                response = await self._http.send(request, stream=True)
-                break
-            except httpx.HTTPError as exc:
-                if call.resends < _STALE_RESENDS and _stale_connection(exc):
-                    call.resends += 1
-                    continue
-                raise self._transport_error(exc, request, answered=False) from exc
-        self._bound(response)
-        if stream and response.status_code < 400:
-            return response
-        try:
-            await response.aread()
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc, request, answered=True) from exc
-        finally:
-            await response.aclose()
-        if response.status_code >= 400:
-            raise self._status_error(response)
-        return response
-
-    async def _send(self, prepared: _Prepared, call: RetryCall, *, stream: bool) -> httpx.Response:
-        request = self._build_request(self._http, prepared, call)
-        return await self._send_request(request, call, stream=stream)
-
-    async def _discover(self) -> None:
         if not self._needs_discovery():
+            if verify:
+                self._adopt_discovery(await self._discover_at(None), verify=True)
             return
         async with self._discovery_lock:
             if not self._needs_discovery():
@@ -339,7 +242,7 @@ class AsyncClient(BaseClient):
                 # when none answered, again as any request would go (routed, retried).
                 found: list[Discovery | KVClientError] = []
                 for replica in self._replicas:
-                    if self._discovered_enough():
+                    if not self._needs_discovery():
                         break
                     try:
                         found.append(await self._discover_at(replica))
@@ -350,7 +253,131 @@ class AsyncClient(BaseClient):
                     return
             self._adopt_discovery(await self._discover_at(None))
 
-    async def _discover_at(self, replica: _Replica | None) -> Discovery:
+    async def send(
+        self, call: Call, build: Callable[[Call], httpx.Request], *, stream: bool = False
+    ) -> httpx.Response:
+        """Send ``call`` on the one send path (see :mod:`kvclient._client`): each attempt's
+        request is ``build(call)``, for ``call.replica``.
+
+        Returns the admitted answer (status < 400), read and closed; with ``stream`` unread,
+        its body holding the call's send-window slot until it is closed. Raises the call's
+        final :class:`KVClientError` (the server's error, ``ServerBusyError`` when retries ran
+        out, a connection error).
+        """
+        response: httpx.Response = await self._run(call, build, stream=stream)
+        return response
+
+    # --- I/O ---------------------------------------------------------------------------------
+
+    async def _run(
+        self,
+        call: Call,
+        build: Callable[[Call], httpx.Request],
+        *,
+        stream: bool,
+        opened: Callable[[httpx.Response], Awaitable[Any]] | None = None,
+    ) -> Any:
+        """Attempts until one succeeds or the policy gives up; with ``opened``, an attempt
+        succeeds when ``opened(response)`` does (a stream's first event)."""
+        result: Any = None
+        async for attempt in call:
+            with attempt:
+                result = await self._attempt(call, build, stream, opened)
+        return result
+
+    async def _attempt(
+        self,
+        call: Call,
+        build: Callable[[Call], httpx.Request],
+        stream: bool,
+        opened: Callable[[httpx.Response], Awaitable[Any]] | None,
+    ) -> Any:
+        """One attempt: go to the replica that fits it best, hold out that replica's cooldown
+        and pacing, take a send-window slot, send. A connection failure or a 503 before any
+        byte goes again at once to another replica, if there is one in service."""
+        again = False
+        while True:
+            self._replicas.route(call, again=again)
+            await self._hold(call)
+            await self._acquire_slot(call)
+            if not again:
+                call.begin_attempt()  # a fail-over is the same attempt, somewhere else
+            self._replicas.sending(call)
+            try:
+                response = await self._send_request(build(call), call, stream=stream)
+                result = response if opened is None else await opened(response)
+            except BaseException as exc:
+                self._release_slot(slot_outcome(exc), call)
+                if self._replicas.fail_over(call, exc):
+                    again = True
+                    continue
+                raise
+            self._replicas.answered(call)
+            body = response.stream
+            if stream and isinstance(body, Bounded):
+                # Handed on: httpx's read timeout bounds each chunk from here (a client's
+                # stream bounds each event), and closing the body gives the slot back.
+                body.deadline = None
+                body.on_close(lambda: self._release_slot("ok", call))
+            else:
+                self._release_slot("ok", call)
+            return result
+
+    async def _send_request(
+        self, request: httpx.Request, call: Call, *, stream: bool
+    ) -> httpx.Response:
+        request = self._stamp(request, call)
+        while True:
+            try:
+                response = await self._http.send(request, stream=True)
+                break
+            except httpx.HTTPError as exc:
+                if call.resends < STALE_RESENDS and stale_connection(exc):
+                    call.resends += 1
+                    continue
+                raise transport_error(exc, request, answered=False) from exc
+        self._bound(response)
+        if stream and response.status_code < 400:
+            return response
+        try:
+            await response.aread()
+        except httpx.HTTPError as exc:
+            raise transport_error(exc, request, answered=True) from exc
+        finally:
+            await response.aclose()
+        if response.status_code >= 400:
+            raise self._status_error(response)
+        return response
+
+    async def _hold(self, call: Call) -> None:
+        for _ in call.hold_rounds():
+            wait = call.hold_time()
+            if wait <= 0:
+                return
+            await self.retry.async_sleep(wait)
+            call.held(wait)
+        raise self._stuck(call)
+
+    async def _acquire_slot(self, call: Call) -> None:
+        clock = self.retry.clock
+        size = call.size
+        window = call.replica.window
+        if not self.retry.window or window.try_acquire(clock(), size):
+            return
+        started = time.monotonic()
+        async with self._window_changed:
+            while not window.try_acquire(clock(), size):
+                left = call.time_left()
+                if left <= 0:
+                    raise self._window_busy(call)
+                await self._window_changed.wait(min(left, WINDOW_POLL))
+        call.held(time.monotonic() - started)
+
+    def _release_slot(self, outcome: str, call: Call) -> None:
+        if self._replicas.released(outcome, call):
+            self._window_changed.notify_all()
+
+    async def _discover_at(self, replica: Replica | None) -> Discovery:
         """Run the dialects' discovery against ``replica`` (None: wherever requests go)."""
         driver = self._discovery()
         probe = next(driver)
@@ -362,23 +389,25 @@ class AsyncClient(BaseClient):
                 found: Discovery = stop.value
                 return found
 
-    async def _probe(self, probe: Probe, replica: _Replica | None = None) -> Answer:
-        async def attempt(call: RetryCall) -> httpx.Response:
-            request = self._probe_request(self._http, probe, call)
-            return await self._send_request(request, call, stream=False)
-
+    async def _probe(self, probe: Probe, replica: Replica | None) -> Answer:
+        call = self._probe_call(replica)
         try:
-            return self._probe_answer(await self._run(self._probe_call(replica), attempt), None)
+            response = await self._run(
+                call, lambda call: self._probe_request(probe, call), stream=False
+            )
         except KVClientError as error:
             return self._probe_answer(None, error)
+        return self._probe_answer(response, None)
 
-    async def _call(self, prepared: _Prepared) -> Completion:
-        call = self._new_call(prepared)
+    async def _call(self, prepared: Prepared) -> Completion:
+        call = self.new_call(prepared.size)
 
-        async def attempt(call: RetryCall) -> dict[str, Any]:
-            return self._json(await self._send(prepared, call, stream=False))
+        async def parsed(response: httpx.Response) -> dict[str, Any]:
+            return self._json(response)
 
-        payload = await self._run(call, attempt)
+        payload = await self._run(
+            call, lambda call: self._request(prepared, call), stream=False, opened=parsed
+        )
         return self._completion(payload, prepared, call)
 
     # --- API ---------------------------------------------------------------------------------
@@ -387,14 +416,14 @@ class AsyncClient(BaseClient):
         self, prompt: str, *, max_tokens: int | None = None, **params: Any
     ) -> Completion:
         """``POST /v1/completions`` with an explicit, clamped ``max_tokens``."""
-        await self._discover()
+        await self.discover()
         return await self._call(self._prepare_completion(prompt, max_tokens, params, stream=False))
 
     async def chat(
         self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
     ) -> Completion:
         """``POST /v1/chat/completions`` with an explicit, clamped ``max_tokens``."""
-        await self._discover()
+        await self.discover()
         return await self._call(self._prepare_chat(messages, max_tokens, params, stream=False))
 
     def complete_stream(
@@ -405,8 +434,8 @@ class AsyncClient(BaseClient):
         The request is counted, clamped and sent when the stream is entered (or first iterated).
         """
 
-        async def prepare() -> _Prepared:
-            await self._discover()
+        async def prepare() -> Prepared:
+            await self.discover()
             return self._prepare_completion(prompt, max_tokens, params, stream=True)
 
         return AsyncStream(self, prepare, chat=False)
@@ -419,8 +448,8 @@ class AsyncClient(BaseClient):
         The request is counted, clamped and sent when the stream is entered (or first iterated).
         """
 
-        async def prepare() -> _Prepared:
-            await self._discover()
+        async def prepare() -> Prepared:
+            await self.discover()
             return self._prepare_chat(messages, max_tokens, params, stream=True)
 
         return AsyncStream(self, prepare, chat=True)

@@ -461,8 +461,9 @@ class _Decision:
 class RetryCall:
     """The state of one call across its attempts, and the tenacity loop that drives them.
 
-    Sync and async clients share it: they iterate :meth:`attempts_iter` or :meth:`async_attempts`
-    and, inside each attempt, call :meth:`hold_time` before sending. Every decision is made here.
+    Sync and async clients share it: they iterate it (``for`` or ``async for``, one tenacity
+    loop either way) and, inside each attempt, call :meth:`hold_time` before sending. Every
+    decision is made here; tenacity only runs the loop and sleeps.
     """
 
     def __init__(
@@ -499,9 +500,9 @@ class RetryCall:
         self.attempts = 0
         self.history: list[RetryEvent] = []
         self.waited = 0.0
-        # Immediate re-sends after the server closed a pooled connection (the client's
-        # _stale_connection): bounded per call, so a server that always hangs up costs a couple
-        # of sends more, not a multiple of every attempt.
+        # Immediate re-sends after the server closed a pooled connection (see
+        # kvclient._http.stale_connection): bounded per call, so a server that always hangs up
+        # costs a couple of sends more, not a multiple of every attempt.
         self.resends = 0
         self._decision = _Decision(retry=False)
 
@@ -712,49 +713,44 @@ class RetryCall:
             except Exception:  # an observer's bug must not change what the call does
                 logger.exception("kvclient on_retry hook raised; retrying anyway")
 
-    # --- tenacity glue -----------------------------------------------------------------------
+    # --- tenacity ------------------------------------------------------------------------------
 
-    def _t_retry(self, state: tenacity.RetryCallState) -> bool:
+    def _retry(self, state: tenacity.RetryCallState) -> bool:
+        """tenacity's question after each attempt, answered by :meth:`decide`: giving up raises
+        the call's final error from here."""
         outcome = state.outcome
         error = outcome.exception() if outcome is not None and outcome.failed else None
         self._decision = self.decide(error)
-        return self._decision.retry
+        give_up = self._decision.give_up
+        if give_up is None:
+            return self._decision.retry
+        if give_up is error:
+            raise give_up
+        raise give_up from error
 
-    def _t_wait(self, state: tenacity.RetryCallState) -> float:
-        return self._decision.wait
-
-    def _t_stop(self, state: tenacity.RetryCallState) -> bool:
-        return self._decision.give_up is not None
-
-    def _t_give_up(self, state: tenacity.RetryCallState) -> Any:
-        error = self._decision.give_up
-        assert error is not None
-        cause = state.outcome.exception() if state.outcome is not None else None
-        if error is cause:
-            raise error
-        raise error from cause
-
-    def _t_before_sleep(self, state: tenacity.RetryCallState) -> None:
+    def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         outcome = state.outcome
         error = outcome.exception() if outcome is not None and outcome.failed else None
         self._record(error, self._decision.wait)
 
-    def _options(self) -> dict[str, Any]:
-        return {
-            "retry": self._t_retry,
-            "wait": self._t_wait,
-            "stop": self._t_stop,
-            "retry_error_callback": self._t_give_up,
-            "before_sleep": self._t_before_sleep,
-        }
+    def _retrying(self, kind: type[tenacity.BaseRetrying], sleep: Any) -> Any:
+        return kind(
+            sleep=sleep,
+            retry=self._retry,
+            wait=lambda _state: self._decision.wait,
+            before_sleep=self._before_sleep,
+        )
 
-    def attempts_iter(self) -> Iterator[Any]:
-        """Context managers, one per attempt: ``with attempt: ...`` (sync)."""
-        return iter(tenacity.Retrying(sleep=self.policy.sleep, **self._options()))
+    def __iter__(self) -> Iterator[Any]:
+        """One context manager per attempt: ``for attempt in call: with attempt: ...``."""
+        return iter(self._retrying(tenacity.Retrying, self.policy.sleep))
 
-    def async_attempts(self) -> AsyncIterator[Any]:
-        """Context managers, one per attempt: ``with attempt: ...`` (async)."""
-        return tenacity.AsyncRetrying(sleep=self.policy.async_sleep, **self._options()).__aiter__()
+    def __aiter__(self) -> AsyncIterator[Any]:
+        """One context manager per attempt: ``async for attempt in call: with attempt: ...``."""
+        iterator: AsyncIterator[Any] = self._retrying(
+            tenacity.AsyncRetrying, self.policy.async_sleep
+        ).__aiter__()
+        return iterator
 
     def hold_rounds(self) -> range:
         if self.pacer is None:

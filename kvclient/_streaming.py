@@ -14,12 +14,19 @@ from __future__ import annotations
 import itertools
 import json
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._exceptions import APIResponseError
+import httpx
+
+from ._exceptions import APIConnectionError, APIResponseError
+from ._http import Bounded, transport_error
 from ._models import Completion, CompletionChunk, RetryEvent, ToolCall, Usage
+
+if TYPE_CHECKING:
+    from ._client import Prepared
+    from ._replicas import Call
 
 __all__ = [
     "DONE",
@@ -28,6 +35,7 @@ __all__ = [
     "LineSplitter",
     "SSEDecoder",
     "StreamAccumulator",
+    "StreamBase",
     "aiter_events",
     "event_limit",
     "iter_events",
@@ -469,3 +477,101 @@ class StreamAccumulator:
             message=message,
             tool_calls=ToolCall.from_message(message),
         )
+
+
+class StreamBase:
+    """The pure half of a client's stream: events in, chunks out, the aggregated completion at
+    the end (``AsyncStream`` and ``Stream`` add the I/O).
+
+    Time: the call's deadline bounds the stream up to its first event (comments such as
+    ``: ping`` do not count); after it, each next event must come within ``read_timeout``.
+    The stream holds its call's send-window slot until its body is closed.
+    """
+
+    def __init__(
+        self,
+        prepared: Prepared | None,
+        *,
+        chat: bool,
+        read_timeout: float | None,
+        clock: Callable[[], float],
+    ) -> None:
+        self._prepared_value = prepared
+        self._acc = StreamAccumulator(chat=chat)
+        self._pending: deque[CompletionChunk] = deque()
+        self._call: Call | None = None
+        self._completion: Completion | None = None
+        self._read_timeout = read_timeout
+        self._clock = clock
+        # The open body: its deadline moves after each event; closing it gives the slot back.
+        self._bounded: Bounded | None = None
+
+    def _opened(self, response: httpx.Response) -> None:
+        stream = response.stream
+        self._bounded = stream if isinstance(stream, Bounded) else None
+
+    def _max_events(self) -> int:
+        """How many events this stream may send (see :func:`event_limit`)."""
+        prepared = self._prepared
+        n = prepared.body.get("n")
+        choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        return event_limit(prepared.max_tokens, choices)
+
+    def _wait_for_event(self) -> None:
+        """Before waiting for the next event: it must come within the read timeout."""
+        bounded = self._bounded
+        if bounded is None:
+            return
+        read = self._read_timeout
+        bounded.deadline = None if read is None else self._clock() + read
+        bounded.why = f"no stream event within the read timeout of {read}s"
+
+    def _give_back_slot(self) -> None:
+        if self._bounded is not None:
+            self._bounded.release()
+
+    def _feed(self, payload: dict[str, Any] | None) -> None:
+        if payload is None:
+            self._end(saw_done=True)
+        else:
+            self._pending.extend(self._acc.feed(payload))
+
+    @property
+    def _prepared(self) -> Prepared:
+        prepared = self._prepared_value
+        if prepared is None:
+            raise RuntimeError("the stream is not open yet: use it in a `with` block or iterate")
+        return prepared
+
+    def _end(self, *, saw_done: bool) -> None:
+        call = self._call
+        assert call is not None
+        self._acc.end(saw_done=saw_done)
+        self._completion = self._acc.completion(
+            max_tokens=self._prepared.max_tokens,
+            prompt_tokens=self._prepared.prompt_tokens,
+            attempts=call.attempts,
+            retry_wait=call.waited,
+            history=tuple(call.history),
+        )
+
+    def _broken(self, exc: httpx.HTTPError, request: httpx.Request | None) -> APIConnectionError:
+        error = transport_error(exc, request, answered=True)
+        error.message = (
+            f"{error.message}; the stream broke after {self._acc.events} events and is not "
+            "retried because output was already delivered"
+        )
+        error.args = (error.message,)
+        return error
+
+    @property
+    def max_tokens(self) -> int:
+        """The ``max_tokens`` sent."""
+        return self._prepared.max_tokens
+
+    @property
+    def completion(self) -> Completion:
+        """The whole answer, once the stream has been read to its end."""
+        if self._completion is None:
+            raise RuntimeError("the stream is not finished: iterate it to the end first")
+        return self._completion

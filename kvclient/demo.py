@@ -122,7 +122,7 @@ def _naive(http: httpx.AsyncClient) -> Sender:
 
 
 def _kvclient(http: httpx.AsyncClient) -> Sender:
-    from ._client import AsyncClient
+    from ._async_client import AsyncClient
     from ._retry import RetryPolicy
     from .loadgen._kvsender import KVClientSender
 

@@ -31,10 +31,10 @@ from typing import Any, ClassVar
 
 from locust import User, task
 
-from ._client import Client
 from ._exceptions import KVClientError
 from ._models import Completion, RetryEvent
 from ._retry import RetryPolicy
+from ._sync_client import Client
 from ._tokens import TiktokenCounter
 from .loadgen._kvsender import failure_cause
 from .loadgen._workload import MIXED, Shape, SyntheticWorkload, WorkItem

@@ -87,7 +87,6 @@ NAMES = {
     "aiter_bytes": "iter_bytes",
     "aiter_events": "iter_events",
     "AsyncLines": "iter_lines",
-    "async_attempts": "attempts_iter",
     "AsyncBaseTransport": "BaseTransport",
     "handle_async_request": "handle_request",
 }

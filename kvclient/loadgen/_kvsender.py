@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._client import AsyncClient
+from .._async_client import AsyncClient
 from .._exceptions import (
     APIConnectionError,
     APIResponseError,

@@ -1,15 +1,14 @@
 """Before a run: is the server there, does it take our key, does it serve the model, and how large
 is its context window? Each failure is one line that says what to fix (I/O, bounded in time).
 
-The context window and the model come from the client's own discovery (``AsyncClient``'s
-``/v1/models`` dialects), run once with no retries, so a run never starts against a server it
+The context window and the model come from the client's own discovery
+(``AsyncClient.discover``), run once with no retries, so a run never starts against a server it
 cannot use and never spends minutes retrying one that is not there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import httpx
@@ -76,7 +75,7 @@ async def preflight(
     limit: float = PREFLIGHT_TIMEOUT,
 ) -> Served:
     """Check the server once, with no retries; raise :class:`PreflightError` with the reason."""
-    from .._client import AsyncClient
+    from .._async_client import AsyncClient
     from .._retry import RetryPolicy
 
     policy = RetryPolicy(max_attempts=1, deadline=limit, window=False)
@@ -92,31 +91,12 @@ async def preflight(
     try:
         with anyio.fail_after(limit + 0.5):
             async with client:
-                if client._needs_discovery():
-                    await client._discover()
-                else:
-                    await _check_served(client)
+                # With model and window both given there is nothing to discover, but the
+                # server must still answer, take the key and serve the model.
+                await client.discover(verify=True)
     except TimeoutError:
         raise PreflightError(f"{url} did not answer within {limit:g} s") from None
     except KVClientError as exc:
         raise PreflightError(explain(exc, client.base_url)) from None
     assert client.context_window is not None
     return Served(model=client.model, context_window=client.context_window)
-
-
-async def _check_served(client: Any) -> None:
-    """Model and window both given: the client has nothing to discover, but the server must
-    still answer, take the key and serve the model. The dialects' discovery, told it needs no
-    window, checks just that, through the client's own probes."""
-    from .._dialects import discover_context
-
-    driver = discover_context(client.model, need_window=False)
-    probe = next(driver)
-    while True:
-        answer = await client._probe(probe)
-        try:
-            probe = driver.send(answer)
-        except StopIteration as stop:
-            if stop.value.problem is not None:
-                raise PreflightError(f"{client.base_url}: {stop.value.problem}") from None
-            return

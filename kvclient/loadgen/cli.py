@@ -248,10 +248,10 @@ def _writable(path: Path, flag: str) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything that can be known wrong before the run, so no run is wasted on it."""
-    from .._client import BASE_URL_ENV, _from_env
+    from .._client import BASE_URL_ENV, from_env
 
     if args.url is None:
-        args.url = _from_env(BASE_URL_ENV)
+        args.url = from_env(BASE_URL_ENV)
         if args.url is None:
             raise UsageError(f"give the server's URL, or set {' or '.join(BASE_URL_ENV)}")
     kinds = sum(x is not None for x in (args.rate, args.concurrency)) + bool(args.sweep)
@@ -355,9 +355,9 @@ def _slo(args: argparse.Namespace) -> SLO | None:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
-    from .._client import API_KEY_ENV, _from_env
+    from .._client import API_KEY_ENV, from_env
 
-    key: str | None = args.api_key or _from_env(API_KEY_ENV)
+    key: str | None = args.api_key or from_env(API_KEY_ENV)
     return key
 
 
@@ -373,7 +373,7 @@ async def run_bench(
     progress: bool = True,
 ) -> BenchResult:
     """One run as the arguments say, against a server the preflight has checked."""
-    from .._client import AsyncClient
+    from .._async_client import AsyncClient
     from .._retry import RetryPolicy
     from ._kvsender import KVClientSender
     from ._naive import NaiveSender

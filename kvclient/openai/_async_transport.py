@@ -7,15 +7,14 @@ I/O is ``_transport._Shared``.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import httpx
 
 from .._async_client import AsyncClient
 from .._exceptions import APIConnectionError, KVClientError
 from .._models import RetryEvent
-from .._retry import RetryCall, RetryPolicy
+from .._retry import RetryPolicy
 from .._tokens import TokenCounter
 from ._plan import generation_kind
 from ._transport import _UNKNOWN_BASE_URL, DEFAULT_LIMITS, _parse, _Shared
@@ -32,11 +31,12 @@ class AsyncTransport(_Shared, httpx.AsyncBaseTransport):
 
     ``inner`` is the transport that reaches the server (default: ``httpx.AsyncHTTPTransport``
     with the openai SDK's connection limits); the other options are
-    :class:`kvclient.AsyncClient`'s. Without ``context_window`` it is discovered once, from
-    ``GET /v1/models`` at the base URL of the first generation request, for that request's
-    model. Keep the SDK's own retries off (``max_retries=0``): kvclient marks its answers
-    ``x-should-retry: false``, but the SDK would still retry connection failures that kvclient
-    already retried.
+    :class:`kvclient.AsyncClient`'s. ``base_url`` may list several replicas: each request goes
+    to one of them, and fails over, as :class:`kvclient.AsyncClient`'s do; without it, the base
+    URL of the first generation request is the one server. Without ``context_window`` it is
+    discovered once, from ``GET /v1/models``, for the first request's model. Keep the SDK's own
+    retries off (``max_retries=0``): kvclient marks its answers ``x-should-retry: false``, but
+    the SDK would still retry connection failures that kvclient already retried.
     """
 
     _kv: AsyncClient
@@ -45,7 +45,7 @@ class AsyncTransport(_Shared, httpx.AsyncBaseTransport):
         self,
         *,
         inner: httpx.AsyncBaseTransport | None = None,
-        base_url: str | None = None,
+        base_url: str | Sequence[str] | None = None,
         context_window: int | None = None,
         counter: TokenCounter | None = None,
         retry: RetryPolicy | None = None,
@@ -72,10 +72,11 @@ class AsyncTransport(_Shared, httpx.AsyncBaseTransport):
         if kind is None or body is None:
             return await self._inner.handle_async_request(request)
         kv = self._kv
-        if kv.context_window is None:
+        if kv.context_window is None or not self._base_url_known:
             self._learn(request, kind, body)
+        if kv.context_window is None:
             try:
-                await kv._discover()
+                await kv.discover()
             except APIConnectionError as exc:
                 return self._gave_up(exc)
             except KVClientError as exc:
@@ -85,33 +86,12 @@ class AsyncTransport(_Shared, httpx.AsyncBaseTransport):
             return await self._inner.handle_async_request(request)
         if isinstance(plan, httpx.Response):
             return plan
-        key = str(uuid.uuid4())
-        inner = self._inner
-
-        async def attempt(call: RetryCall) -> httpx.Response:
-            outgoing = self._outgoing(request, plan, call, key)
-            try:
-                response = await inner.handle_async_request(outgoing)
-            except httpx.HTTPError as exc:
-                raise kv._transport_error(exc, outgoing, answered=False) from exc
-            response.request = outgoing
-            kv._note_room(response)  # the server's advertised room paces later calls
-            if response.status_code < 400:
-                return response
-            try:
-                await response.aread()
-            except httpx.HTTPError as exc:
-                raise kv._transport_error(exc, outgoing, answered=True) from exc
-            finally:
-                await response.aclose()
-            raise kv._status_error(response)
-
-        call = self._new_call(plan)
+        call = kv.new_call(plan.size)
         try:
-            response = await kv._run(call, attempt, keep_slot=True)
+            response = await kv.send(call, self._builder(request, kind, plan), stream=True)
         except KVClientError as exc:
             return self._gave_up(exc)
-        return self._admitted(response, call)
+        return self._admitted(response)
 
     async def aclose(self) -> None:
         await self._kv.aclose()  # closes the inner transport too

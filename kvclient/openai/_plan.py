@@ -142,7 +142,7 @@ def plan_request(client: BaseClient, kind: str, body: dict[str, Any]) -> Plan | 
     keys = _CAP_KEYS if kind == "chat" else _CAP_KEYS[:1]
     requested = _requested_cap(body, keys)
     longest = max(counts)
-    cap = client._clamp(requested, longest)
+    cap = client.clamp(requested, longest)
     used = [key for key in keys if body.get(key) is not None]
     rewritten = dict(body)
     # The caller's own key (both, if it sent both); never a second one it did not use.

@@ -8,14 +8,13 @@ file, then run ``python scripts/unasync.py``. What both do without I/O is ``_tra
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import httpx
 
 from .._exceptions import APIConnectionError, KVClientError
 from .._models import RetryEvent
-from .._retry import RetryCall, RetryPolicy
+from .._retry import RetryPolicy
 from .._sync_client import Client
 from .._tokens import TokenCounter
 from ._plan import generation_kind
@@ -33,11 +32,12 @@ class Transport(_Shared, httpx.BaseTransport):
 
     ``inner`` is the transport that reaches the server (default: ``httpx.HTTPTransport``
     with the openai SDK's connection limits); the other options are
-    :class:`kvclient.Client`'s. Without ``context_window`` it is discovered once, from
-    ``GET /v1/models`` at the base URL of the first generation request, for that request's
-    model. Keep the SDK's own retries off (``max_retries=0``): kvclient marks its answers
-    ``x-should-retry: false``, but the SDK would still retry connection failures that kvclient
-    already retried.
+    :class:`kvclient.Client`'s. ``base_url`` may list several replicas: each request goes
+    to one of them, and fails over, as :class:`kvclient.Client`'s do; without it, the base
+    URL of the first generation request is the one server. Without ``context_window`` it is
+    discovered once, from ``GET /v1/models``, for the first request's model. Keep the SDK's own
+    retries off (``max_retries=0``): kvclient marks its answers ``x-should-retry: false``, but
+    the SDK would still retry connection failures that kvclient already retried.
     """
 
     _kv: Client
@@ -46,7 +46,7 @@ class Transport(_Shared, httpx.BaseTransport):
         self,
         *,
         inner: httpx.BaseTransport | None = None,
-        base_url: str | None = None,
+        base_url: str | Sequence[str] | None = None,
         context_window: int | None = None,
         counter: TokenCounter | None = None,
         retry: RetryPolicy | None = None,
@@ -71,10 +71,11 @@ class Transport(_Shared, httpx.BaseTransport):
         if kind is None or body is None:
             return self._inner.handle_request(request)
         kv = self._kv
-        if kv.context_window is None:
+        if kv.context_window is None or not self._base_url_known:
             self._learn(request, kind, body)
+        if kv.context_window is None:
             try:
-                kv._discover()
+                kv.discover()
             except APIConnectionError as exc:
                 return self._gave_up(exc)
             except KVClientError as exc:
@@ -84,33 +85,12 @@ class Transport(_Shared, httpx.BaseTransport):
             return self._inner.handle_request(request)
         if isinstance(plan, httpx.Response):
             return plan
-        key = str(uuid.uuid4())
-        inner = self._inner
-
-        def attempt(call: RetryCall) -> httpx.Response:
-            outgoing = self._outgoing(request, plan, call, key)
-            try:
-                response = inner.handle_request(outgoing)
-            except httpx.HTTPError as exc:
-                raise kv._transport_error(exc, outgoing, answered=False) from exc
-            response.request = outgoing
-            kv._note_room(response)  # the server's advertised room paces later calls
-            if response.status_code < 400:
-                return response
-            try:
-                response.read()
-            except httpx.HTTPError as exc:
-                raise kv._transport_error(exc, outgoing, answered=True) from exc
-            finally:
-                response.close()
-            raise kv._status_error(response)
-
-        call = self._new_call(plan)
+        call = kv.new_call(plan.size)
         try:
-            response = kv._run(call, attempt, keep_slot=True)
+            response = kv.send(call, self._builder(request, kind, plan), stream=True)
         except KVClientError as exc:
             return self._gave_up(exc)
-        return self._admitted(response, call)
+        return self._admitted(response)
 
     def close(self) -> None:
         self._kv.close()  # closes the inner transport too

@@ -1,9 +1,10 @@
 """httpx transports that put kvclient between an OpenAI-style client and the server: the core.
 
 ``POST .../completions`` and ``POST .../chat/completions`` are counted, their output cap made
-explicit and clamped, refused locally when the prompt cannot fit, and sent through kvclient's
-retry core (cooldown, send window, Retry-After) to the inner transport. Every other request goes
-to the inner transport untouched. A streamed answer is handed on as it arrives, once its status
+explicit and clamped, refused locally when the prompt cannot fit, and sent on the client's own
+send path (:mod:`kvclient._client`: routing over replicas and fail-over, cooldown, send window,
+Retry-After, the immediate re-send on a connection the server had closed). Every other request
+goes to the inner transport untouched. An answer is handed on as it arrives, once its status
 line says it was admitted: it is retried only before that.
 
 What both transports do without I/O is here (``_Shared``); ``AsyncTransport`` is in
@@ -14,20 +15,12 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 
-from .._client import (
-    _MIN_ATTEMPT_TIMEOUT,
-    _PACED,
-    IDEMPOTENCY_HEADER,
-    RETRY_COUNT_HEADER,
-    BaseClient,
-    _Body,
-    _normalize_base_url,
-)
+from .._client import BaseClient
 from .._exceptions import (
     APIConnectionError,
     APIStatusError,
@@ -36,7 +29,7 @@ from .._exceptions import (
     PromptTooLongError,
     ServerBusyError,
 )
-from .._retry import RetryCall
+from .._replicas import Call, normalize_base_url
 from ._plan import (
     InvalidCap,
     Plan,
@@ -57,43 +50,6 @@ DEFAULT_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=10
 _UNKNOWN_BASE_URL = "http://base-url.invalid"
 
 
-class _Releasing(httpx.SyncByteStream, httpx.AsyncByteStream):
-    """An admitted answer's body: closing it gives back the call's send-window room.
-
-    Iteration is the inner stream's own (no generator of ours to leave unfinished).
-    """
-
-    __slots__ = ("_release", "_stream")
-
-    def __init__(self, stream: Any, release: Callable[[], None]) -> None:
-        self._stream = stream
-        self._release: Callable[[], None] | None = release
-
-    def _done(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-    def __iter__(self) -> Iterator[bytes]:
-        return iter(self._stream)
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        iterator: AsyncIterator[bytes] = self._stream.__aiter__()
-        return iterator
-
-    def close(self) -> None:
-        try:
-            self._stream.close()
-        finally:
-            self._done()
-
-    async def aclose(self) -> None:
-        try:
-            await self._stream.aclose()
-        finally:
-            self._done()
-
-
 def _parse(content: bytes) -> dict[str, Any] | None:
     try:
         body = json.loads(content)
@@ -107,7 +63,7 @@ class _Shared:
 
     _kv: BaseClient
 
-    def _setup(self, base_url: str | None) -> None:
+    def _setup(self, base_url: str | Sequence[str] | None) -> None:
         self._base_url_known = base_url is not None
         self._learn_lock = threading.Lock()
 
@@ -117,20 +73,19 @@ class _Shared:
         return self._kv.context_window
 
     def _learn(self, request: httpx.Request, kind: str, body: dict[str, Any]) -> None:
-        """Before discovery: where the API is, which model, and the caller's credentials, all
-        from the SDK's first generation request."""
+        """Before discovery: where the API is (unless given), which model, and the caller's
+        credentials, all from the SDK's first generation request."""
         kv = self._kv
         with self._learn_lock:
             if not self._base_url_known:
-                kv.base_url, _credentials = _normalize_base_url(base_url_of(request.url, kind))
+                kv.base_url, _credentials = normalize_base_url(base_url_of(request.url, kind))
                 self._base_url_known = True
             model = body.get("model")
             if kv.model is None and isinstance(model, str):
                 kv.model = model
             auth = request.headers.get("authorization")
-            http: httpx.Client | httpx.AsyncClient = kv._http  # type: ignore[attr-defined]
-            if auth and "authorization" not in http.headers:
-                http.headers["Authorization"] = auth
+            if auth and not any(name.lower() == "authorization" for name in kv.headers):
+                kv.headers["Authorization"] = auth
 
     @staticmethod
     def _discovery_failed(exc: KVClientError) -> httpx.Response:
@@ -152,37 +107,29 @@ class _Shared:
             # The model's template rejects the conversation: the server would answer 400 too.
             return local_error_response(f"{exc}; nothing was sent", "chat_template_error")
 
-    def _new_call(self, plan: Plan) -> RetryCall:
-        kv = self._kv
-        return RetryCall(
-            kv.retry, kv._cooldown, size=plan.size, on_retry=kv.on_retry, pacer=kv._pacer
-        )
-
     @staticmethod
-    def _outgoing(
-        request: httpx.Request, plan: Plan, call: RetryCall, idempotency_key: str
-    ) -> httpx.Request:
-        """The request as sent by one attempt: the rewritten body, the SDK's headers, its
-        timeouts capped at the time left before kvclient's deadline."""
-        left = max(call.time_left(), _MIN_ATTEMPT_TIMEOUT)
-        timeouts = request.extensions.get("timeout") or {}
-        capped = {
-            key: left if timeouts.get(key) is None else min(timeouts[key], left)
-            for key in ("connect", "read", "write", "pool")
-        }
-        headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
-        outgoing = httpx.Request(
-            request.method,
-            request.url,
-            headers=headers,
-            content=plan.content,
-            extensions={**request.extensions, "timeout": capped, _PACED: call.paced},
-        )
-        if IDEMPOTENCY_HEADER not in outgoing.headers:
-            outgoing.headers[IDEMPOTENCY_HEADER] = idempotency_key
-        outgoing.headers[RETRY_COUNT_HEADER] = str(call.attempts - 1)
-        outgoing.stream = _Body(plan.content)
-        return outgoing
+    def _builder(request: httpx.Request, kind: str, plan: Plan) -> Callable[[Call], httpx.Request]:
+        """How each attempt sends the SDK's request: to the attempt's replica (the path after
+        the API's base, e.g. ``/v1/chat/completions``), with the SDK's headers and extensions
+        and the rewritten body."""
+        api, _credentials = normalize_base_url(base_url_of(request.url, kind))
+        tail = request.url.raw_path.decode("ascii")[len(httpx.URL(api).raw_path.rstrip(b"/")) :]
+        headers = [
+            (name, value)
+            for name, value in request.headers.raw
+            if name.lower() not in (b"content-length", b"host")
+        ]
+
+        def build(call: Call) -> httpx.Request:
+            return httpx.Request(
+                request.method,
+                call.replica.base_url + tail,
+                headers=headers,
+                content=plan.content,
+                extensions=dict(request.extensions),
+            )
+
+        return build
 
     @staticmethod
     def _gave_up(exc: KVClientError) -> httpx.Response:
@@ -200,16 +147,14 @@ class _Shared:
             raise httpx.TransportError(exc.message) from exc
         raise exc
 
-    def _admitted(self, response: httpx.Response, call: RetryCall) -> httpx.Response:
-        kv = self._kv
-
-        def release() -> None:
-            kv._release_slot("ok", call)  # type: ignore[attr-defined]
-
+    @staticmethod
+    def _admitted(response: httpx.Response) -> httpx.Response:
+        """The admitted answer as the SDK gets it: its body unread, holding the call's
+        send-window slot until the SDK closes it."""
         return httpx.Response(
             response.status_code,
             headers=response.headers,
-            stream=_Releasing(response.stream, release),
+            stream=response.stream,
             extensions=response.extensions,
         )
 

@@ -28,7 +28,7 @@ def _seen_headers() -> dict[str, str]:
         )
 
     with Client(model="m", transport=httpx.MockTransport(handler)) as client:
-        client._discover()  # the context window from GET /v1/models: a real request
+        client.discover()  # the context window from GET /v1/models: a real request
     return seen
 
 
