@@ -1,11 +1,12 @@
-"""Write the sync shells from the async ones: ``kvclient/_async_client.py`` -> ``_sync_client.py``.
+"""Write the sync code from the async source: ``kvclient/_async_client.py`` -> ``_sync_client.py``.
 
 As httpcore does (its own ``scripts/unasync.py``): the async source is the one kept by hand, and
 the sync file is a rewrite of it, token by token: ``async def`` -> ``def``, ``await x`` -> ``x``,
 ``async with``/``async for`` -> ``with``/``for``, the async dunders and httpx methods to their
 sync names, ``AsyncX`` -> ``X`` and ``async_x`` -> ``x`` (the pairs in ``kvclient/_shims.py``),
 then ``ruff format``. Where sync and async differ in more than that, the difference goes into a
-shim pair or into the pure core, not into this table.
+shim pair or into the pure core, not into this table. The client tests are written the same
+way: ``tests/client/_async/`` is the source of ``tests/client/_sync/``.
 
     python scripts/unasync.py           # rewrite the sync file
     python scripts/unasync.py --check   # exit 1 when the checked-in sync file differs
@@ -54,6 +55,27 @@ Generated from ``kvclient/openai/_async_clients.py`` by ``scripts/unasync.py``: 
 then run ``python scripts/unasync.py``.
 """''',
     ),
+    (
+        "tests/client/_async/test_client.py",
+        "tests/client/_sync/test_client.py",
+        # The async source's shape stays: ``with`` nested in what was ``async with``, a list
+        # built by what was an ``async for``.
+        '''# ruff: noqa: SIM117, C416
+"""The sync Client against a scripted fake server (httpx.MockTransport), on a fake clock.
+
+Generated from ``tests/client/_async/test_client.py`` by ``scripts/unasync.py``: edit that file,
+then run ``python scripts/unasync.py``.
+"""''',
+    ),
+    (
+        "tests/client/_async/test_replicas.py",
+        "tests/client/_sync/test_replicas.py",
+        '''"""Several replicas, one sync Client or OpenAI drop-in: routing, fail-over, accounting.
+
+Generated from ``tests/client/_async/test_replicas.py`` by ``scripts/unasync.py``: edit that
+file, then run ``python scripts/unasync.py``.
+"""''',
+    ),
 ]
 
 HEADER = (
@@ -73,6 +95,8 @@ PHRASES = [
     ),
     ("An async httpx transport (asyncio and trio) giving", "A sync httpx transport giving"),
     ("go through kvclient\n    (asyncio and trio).", "go through kvclient."),
+    # Tests: the sync ones are plain functions.
+    ("pytestmark = pytest.mark.anyio\n", ""),
 ]
 
 #: Exact identifiers (whole words) and their sync names.
@@ -89,6 +113,7 @@ NAMES = {
     "AsyncLines": "iter_lines",
     "AsyncBaseTransport": "BaseTransport",
     "handle_async_request": "handle_request",
+    "make_async_client": "make_client",
 }
 
 _KEYWORDS = [

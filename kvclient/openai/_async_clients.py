@@ -6,7 +6,7 @@ from this one, and ``--check`` fails when they differ; edit this one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import httpx
@@ -16,7 +16,7 @@ from .._models import RetryEvent
 from .._retry import RetryPolicy
 from .._tokens import TokenCounter
 from ._async_transport import AsyncTransport
-from ._clients import _check_retries, _existing
+from ._clients import _check_retries, _existing, _replicas, _sdk_base_url
 
 __all__ = ["AsyncOpenAI"]
 
@@ -30,7 +30,9 @@ class AsyncOpenAI(openai.AsyncOpenAI):
 
     The SDK's constructor arguments, plus kvclient's: ``context_window`` (discovered from
     ``/v1/models`` when not given), ``counter``, ``retry``, ``safety_margin``, ``on_retry``, and
-    ``transport``, the httpx transport that reaches the server. ``max_retries`` is 0: kvclient
+    ``transport``, the httpx transport that reaches the server. ``base_url`` may be a list of
+    replicas, as :class:`kvclient.AsyncClient` takes it: requests are routed among them and fail
+    over (the SDK itself is given the first). ``max_retries`` is 0: kvclient
     retries. A prompt that cannot fit raises the SDK's ``BadRequestError`` (code
     ``context_length_exceeded``) without a byte sent; giving up on a busy server raises its
     ``RateLimitError`` (code ``server_busy``).
@@ -41,6 +43,7 @@ class AsyncOpenAI(openai.AsyncOpenAI):
     def __init__(
         self,
         *,
+        base_url: str | httpx.URL | Sequence[str | httpx.URL] | None = None,
         context_window: int | None = None,
         counter: TokenCounter | None = None,
         retry: RetryPolicy | None = None,
@@ -52,20 +55,22 @@ class AsyncOpenAI(openai.AsyncOpenAI):
         **kwargs: Any,
     ) -> None:
         _check_retries(max_retries)
+        replicas = _replicas(base_url)
+        transport_kv: AsyncTransport
         if http_client is None:
-            http_client = httpx.AsyncClient(
-                transport=AsyncTransport(
-                    inner=transport,
-                    context_window=context_window,
-                    counter=counter,
-                    retry=retry,
-                    safety_margin=safety_margin or 0.0,
-                    on_retry=on_retry,
-                ),
-                follow_redirects=True,
+            transport_kv = AsyncTransport(
+                inner=transport,
+                base_url=replicas,
+                context_window=context_window,
+                counter=counter,
+                retry=retry,
+                safety_margin=safety_margin or 0.0,
+                on_retry=on_retry,
             )
+            http_client = httpx.AsyncClient(transport=transport_kv, follow_redirects=True)
         else:
             given = {
+                "base_url (several)": replicas,
                 "context_window": context_window,
                 "counter": counter,
                 "retry": retry,
@@ -73,6 +78,9 @@ class AsyncOpenAI(openai.AsyncOpenAI):
                 "on_retry": on_retry,
                 "transport": transport,
             }
-            http_client = _existing(http_client, AsyncTransport, given)
-        self.kvclient_transport = http_client._transport  # type: ignore[assignment]
-        super().__init__(http_client=cast(Any, http_client), max_retries=0, **kwargs)
+            transport_kv = _existing(http_client, AsyncTransport, given)
+        self.kvclient_transport = transport_kv
+        sdk_base_url: Any = base_url if replicas is None else _sdk_base_url(replicas[0])
+        super().__init__(
+            base_url=sdk_base_url, http_client=cast(Any, http_client), max_retries=0, **kwargs
+        )

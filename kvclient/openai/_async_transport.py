@@ -66,6 +66,12 @@ class AsyncTransport(_Shared, httpx.AsyncBaseTransport):
         )
         self._setup(base_url)
 
+    @property
+    def client(self) -> AsyncClient:
+        """The kvclient client every generation request goes through (its replicas, model,
+        context window and retry policy)."""
+        return self._kv
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         kind = generation_kind(request.method, request.url.path)
         body = _parse(await request.aread()) if kind is not None else None

@@ -6,9 +6,11 @@ generated from it (``scripts/unasync.py``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["AsyncOpenAI", "OpenAI"]
+
+_T = TypeVar("_T")
 
 _RETRIES = (
     "kvclient does the retrying (cooldown, send window, Retry-After): the SDK's max_retries "
@@ -21,11 +23,28 @@ def _check_retries(max_retries: int) -> None:
         raise ValueError(f"{_RETRIES}, got max_retries={max_retries!r}")
 
 
-def _existing(http_client: Any, transport_type: type, given: dict[str, Any]) -> Any:
-    """An ``http_client`` is accepted only when it already sends through kvclient: the SDK's
-    ``copy()`` / ``with_options()`` pass the original client's on."""
-    # httpx keeps the transport given to it in ``_transport``.
-    if not isinstance(getattr(http_client, "_transport", None), transport_type):
+def _replicas(base_url: Any) -> list[str] | None:
+    """The replicas when ``base_url`` is a list or tuple, else None: the SDK takes a single
+    base URL (a str or its own URL type) as it is, and kvclient learns it from the first
+    request."""
+    if isinstance(base_url, (list, tuple)):
+        return [str(url) for url in base_url]
+    return None
+
+
+def _sdk_base_url(url: str) -> str:
+    """The base URL the SDK builds its requests on: the first replica's, with ``/v1``."""
+    text = url.rstrip("/")
+    return text if text.endswith("/v1") else f"{text}/v1"
+
+
+def _existing(http_client: Any, transport_type: type[_T], given: dict[str, Any]) -> _T:
+    """The kvclient transport of an ``http_client`` that already sends through kvclient (the
+    SDK's ``copy()`` / ``with_options()`` pass the original client's on); anything else is
+    refused."""
+    # httpx keeps the transport given to it there, and offers no public accessor.
+    transport = getattr(http_client, "_transport", None)
+    if not isinstance(transport, transport_type):
         raise TypeError(
             "http_client must send through kvclient: httpx.Client(transport="
             "kvclient.openai.Transport(...)); or pass transport= (the inner transport) instead"
@@ -36,7 +55,7 @@ def _existing(http_client: Any, transport_type: type, given: dict[str, Any]) -> 
             f"{', '.join(options)}: these belong to the http_client's kvclient transport; "
             "pass them there, or pass no http_client"
         )
-    return http_client
+    return transport
 
 
 # The clients, importable from here as before.

@@ -8,7 +8,7 @@ then run ``python scripts/unasync.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import httpx
@@ -17,7 +17,7 @@ import openai
 from .._models import RetryEvent
 from .._retry import RetryPolicy
 from .._tokens import TokenCounter
-from ._clients import _check_retries, _existing
+from ._clients import _check_retries, _existing, _replicas, _sdk_base_url
 from ._sync_transport import Transport
 
 __all__ = ["OpenAI"]
@@ -31,7 +31,9 @@ class OpenAI(openai.OpenAI):
 
     The SDK's constructor arguments, plus kvclient's: ``context_window`` (discovered from
     ``/v1/models`` when not given), ``counter``, ``retry``, ``safety_margin``, ``on_retry``, and
-    ``transport``, the httpx transport that reaches the server. ``max_retries`` is 0: kvclient
+    ``transport``, the httpx transport that reaches the server. ``base_url`` may be a list of
+    replicas, as :class:`kvclient.Client` takes it: requests are routed among them and fail
+    over (the SDK itself is given the first). ``max_retries`` is 0: kvclient
     retries. A prompt that cannot fit raises the SDK's ``BadRequestError`` (code
     ``context_length_exceeded``) without a byte sent; giving up on a busy server raises its
     ``RateLimitError`` (code ``server_busy``).
@@ -42,6 +44,7 @@ class OpenAI(openai.OpenAI):
     def __init__(
         self,
         *,
+        base_url: str | httpx.URL | Sequence[str | httpx.URL] | None = None,
         context_window: int | None = None,
         counter: TokenCounter | None = None,
         retry: RetryPolicy | None = None,
@@ -53,20 +56,22 @@ class OpenAI(openai.OpenAI):
         **kwargs: Any,
     ) -> None:
         _check_retries(max_retries)
+        replicas = _replicas(base_url)
+        transport_kv: Transport
         if http_client is None:
-            http_client = httpx.Client(
-                transport=Transport(
-                    inner=transport,
-                    context_window=context_window,
-                    counter=counter,
-                    retry=retry,
-                    safety_margin=safety_margin or 0.0,
-                    on_retry=on_retry,
-                ),
-                follow_redirects=True,
+            transport_kv = Transport(
+                inner=transport,
+                base_url=replicas,
+                context_window=context_window,
+                counter=counter,
+                retry=retry,
+                safety_margin=safety_margin or 0.0,
+                on_retry=on_retry,
             )
+            http_client = httpx.Client(transport=transport_kv, follow_redirects=True)
         else:
             given = {
+                "base_url (several)": replicas,
                 "context_window": context_window,
                 "counter": counter,
                 "retry": retry,
@@ -74,6 +79,9 @@ class OpenAI(openai.OpenAI):
                 "on_retry": on_retry,
                 "transport": transport,
             }
-            http_client = _existing(http_client, Transport, given)
-        self.kvclient_transport = http_client._transport  # type: ignore[assignment]
-        super().__init__(http_client=cast(Any, http_client), max_retries=0, **kwargs)
+            transport_kv = _existing(http_client, Transport, given)
+        self.kvclient_transport = transport_kv
+        sdk_base_url: Any = base_url if replicas is None else _sdk_base_url(replicas[0])
+        super().__init__(
+            base_url=sdk_base_url, http_client=cast(Any, http_client), max_retries=0, **kwargs
+        )

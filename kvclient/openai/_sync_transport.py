@@ -65,6 +65,12 @@ class Transport(_Shared, httpx.BaseTransport):
         )
         self._setup(base_url)
 
+    @property
+    def client(self) -> Client:
+        """The kvclient client every generation request goes through (its replicas, model,
+        context window and retry policy)."""
+        return self._kv
+
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         kind = generation_kind(request.method, request.url.path)
         body = _parse(request.read()) if kind is not None else None

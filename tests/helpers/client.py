@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 
 from kvclient import AsyncClient, Client, TiktokenCounter
+from kvclient._pacing import format_ratelimit
 from kvclient.testing import FakeClock
 
 BASE_URL = "http://kv.test"
@@ -190,6 +191,19 @@ def broken_sse(*events: dict[str, Any]) -> httpx.Response:
 
 
 COUNTER = TiktokenCounter()
+
+
+def room(response: httpx.Response, remaining: int, quota: int = 10_000) -> httpx.Response:
+    """``response`` advertising ``remaining`` free KV tokens of ``quota`` (RateLimit headers)."""
+    policy, current = format_ratelimit(quota=quota, remaining=remaining, reset=5.0)
+    response.headers["RateLimit-Policy"] = policy
+    response.headers["RateLimit"] = current
+    return response
+
+
+def refused(request: httpx.Request) -> httpx.Response:
+    """A replica that refuses connections."""
+    raise httpx.ConnectError("connection refused", request=request)
 
 
 def client_options(server: FakeServer, **overrides: Any) -> dict[str, Any]:

@@ -36,7 +36,10 @@ def test_the_check_fails_on_a_hand_edited_sync_file(
 ) -> None:
     unasync = _load()
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    for source, target, _doc in unasync.PAIRS:
+    # The client's pair alone: how the check works, not every pair's imports in another root.
+    pairs = [pair for pair in unasync.PAIRS if pair[1] == "kvclient/_sync_client.py"]
+    monkeypatch.setattr(unasync, "PAIRS", pairs)
+    for source, target, _doc in pairs:
         for name in (source, target):
             (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / name, tmp_path / name)
@@ -69,3 +72,23 @@ def test_rewrite_rules() -> None:
         "    response.close()\n"
         "    raise StopIteration\n"
     )
+
+
+def test_async_tests_become_plain_sync_tests() -> None:
+    unasync = _load()
+    source = (
+        "pytestmark = pytest.mark.anyio\n"
+        "async def test_x() -> None:\n"
+        "    async with make_async_client(server) as client:\n"
+        "        [c async for c in await client.chat_stream()]\n"
+    )
+    assert unasync.unasync(source) == (
+        "def test_x() -> None:\n"
+        "    with make_client(server) as client:\n"
+        "        [c for c in client.chat_stream()]\n"
+    )
+
+
+def test_the_client_tests_are_generated_pairs() -> None:
+    targets = {target for _source, target, _doc in _load().PAIRS}
+    assert {"tests/client/_sync/test_client.py", "tests/client/_sync/test_replicas.py"} <= targets
