@@ -13,7 +13,7 @@ Goals:
 - ``ServerTokenizeCounter``: the round trip to the reference server's ``/tokenize`` (measured,
   no goal: it is opt-in for that reason);
 - the margin the default cl100k counter needs per model family to cover the real count, on the
-  test corpus (``tests/tokenizer_corpus.py``): p99 and max, multiplicative and additive.
+  test corpus (``tests/helpers/tokenizer_corpus.py``): p99 and max, multiplicative and additive.
 
 The real tokenizers come from ``scripts/fetch_tokenizers.py`` (fetched if missing).
 
@@ -43,7 +43,7 @@ from kvclient import (  # noqa: E402
     TiktokenCounter,
 )
 from kvclient.loadgen import make_prompt  # noqa: E402
-from tests import tokenizer_corpus as corpus  # noqa: E402
+from tests.helpers import tokenizer_corpus as corpus  # noqa: E402
 
 GOAL_RAW = 0.9
 SIZES = (10, 1_000, 10_000)

@@ -34,7 +34,7 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> int:
-    if type(value) is int and value >= minimum:  # the common case, first (a hot path)
+    if type(value) is int and value >= minimum:  # the common case, first
         return value
     # bool is an int subclass; True as a token count is always a bug on the caller's side.
     if isinstance(value, bool):

@@ -3,9 +3,8 @@
 Llama 3's tokenizer was tiktoken's before it was converted to a ``tokenizer.json``, and so were
 others (Mistral Nemo's Tekken): a byte-level BPE whose merges follow the vocabulary's order, one
 pre-tokenizing regex, ``ignore_merges``. For those, tiktoken's encoder built from the same
-vocabulary gives the same ids as ``tokenizers``, several times faster on short texts (a 60-word
-prompt: about 22 µs against 120 µs, and no allocation churn in the serving process), which is
-most of what a gateway spends counting a request.
+vocabulary gives the same ids as ``tokenizers``, several times faster on short texts (figures
+in bench/token_counting.py), which is most of what a gateway spends counting a request.
 
 :func:`fast_bpe` takes the parsed file and answers None unless every part of it is one whose
 behaviour tiktoken shares:
@@ -108,7 +107,7 @@ class FastBPE:
 def _trie_pattern(words: Iterable[str]) -> str:
     """A regex matching any of ``words``, the longest where several start at one place (as
     ``tokenizers`` matches added tokens: leftmost, then longest), as a trie: Mistral Nemo has
-    1,000 added tokens, and an alternation of them all costs ``re`` 20 µs a chat."""
+    1,000 added tokens, too many for a plain alternation."""
     end = ""  # a node's key for "a word ends here" (no word is empty)
     trie: dict[str, Any] = {}
     for word in words:

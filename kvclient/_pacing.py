@@ -155,8 +155,7 @@ def _joined(headers: Mapping[str, str] | Any, name: str) -> str | None:
 
 def _our_params(field: str) -> dict[str, str | None] | None:
     """The parameters of the ``"kv"`` member of a List field, or None when it has none."""
-    # Split by hand (our names and values hold no commas, semicolons or escapes): a regex over
-    # the whole member costs several times more, on every answer.
+    # Split by hand: our names and values hold no commas, semicolons or escapes.
     for member in field.split(","):
         item, *params = member.split(";")
         name = item.strip()

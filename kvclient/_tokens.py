@@ -307,8 +307,7 @@ class TiktokenCounter:
         return text
 
     def count(self, text: str) -> int:
-        # The hot path of every request: one bound-method call, no per-call checks (tiktoken
-        # itself raises TypeError for a non-str, which is re-worded below).
+        # tiktoken itself raises TypeError for a non-str, which is re-worded below.
         encode = self._encode
         if encode is None:
             _ = self.encoding
@@ -537,8 +536,8 @@ class HuggingFaceCounter:
 
         ``tiktoken_bpe``: where tiktoken's encoder, built from the same vocabulary, provably gives
         the same ids (a byte-level BPE converted from tiktoken's, such as Llama 3's and Mistral
-        Nemo's, checked on load; see ``kvclient._fast_bpe``), counts use it: 3-5x faster on short
-        texts. False always uses ``tokenizers``. Loading costs about a second more then.
+        Nemo's, checked on load; see ``kvclient._fast_bpe``), counts use it (same ids, faster;
+        bench/token_counting.py). False always uses ``tokenizers``, and loads faster.
         """
         directory = Path(path)
         if not directory.is_dir():
@@ -576,8 +575,7 @@ class HuggingFaceCounter:
         if bpe is not None:
             return bpe.count(text) + (self._post_added if special else 0)
         # encode_batch_fast skips the offsets a plain encode tracks (tokenizers >= 0.20): the same
-        # ids, 1.15-1.4x faster than encode at every length measured, from 10 words (about 50
-        # characters) to 3,000 words, on all five real tokenizers (bench/token_counting.py).
+        # ids, faster at every length (bench/token_counting.py).
         if self._fast is not None:
             return len(self._fast([text], add_special_tokens=special)[0])
         return len(self._tok.encode(text, add_special_tokens=special))
@@ -637,10 +635,4 @@ class HuggingFaceCounter:
             text, media = self.render(messages, tools=tools)  # raises the missing template
         else:
             text, media = template.render(messages, tools=tools, add_generation_prompt=True)
-        media_tokens = media * self.non_text_part_tokens
-        if self._bpe is not None:
-            return self._bpe.count(text) + media_tokens
-        fast = self._fast
-        if fast is not None:  # _length, inlined on the hot path of every chat count
-            return len(fast([text], add_special_tokens=False)[0]) + media_tokens
-        return self._length(text, False) + media_tokens
+        return self._length(text, False) + media * self.non_text_part_tokens
