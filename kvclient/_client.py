@@ -45,7 +45,7 @@ from ._exceptions import (
     ServerBusyError,
 )
 from ._http import MIN_ATTEMPT_TIMEOUT, Body, Bounded
-from ._models import Completion, RetryEvent, ToolCall, Usage
+from ._models import Completion, RetryEvent
 from ._replicas import Call, Replica, Replicas, base_urls
 from ._retry import RetryPolicy, parse_retry_after
 from ._tokens import Message, TiktokenCounter, TokenCounter, count_chat_request
@@ -426,34 +426,14 @@ class BaseClient:
 
     @staticmethod
     def _completion(payload: dict[str, Any], prepared: Prepared, call: Call) -> Completion:
-        choices = payload.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise APIResponseError(f"answer has no choices: {json.dumps(payload)[:200]}")
-        choice = choices[0]
-        message: dict[str, Any] | None = None
-        if prepared.chat:
-            raw_message = choice.get("message")
-            message = raw_message if isinstance(raw_message, dict) else {}
-            text = message.get("content")
-        else:
-            text = choice.get("text")
-        finish = choice.get("finish_reason")
-        model = payload.get("model")
-        ident = payload.get("id")
-        return Completion(
-            text=text if isinstance(text, str) else "",
-            finish_reason=finish if isinstance(finish, str) else None,
-            usage=Usage.from_json(payload.get("usage")),
+        return Completion.from_answer(
+            payload,
+            chat=prepared.chat,
             max_tokens=prepared.max_tokens,
             prompt_tokens=prepared.prompt_tokens,
             attempts=call.attempts,
             retry_wait=call.waited,
             history=tuple(call.history),
-            model=model if isinstance(model, str) else None,
-            id=ident if isinstance(ident, str) else None,
-            raw=payload,
-            message=message,
-            tool_calls=ToolCall.from_message(message),
         )
 
     # --- discovery ---------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from ._exceptions import APIResponseError
 
 __all__ = ["Completion", "CompletionChunk", "RetryEvent", "ToolCall", "Usage"]
 
@@ -98,6 +101,50 @@ class Completion:
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     message: dict[str, Any] | None = field(default=None, compare=False)
     tool_calls: tuple[ToolCall, ...] = ()
+
+    @classmethod
+    def from_answer(
+        cls,
+        payload: dict[str, Any],
+        *,
+        chat: bool,
+        max_tokens: int,
+        prompt_tokens: int,
+        attempts: int,
+        retry_wait: float,
+        history: tuple[RetryEvent, ...],
+    ) -> Completion:
+        """The result from a non-streamed answer's JSON (its first choice). Raises
+        :class:`~kvclient.APIResponseError` when it has no choices."""
+        choices = payload.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise APIResponseError(f"answer has no choices: {json.dumps(payload)[:200]}")
+        choice = choices[0]
+        message: dict[str, Any] | None = None
+        if chat:
+            raw_message = choice.get("message")
+            message = raw_message if isinstance(raw_message, dict) else {}
+            text = message.get("content")
+        else:
+            text = choice.get("text")
+        finish = choice.get("finish_reason")
+        model = payload.get("model")
+        ident = payload.get("id")
+        return cls(
+            text=text if isinstance(text, str) else "",
+            finish_reason=finish if isinstance(finish, str) else None,
+            usage=Usage.from_json(payload.get("usage")),
+            max_tokens=max_tokens,
+            prompt_tokens=prompt_tokens,
+            attempts=attempts,
+            retry_wait=retry_wait,
+            history=history,
+            model=model if isinstance(model, str) else None,
+            id=ident if isinstance(ident, str) else None,
+            raw=payload,
+            message=message,
+            tool_calls=ToolCall.from_message(message),
+        )
 
 
 @dataclass(frozen=True, slots=True)
