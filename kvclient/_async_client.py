@@ -314,9 +314,9 @@ class AsyncClient(BaseClient):
                 raise
             self._replicas.answered(call)
             body = response.stream
-            if stream and isinstance(body, Bounded):
-                # Handed on: httpx's read timeout bounds each chunk from here (a client's
-                # stream bounds each event), and closing the body gives the slot back.
+            if stream and not response.is_closed and isinstance(body, Bounded):
+                # Handed on unread: httpx's read timeout bounds each chunk from here (a
+                # client's stream bounds each event), and closing the body gives the slot back.
                 body.deadline = None
                 body.on_close(lambda: self._release_slot("ok", call))
             else:

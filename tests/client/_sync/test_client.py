@@ -28,11 +28,13 @@ from kvclient import (
     ServerBusyError,
     ServiceUnavailableError,
 )
+from kvclient._replicas import Call
 from tests.helpers.client import (
     BASE_URL,
     CONTEXT,
     COUNTER,
     MODEL,
+    BrokenStream,
     FakeServer,
     busy,
     make_client,
@@ -219,6 +221,57 @@ def test_base_url_with_or_without_v1(server: FakeServer, url: str) -> None:
 def test_base_url_must_be_http() -> None:
     with pytest.raises(ValueError, match="http"):
         Client(base_url="kv.test:8000", model=MODEL, context_window=CONTEXT)
+
+
+def test_discover_with_verify_checks_a_server_when_nothing_is_left_to_learn(
+    server: FakeServer,
+) -> None:
+    server.add("/v1/models", models(), models({"id": "other", "max_model_len": 10}))
+    with make_client(server) as client:
+        client.discover()  # model and window given: nothing is asked
+        assert server.seen == []
+        client.discover(verify=True)  # the server serves the model
+        with pytest.raises(KVClientError, match="serves: other"):
+            client.discover(verify=True)
+    assert [s.path for s in server.seen] == ["/v1/models", "/v1/models"]
+
+
+# --- the send path, as kvclient's adapters use it ---------------------------------------------
+
+
+def test_clamp_gives_the_cap_to_send_or_refuses(server: FakeServer) -> None:
+    with make_client(server) as client:
+        assert client.clamp(None, 10) == CONTEXT - 10
+        assert client.clamp(50, 10) == 50
+        with pytest.raises(PromptTooLongError):
+            client.clamp(None, CONTEXT)
+
+
+def test_send_routes_stamps_and_holds_a_streamed_answers_slot_until_closed(
+    server: FakeServer,
+) -> None:
+    server.add("/v1/completions", busy("1"), sse(*text_events("hi")))
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
+
+    def build(call: Call) -> httpx.Request:
+        return httpx.Request("POST", call.replica.base_url + "/v1/completions", json=body)
+
+    with make_client(server) as client:
+        call = client.new_call(100)
+        response = client.send(call, build, stream=True)
+        assert response.status_code == 200
+        assert call.attempts == 2  # the 429 was retried on the same path
+        # An answer already in memory (as MockTransport's are) has nothing left to hold for.
+        assert client._window.requests == 0
+        call = client.new_call(100)
+        server.add("/v1/completions", httpx.Response(200, stream=BrokenStream([b"data: {}"])))
+        response = client.send(call, build, stream=True)
+        assert client._window.requests == 1  # held while the answer is read
+        response.close()
+        assert client._window.requests == 0
+    first, second, _other_call = server.posts
+    assert first.headers["idempotency-key"] == second.headers["idempotency-key"]
+    assert [first.headers["x-retry-count"], second.headers["x-retry-count"]] == ["0", "1"]
 
 
 # --- headers ---------------------------------------------------------------------------------
@@ -422,8 +475,6 @@ def test_insufficient_quota_429_is_not_retried(server: FakeServer) -> None:
 
 
 def test_read_error_after_the_answer_started_is_not_retried(server: FakeServer) -> None:
-    from tests.helpers.client import BrokenStream
-
     server.add("/v1/completions", httpx.Response(200, stream=BrokenStream([b'{"choices": ['])))
     with make_client(server) as client:
         with pytest.raises(APIConnectionError) as info:
