@@ -359,7 +359,7 @@ def test_a_stream_is_retried_before_its_first_byte_then_passed_through(
     with sdk(FakeClock()) as client:
         stream = client.chat.completions.create(model=MODEL, messages=HI, stream=True)
         parts = [chunk.choices[0].delta.content for chunk in stream]
-        window = client.kvclient_transport._kv._window
+        window = client.kvclient_transport.client._window
     assert parts == ["a", "b", "c"]
     assert route.call_count == 2
     assert sent(route)["stream"] is True
@@ -369,6 +369,30 @@ def test_a_stream_is_retried_before_its_first_byte_then_passed_through(
 
 
 # --- discovery ---------------------------------------------------------------------------------
+
+
+def test_a_closed_keep_alive_connection_is_resent_at_once_as_the_client_does(
+    mock: respx.Router,
+) -> None:
+    """llama.cpp closes the connection after each stream: no backoff, no attempt spent."""
+    closed = httpx.RemoteProtocolError("Server disconnected without sending a response.")
+    route = mock.post("/chat/completions").mock(side_effect=[closed, chat_sse("a", "b")])
+    clock = FakeClock()
+    retries: list[Any] = []
+    client = OpenAI(
+        base_url=BASE,
+        api_key="k",
+        context_window=CONTEXT,
+        counter=COUNTER,
+        retry=clock.policy(),
+        on_retry=retries.append,
+    )
+    with client:
+        stream = client.chat.completions.create(model=MODEL, messages=HI, stream=True)
+        parts = [chunk.choices[0].delta.content for chunk in stream]
+    assert parts == ["a", "b"]
+    assert route.call_count == 2
+    assert (retries, clock.sleeps) == ([], [])
 
 
 def test_the_context_window_is_discovered_once_with_the_sdks_credentials(
@@ -470,7 +494,7 @@ async def test_async_stream_is_retried_before_its_first_byte(mock: respx.Router)
     async with async_sdk(FakeClock()) as client:
         stream = await client.chat.completions.create(model=MODEL, messages=HI, stream=True)
         parts = [chunk.choices[0].delta.content async for chunk in stream]
-        window = client.kvclient_transport._kv._window
+        window = client.kvclient_transport.client._window
         del stream
         gc.collect()  # while the warning filter above is active (see SDK_TRIO_STREAM_WARNING)
     assert parts == ["x", "y"]

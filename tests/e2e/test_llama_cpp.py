@@ -229,6 +229,71 @@ def test_200_sequential_streams_on_one_client_need_no_backoff(
     assert retries == []
 
 
+class _Sends(httpx.BaseTransport):
+    """The transport under a client, counting what it is asked to send: a call's attempts
+    and its immediate re-sends on a connection llama.cpp had closed."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.count = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.count += 1
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_the_openai_drop_in_streams_as_the_client_does(llama: llama_engine.LlamaServer) -> None:
+    """50 sequential streamed chats through kvclient.openai.OpenAI and through Client: no
+    backoff at all, and each is one attempt plus at most one immediate re-send."""
+    from kvclient.openai import OpenAI
+
+    calls = 50
+    client_sends, sdk_sends = _Sends(), _Sends()
+    client_retries: list[Any] = []
+    sdk_retries: list[Any] = []
+    per_call: dict[str, list[int]] = {"client": [], "openai": []}
+    with _client(llama.url, transport=client_sends, on_retry=client_retries.append) as client:
+        client.discover()  # the window and model: every send counted below is a chat's
+        for i in range(calls):
+            before = client_sends.count
+            with client.chat_stream([{"role": "user", "content": f"{i}"}], max_tokens=2) as s:
+                for _ in s:
+                    pass
+            assert (s.completion.attempts, s.completion.retry_wait) == (1, 0.0)
+            per_call["client"].append(client_sends.count - before)
+        model = client.model
+    assert model is not None
+    sdk = OpenAI(
+        base_url=llama.url + "/v1",
+        api_key="unused",
+        context_window=WINDOW,  # as discovered above: every send counted below is a chat's
+        transport=sdk_sends,
+        retry=RetryPolicy(deadline=60),
+        on_retry=sdk_retries.append,
+    )
+    with sdk:
+        sdk.models.list()  # not a generation request: straight to the server
+        for i in range(calls):
+            before = sdk_sends.count
+            stream = sdk.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": f"{i}"}],
+                max_tokens=2,
+                stream=True,
+            )
+            with stream:
+                for _ in stream:
+                    pass
+            per_call["openai"].append(sdk_sends.count - before)
+    for name, retries in (("client", client_retries), ("openai", sdk_retries)):
+        assert retries == [], name  # no attempt beyond the first, so no wait at all
+        assert sum(event.wait for event in retries) == 0
+        assert set(per_call[name]) <= {1, 2}, (name, per_call[name])  # one send + one re-send
+
+
 # --- streams that carry U+0085 -------------------------------------------------------------------
 
 

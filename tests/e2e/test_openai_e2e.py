@@ -137,7 +137,7 @@ def test_a_sync_stream_passes_event_by_event(server: RunningServer) -> None:
             stream_options={"include_usage": True},
         ) as stream:
             chunks = list(stream)
-        window = client.kvclient_transport._kv._window
+        window = client.kvclient_transport.client._window
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert COUNTER.count(text) == 12
     assert chunks[-1].usage is not None
