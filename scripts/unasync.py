@@ -68,6 +68,17 @@ then run ``python scripts/unasync.py``.
 """''',
     ),
     (
+        "tests/client/_async/test_streams.py",
+        "tests/client/_sync/test_streams.py",
+        # The async source's shape stays (see the client tests).
+        '''# ruff: noqa: SIM117, C416
+"""Streamed calls on the sync Client: chunks, the aggregated completion, retries.
+
+Generated from ``tests/client/_async/test_streams.py`` by ``scripts/unasync.py``: edit that
+file, then run ``python scripts/unasync.py``.
+"""''',
+    ),
+    (
         "tests/client/_async/test_replicas.py",
         "tests/client/_sync/test_replicas.py",
         '''"""Several replicas, one sync Client or OpenAI drop-in: routing, fail-over, accounting.
