@@ -79,6 +79,17 @@ file, then run ``python scripts/unasync.py``.
 """''',
     ),
     (
+        "tests/client/_async/test_faults.py",
+        "tests/client/_sync/test_faults.py",
+        # The async source's shape stays (see the client tests).
+        '''# ruff: noqa: SIM117, C416
+"""A misbehaving server and the sync Client: typed errors, never a hang or a hot loop.
+
+Generated from ``tests/client/_async/test_faults.py`` by ``scripts/unasync.py``: edit that
+file, then run ``python scripts/unasync.py``.
+"""''',
+    ),
+    (
         "tests/client/_async/test_replicas.py",
         "tests/client/_sync/test_replicas.py",
         '''"""Several replicas, one sync Client or OpenAI drop-in: routing, fail-over, accounting.
