@@ -16,7 +16,7 @@ seconds, through:
 
 Of the kvclient requests, ``--short-share`` ask for ``max_tokens: 1`` (short-output traffic
 that drags the quantile of recent outputs towards zero) and ``--long-share`` for 2,000 tokens
-(long holders), the issue-12 mix that made Retry-After say "fits now" while budget was held.
+(long holders), the mix that made Retry-After say "fits now" while budget was held.
 
 The engine fails ``--fault-rate`` of the requests on purpose (500 ``injected_fault``, or an error
 event mid-stream). Every ``--sample-every`` seconds the server's RSS and ledger are sampled.
@@ -31,7 +31,7 @@ figures, the JSON also the samples.
 
 Retry-After is checked against the server's own admission log (``--admission-log``): for every
 429, the advice against the time until a request of that size would really have fitted beside
-the reservations held when it was refused (``reference_server._journal.check_advice``).
+the reservations held when it was refused (``reference_server.admission.journal.check_advice``).
 
     python bench/soak.py                 # the full soak: 60 s of load, about 80 s in all
     python bench/soak.py --quick         # 10 s
@@ -82,14 +82,14 @@ from kvclient.loadgen import (
 )
 from kvclient.loadgen._kvsender import KVClientSender
 from kvclient.loadgen._report import parse_prometheus_text
-from reference_server._journal import AdviceCheck, check_advice, read_log
-from reference_server.config import (
+from reference_server.admission.journal import AdviceCheck, check_advice, read_log
+from reference_server.admission.ledger import DEFAULT_SAFETY_FRACTION
+from reference_server.simulated.config import (
     DEFAULT_CONTEXT_WINDOW,
     DEFAULT_DECODE_RATE,
     DEFAULT_KV_TOKENS,
     DEFAULT_MEAN_OUTPUT_TOKENS,
 )
-from reference_server.ledger import DEFAULT_SAFETY_FRACTION
 
 SEED = 2026
 MEGABYTE = 1024 * 1024

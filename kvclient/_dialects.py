@@ -21,8 +21,9 @@ TGI, SGLang, Ollama, and our reference server (which speaks vLLM's dialect).
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Generator
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,22 +46,32 @@ from ._exceptions import (
 
 __all__ = [
     "CONTEXT_PROBES",
+    "LENGTH_FIELDS",
     "METRICS",
+    "PROMPT_SHARING_ENGINES",
+    "RENDER_FIELDS",
     "RETRYABLE_STATUSES",
+    "SEQUENCE_FIELDS",
     "STATUS_ERRORS",
     "TOKENIZE_ENGINES",
+    "UNPRICED_FIELDS",
     "Answer",
     "Budget",
     "Discovery",
     "ErrorClass",
     "ErrorDetails",
     "Probe",
+    "Spend",
+    "SpendError",
     "classify_error",
     "count_by_tokenize",
+    "countable_render_fields",
     "discover_budget",
     "discover_context",
     "parse_error_body",
     "prometheus_samples",
+    "request_spend",
+    "runs_on_after_reset",
 ]
 
 # --- error answers ----------------------------------------------------------------------------
@@ -294,10 +305,23 @@ SGLANG_SERVER_INFO = Probe("GET", "/get_server_info", engines="SGLang")
 CONTEXT_PROBES = (MODELS, PROPS, TGI_INFO, SGLANG_MODEL_INFO, SGLANG_SERVER_INFO)
 
 
-def _positive(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+#: The most any engine's numbers are believed to be: a window or a KV pool of more tokens than
+#: this, or KV blocks larger than ``_MAX_BLOCK``, are a broken or lying answer, not a setting.
+_MAX_TOKENS = 1 << 40
+_MAX_BLOCK = 1 << 16
+
+
+def _positive(value: Any, most: int = _MAX_TOKENS) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
         return None
     return value
+
+
+def _whole_sample(value: float) -> int | None:
+    """A Prometheus sample as a token count: finite, whole, within bounds; else None."""
+    if not math.isfinite(value) or not value.is_integer():
+        return None
+    return _positive(int(value))
 
 
 def _dig(payload: Any, *keys: str) -> Any:
@@ -486,9 +510,13 @@ def count_by_tokenize(
     messages: list[Any] | None = None,
     model: str | None = None,
     tools: list[Any] | None = None,
+    render: Mapping[str, Any] | None = None,
 ) -> Generator[Probe, Answer, int | None]:
     """The server's own count of a prompt or a chat request (its template applied), or None
     when its ``/tokenize`` cannot say. A driver like :func:`discover_context`.
+
+    ``render``: the chat request's own fields that change the rendered prompt
+    (:data:`RENDER_FIELDS`, see :func:`countable_render_fields`), sent with its messages.
 
     - vLLM (and our reference server): ``POST /tokenize`` ``{"prompt"}`` or ``{"messages",
       "add_generation_prompt": true}`` -> ``count``;
@@ -508,6 +536,8 @@ def count_by_tokenize(
         )
         if messages is not None and tools is not None:
             body["tools"] = tools
+        if messages is not None and render:
+            body.update(render)
         if model is not None:
             body["model"] = model
         answer = yield Probe("POST", "/tokenize", body, engines="vLLM, ours")
@@ -523,6 +553,8 @@ def count_by_tokenize(
             template_body: dict[str, Any] = {"messages": messages}
             if tools is not None:
                 template_body["tools"] = tools
+            if render:
+                template_body.update(render)
             answer = yield Probe("POST", "/apply-template", template_body, "llama.cpp")
             rendered = _dig(answer.payload, "prompt") if answer.status == 200 else None
             if not isinstance(rendered, str):
@@ -535,6 +567,123 @@ def count_by_tokenize(
         answer = yield Probe("POST", "/tokenize", {"inputs": prompt}, engines="TGI")
         return _token_list_length(answer.payload, None) if answer.status == 200 else None
     return None
+
+
+# --- what a request spends: its output length and its sequences --------------------------------
+
+#: Fields that set how many tokens a sequence may generate, in any engine's dialect: OpenAI's
+#: ``max_tokens`` and ``max_completion_tokens`` (vLLM, SGLang, TGI, llama.cpp), llama.cpp's
+#: ``n_predict`` (it wins over ``max_tokens`` there; ``-1`` or ``0``: until the context is full)
+#: and TGI's ``max_new_tokens``. An engine obeys one of them; which one differs, so all are set.
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict", "max_new_tokens")
+#: Fields whose non-positive value means "no limit" rather than an error.
+UNLIMITED_WHEN_NOT_POSITIVE = frozenset({"n_predict"})
+#: Fields that set how many sequences one request generates: ``n`` (OpenAI, vLLM, llama.cpp),
+#: llama.cpp's alias ``n_cmpl``, vLLM's ``best_of`` (it generates that many, returns ``n``).
+SEQUENCE_FIELDS = ("n", "n_cmpl", "best_of")
+#: Engines whose sequences of one request share the prompt's KV blocks (vLLM and SGLang fork
+#: them); elsewhere (llama.cpp runs each in a slot of its own) each holds its own prompt.
+PROMPT_SHARING_ENGINES = frozenset({"vllm", "sglang"})
+#: Fields that spend KV in ways the reservation cannot price: beam search holds a changing set
+#: of beams whose count the request does not bound.
+UNPRICED_FIELDS = ("use_beam_search", "beam_width")
+#: A chat request's own fields that change the prompt its engine renders.
+RENDER_FIELDS = (
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+)
+#: The render fields each engine's own count (``/tokenize``, ``/apply-template``) takes as its
+#: chat endpoint does, so that counting them is exact. vLLM's ``/tokenize`` has no
+#: ``documents``.
+_COUNTED_RENDER_FIELDS: dict[str, frozenset[str]] = {
+    "vllm": frozenset(RENDER_FIELDS) - {"documents"},
+    "llama.cpp": frozenset(RENDER_FIELDS),
+}
+
+
+#: Engines that go on generating a request whose connection was reset, as measured: llama.cpp
+#: stops a stream at its next token, but runs a plain (non-streamed) request to its end.
+_RUNS_ON_AFTER_RESET: dict[str, frozenset[bool]] = {"llama.cpp": frozenset({False})}
+
+
+def runs_on_after_reset(engine: str | None, *, stream: bool) -> bool:
+    """Whether ``engine`` keeps generating a request (streamed or not) after its connection is
+    reset: then the KV it holds is freed only when it finishes."""
+    return stream in _RUNS_ON_AFTER_RESET.get(engine or "", frozenset())
+
+
+@dataclass(frozen=True, slots=True)
+class Spend:
+    """What a request may make an engine hold: each sequence's output cap (None: unset, so up
+    to the context window) and how many sequences."""
+
+    max_tokens: int | None
+    sequences: int = 1
+
+
+class SpendError(ValueError):
+    """A field that sets what a request spends is malformed, or cannot be priced."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+_JSON_TYPES = {bool: "a boolean", str: "a string", float: "a fraction", list: "an array"}
+
+
+def _whole(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 1e3 is an integer in JSON's eyes
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = _JSON_TYPES.get(type(value), "an object")
+        raise SpendError(f"{name} must be an integer, got {kind}", name)
+    return value
+
+
+def request_spend(body: Mapping[str, Any]) -> Spend:
+    """The largest output any of the request's length fields allows, and its number of
+    sequences, in every engine's dialect at once (an engine obeys one of them: the reservation
+    covers whichever). Raises :class:`SpendError` naming the field."""
+    for name in UNPRICED_FIELDS:
+        value = body.get(name)
+        off = value is None or value is False or (type(value) is int and value <= 1)
+        if not off:
+            raise SpendError(f"{name} cannot be priced by a KV reservation", name)
+    caps: list[int] = []
+    unlimited = False
+    for name in LENGTH_FIELDS:
+        value = _whole(body, name)
+        if value is None:
+            continue
+        if value < 1:
+            if name not in UNLIMITED_WHEN_NOT_POSITIVE:
+                raise SpendError(f"{name} must be at least 1, got {value}", name)
+            unlimited = True
+        else:
+            caps.append(value)
+    sequences = 1
+    for name in SEQUENCE_FIELDS:
+        value = _whole(body, name)
+        if value is None:
+            continue
+        if value < 1:
+            raise SpendError(f"{name} must be at least 1, got {value}", name)
+        sequences = max(sequences, value)
+    return Spend(max_tokens=None if unlimited or not caps else max(caps), sequences=sequences)
+
+
+def countable_render_fields(engine: str | None, present: Iterable[str]) -> str | None:
+    """The first of the ``present`` render fields that ``engine``'s own count cannot take (it
+    would count a prompt other than the one generated), or None when it takes them all."""
+    taken = _COUNTED_RENDER_FIELDS.get(engine or "", frozenset())
+    return next((name for name in present if name not in taken), None)
 
 
 # --- KV budget ---------------------------------------------------------------------------------
@@ -594,7 +743,7 @@ def budget_from_vllm_metrics(text: str) -> tuple[int, int] | None:
             blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
         except (KeyError, ValueError):
             continue
-        if blocks > 0 and size > 0:
+        if _positive(size, _MAX_BLOCK) and _positive(blocks) and _positive(blocks * size):
             return blocks * size, size
     return None
 
@@ -603,16 +752,16 @@ def budget_from_reference_metrics(text: str) -> int | None:
     """Our reference server's ``/metrics``: ``kv_physical_capacity_tokens`` (its KV blocks are
     16 tokens)."""
     for _, value in prometheus_samples(text, "kv_physical_capacity_tokens"):
-        if value >= 1:
-            return int(value)
+        if (tokens := _whole_sample(value)) is not None:
+            return tokens
     return None
 
 
 def budget_from_tgi_metrics(text: str) -> int | None:
     """TGI ``/metrics``: ``tgi_batch_max_total_tokens`` (its ``/info`` dropped the field)."""
     for _, value in prometheus_samples(text, "tgi_batch_max_total_tokens"):
-        if value >= 1:
-            return int(value)
+        if (tokens := _whole_sample(value)) is not None:
+            return tokens
     return None
 
 

@@ -22,11 +22,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "through kvclient; print the comparison",
     ),
     "serve": (
-        "reference_server.__main__",
+        "reference_server.simulated.cli",
         "run the reference server (OpenAI-compatible, KV reservation ledger, simulated engine)",
     ),
     "gateway": (
-        "reference_server._gateway_cli",
+        "reference_server.gateway.cli",
         "put the KV reservation ledger in front of real engines (vLLM, llama.cpp, TGI, SGLang)",
     ),
     "bench": (

@@ -1,12 +1,15 @@
-"""The reference server: an OpenAI-compatible server that keeps the KV admission contract.
+"""The server half of the admission contract: one admission core, two backends.
 
-It admits each request against its worst case (prompt + output cap, in whole KV blocks), holds that
-reservation for the request's whole life, and when the budget is short answers 429 with a
-Retry-After measured from when in-flight reservations are due to be released. A simulated engine
-generates real tokens at a set rate over a physical KV pool that can overflow, so the admission
-strategies (``reserve``, ``prompt``, ``concurrency``) can be compared by measurement.
+- :mod:`reference_server.admission`: the reservation ledger, the FIFO queue, the journal (pure).
+- :mod:`reference_server.http`: what both apps serve with: errors, request reading, the 429 and
+  RateLimit answers, middleware, the one generation endpoint, uvicorn.
+- :mod:`reference_server.simulated`: ``kvclient serve``, over a simulated engine whose KV pool
+  really overflows.
+- :mod:`reference_server.gateway`: ``kvclient gateway``, the same ledger in front of real
+  engines (vLLM, llama.cpp, TGI, SGLang).
+- :mod:`reference_server.testing`: servers in a background thread, for tests and benchmarks.
 
-Run it embedded (a real uvicorn server on a free loopback port, in a background thread)::
+Run the reference server embedded (a real uvicorn server on a free loopback port)::
 
     from reference_server import running_server
 
@@ -14,11 +17,43 @@ Run it embedded (a real uvicorn server on a free loopback port, in a background 
         print(server.base_url, server.metrics()["kv_reserved_tokens"])
 """
 
-from ._runner import RunningServer, running_server, serve_in_thread
-from .app import ServerState, create_app
-from .config import ServerConfig
-from .engine import Completion, EngineFaultError, EngineOOMError, EngineStats, SimulatedEngine
-from .ledger import Handle, KVAdmissionController, LedgerStats, Strategy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .admission.ledger import Handle, KVAdmissionController, LedgerStats, Strategy
+    from .simulated.app import ServerState, create_app
+    from .simulated.config import ServerConfig
+    from .simulated.engine import (
+        Completion,
+        EngineFaultError,
+        EngineOOMError,
+        EngineStats,
+        SimulatedEngine,
+    )
+    from .testing import RunningServer, running_server, serve_in_thread
+
+#: Public name -> the module that defines it. Loaded on first use, so that importing the gateway
+#: does not load the simulated engine (nor the engine the gateway).
+_WHERE = {
+    "Handle": ".admission.ledger",
+    "KVAdmissionController": ".admission.ledger",
+    "LedgerStats": ".admission.ledger",
+    "Strategy": ".admission.ledger",
+    "ServerState": ".simulated.app",
+    "create_app": ".simulated.app",
+    "ServerConfig": ".simulated.config",
+    "Completion": ".simulated.engine",
+    "EngineFaultError": ".simulated.engine",
+    "EngineOOMError": ".simulated.engine",
+    "EngineStats": ".simulated.engine",
+    "SimulatedEngine": ".simulated.engine",
+    "RunningServer": ".testing",
+    "running_server": ".testing",
+    "serve_in_thread": ".testing",
+}
 
 __all__ = [
     "Completion",
@@ -37,3 +72,10 @@ __all__ = [
     "running_server",
     "serve_in_thread",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(where, __name__), name)

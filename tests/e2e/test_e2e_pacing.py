@@ -19,7 +19,7 @@ import pytest
 from kvclient import AsyncClient, RetryPolicy
 from kvclient._pacing import Pacer, RoomHint, parse_ratelimit
 from reference_server import RunningServer, running_server
-from reference_server._runner import running_gateway
+from reference_server.testing import running_gateway
 from reference_server.gateway import GatewayConfig
 from tests.helpers.servers import at_zero, wait_for
 

@@ -20,7 +20,7 @@ from kvclient import AsyncClient, RetryPolicy, TiktokenCounter
 from kvclient.loadgen import SLO, Shape, SyntheticWorkload, cli, run_load, summarize
 from kvclient.loadgen._kvsender import KVClientSender
 from reference_server import RunningServer, running_server
-from reference_server._runner import serve_in_thread
+from reference_server.testing import serve_in_thread
 
 # The acceptance bound on a failed preflight; the checks take well under a second.
 PREFLIGHT_BOUND = 5.0

@@ -13,7 +13,7 @@ import pytest
 from kvclient import Client, ServerTokenizeCounter, TokenizerError
 from kvclient.loadgen import cli as bench_cli
 from reference_server import running_server
-from reference_server.__main__ import build_parser, config_from_args
+from reference_server.simulated.cli import build_parser, config_from_args
 from tests.helpers import tokenizer_corpus as corpus
 from tests.helpers.real_tokenizers import counter, model_dir
 

@@ -1,4 +1,4 @@
-"""Hostile chat messages (issue 12, items 4 and 5): large fields other than ``content`` are
+"""Hostile chat messages: large fields other than ``content`` are
 counted off the event loop, and nesting just under the JSON parser's limit in any message field
 gets a 4xx JSON error or a success, never a 500, on the real server."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from kvclient import TiktokenCounter
 from reference_server import RunningServer, ServerConfig, create_app, running_server
-from reference_server._requests import parse_generation
+from reference_server.http.requests import parse_generation
 from tests.helpers.servers import at_zero, wait_for
 
 FAST: dict[str, Any] = {

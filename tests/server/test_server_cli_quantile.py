@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from reference_server.__main__ import build_parser, config_from_args
-from reference_server.config import DEFAULT_RETRY_AFTER_QUANTILE, ServerConfig
+from reference_server.simulated.cli import build_parser, config_from_args
+from reference_server.simulated.config import DEFAULT_RETRY_AFTER_QUANTILE, ServerConfig
 
 
 def test_default_is_the_worst_case_never_a_quantile() -> None:

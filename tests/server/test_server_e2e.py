@@ -42,12 +42,17 @@ def sdk(server: RunningServer) -> Iterator[openai.OpenAI]:
     client.close()
 
 
+#: One pooled client for every holder: building a client (its TLS context) costs more than the
+#: short requests the holders send, and under load the test would measure that instead.
+_HOLDERS = httpx.Client(timeout=30, limits=httpx.Limits(max_connections=64))
+
+
 def hold(server: RunningServer, max_tokens: int, **body: Any) -> threading.Thread:
     """Send a request in a thread (it occupies the ledger until it finishes)."""
 
     def run() -> None:
-        with httpx.Client(base_url=server.base_url, timeout=30) as client:
-            client.post("/v1/completions", json={"prompt": "x", "max_tokens": max_tokens, **body})
+        body_ = {"prompt": "x", "max_tokens": max_tokens, **body}
+        _HOLDERS.post(server.base_url + "/v1/completions", json=body_)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -68,7 +73,7 @@ def test_running_server_listens_on_loopback_and_stops_cleanly() -> None:
 
 
 def test_cli_help_explains_the_single_process_design(capsys: pytest.CaptureFixture[str]) -> None:
-    from reference_server.__main__ import main
+    from reference_server.simulated.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
@@ -95,7 +100,7 @@ def test_cli_help_explains_the_single_process_design(capsys: pytest.CaptureFixtu
 
 
 def test_cli_builds_the_config_from_bytes_and_a_preset() -> None:
-    from reference_server.__main__ import build_parser, config_from_args
+    from reference_server.simulated.cli import build_parser, config_from_args
 
     args = build_parser().parse_args(
         ["--kv-bytes", str(2 * 1024**3), "--model-preset", "llama-3.1-8b", "--admission", "prompt"]
@@ -106,7 +111,7 @@ def test_cli_builds_the_config_from_bytes_and_a_preset() -> None:
 
 
 def test_cli_rejects_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
-    from reference_server.__main__ import main
+    from reference_server.simulated.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--safety-fraction", "1.5"])

@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.helpers.servers import wait_for
 
 from kvclient import (
     APIResponseError,
@@ -32,6 +31,7 @@ from reference_server import (
     create_app,
     running_server,
 )
+from tests.helpers.servers import wait_for
 
 COUNTER = TiktokenCounter()
 FAST: dict[str, Any] = {
@@ -106,7 +106,7 @@ def test_fault_rate_outside_0_1_is_refused(rate: float) -> None:
 
 
 def test_cli_option_sets_the_fault_rate() -> None:
-    from reference_server.__main__ import build_parser, config_from_args
+    from reference_server.simulated.cli import build_parser, config_from_args
 
     parser = build_parser()
     assert "--fault-rate" in parser.format_help()

@@ -1,4 +1,4 @@
-"""Retry-After advice that never lies (issue 12, items 1 and 3): pure ledger tests.
+"""Retry-After advice that never lies: pure ledger tests.
 
 The invariants, for a request the ledger refuses now (``h`` ranges over the live handles; a
 handle's *cap end* is ``due_at``, when it reaches its output cap at the decode rate; once that
@@ -30,8 +30,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reference_server import KVAdmissionController
-from reference_server.config import ServerConfig
-from reference_server.ledger import STAGGER_ROUNDS, Handle
+from reference_server.admission.ledger import STAGGER_ROUNDS, Handle
+from reference_server.simulated.config import ServerConfig
 
 
 def earliest_fit(need: int, usable: int, now: float, holds: list[tuple[float, int]]) -> float:
@@ -273,12 +273,13 @@ def test_a_holder_whose_write_waits_on_the_client_is_expected_when_the_server_cu
     need = ledger.need_tokens(100, 100)
     holder.writing_since = 3.0  # a write waiting since 3 s: the client stopped reading
     assert ledger.retry_after(need, 3.02) == pytest.approx(10.05 - 3.02)  # not late yet
-    assert ledger.retry_after(need, 3.5) == pytest.approx(20.05 - 3.5)  # cut at due + overrun
+    # cut once the write has waited the send timeout (overrun)
+    assert ledger.retry_after(need, 3.5) == pytest.approx(13.0 - 3.5)
     holder.writing_since = None  # it read again
     assert ledger.retry_after(need, 3.5) == pytest.approx(10.05 - 3.5)
 
 
-# --- the default (issue 12): never shorter than the worst case, for any ledger state ------------
+# --- the default: never shorter than the worst case, for any ledger state ------------------------
 
 
 def _default_ledger(rate: float, overrun: float) -> KVAdmissionController:
@@ -318,7 +319,7 @@ def test_default_advice_is_never_shorter_than_the_worst_case(
 ) -> None:
     """By default a refused request is told at least the time until it fits with every holder
     running to its cap at the decode rate, and a holder whose write waits on its client (a
-    stalled reader) to its cut: ``send_timeout`` after its cap. No recent output, however
+    stalled reader) to its cut: ``send_timeout`` after that write began. No recent output, however
     short, makes it less."""
     ledger = _default_ledger(rate, overrun)
     margin = ledger.release_margin
@@ -339,7 +340,10 @@ def test_default_advice_is_never_shorter_than_the_worst_case(
     def latest_end(h: Handle) -> float:
         # The latest this holder can hold: its cap; a stalled one, its cut.
         stalled_now = h.writing_since is not None and now - h.writing_since > margin
-        end = h.due_at + overrun if stalled_now or h.due_at + margin <= now else h.due_at
+        if stalled_now:
+            assert h.writing_since is not None
+            return max(h.writing_since + overrun, now + max(margin, 1.0 / rate))
+        end = h.due_at + overrun if h.due_at + margin <= now else h.due_at
         if h.due_at <= now < h.due_at + margin and not stalled_now:
             end = h.due_at + margin
         return max(end, now + max(margin, 1.0 / rate))

@@ -7,7 +7,7 @@ import hmac
 import pytest
 from starlette.datastructures import Headers
 
-from reference_server.app import APIKeyMiddleware
+from reference_server.http.middleware import APIKeyMiddleware
 
 
 async def _app(scope: object, receive: object, send: object) -> None:  # never reached

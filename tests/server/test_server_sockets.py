@@ -1,6 +1,6 @@
-"""Real loopback sockets against the real server (uvicorn), issue 12 items 2 and 6: a client that
-stops reading cannot pin its reservation, and a client that half-closes after its request still
-gets its answer. Every case ends with the ledger back at zero."""
+"""Real loopback sockets against the real server (uvicorn): a client that stops reading cannot
+pin its reservation, and a client that half-closes or closes is gone at once. Every case ends
+with the ledger back at zero."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def read_all(sock: socket.socket, timeout: float = 10.0) -> bytes:
     return data
 
 
-# --- item 2: a client that stops reading a stream ------------------------------------------------
+# --- a client that stops reading a stream ------------------------------------------------------
 
 #: 1.5 M tokens at 1 M tok/s: due 1.5 s after admission, about 7 MB of text, more than the
 #: loopback socket buffers can hold (about 4 MB here).
@@ -44,6 +44,7 @@ STALL: dict[str, Any] = {
     "mean_output_tokens": 50_000_000.0,  # natural lengths far beyond the cap: runs to the cap
     "tick_seconds": 0.005,
     "send_timeout": 0.3,
+    "socket_send_buffer": 8192,  # the server's writes back up soon after the client's buffer
 }
 STALL_CAP = 1_500_000
 
@@ -65,11 +66,13 @@ def test_a_client_that_stops_reading_a_stream_is_cut_and_releases() -> None:
             )
         )
         now = time.monotonic()
+        since = handle.writing_since
+        assert since is not None
         advice = server.ledger.retry_after(server.ledger.usable_tokens, now)
-        assert advice == pytest.approx(handle.due_at + 0.3 - now)
-        # Not one byte read, the socket kept open: released once the answer is send_timeout
-        # past its worst case (1.5 s), not when the client finally reads or hangs up.
-        wait_for(lambda: at_zero(server), timeout=STALL_CAP / 1e6 + 0.3 + 3.0)
+        assert advice == pytest.approx(since + 0.3 - now, abs=0.02)
+        # Not one byte read, the socket kept open: released once a write has waited
+        # send_timeout, long before its worst case (1.5 s), and before the client hangs up.
+        wait_for(lambda: at_zero(server), timeout=3.0)
         held = time.monotonic() - admitted
         metrics = server.metrics()
         assert metrics["kv_send_timeouts_total"] == 1
@@ -78,9 +81,7 @@ def test_a_client_that_stops_reading_a_stream_is_cut_and_releases() -> None:
         assert data.startswith(b"HTTP/1.1 200")
         assert b"data: [DONE]" not in data  # cut, not finished
         assert not data.endswith(b"0\r\n\r\n")
-        assert held >= 1.5
-        # The ledger's bound: the due time (cap / rate + release margin) plus send_timeout.
-        assert server.ledger.overrun == 0.3
+        assert held < 1.5
 
 
 def test_a_reader_that_keeps_up_is_never_cut() -> None:
@@ -96,7 +97,7 @@ def test_a_reader_that_keeps_up_is_never_cut() -> None:
         wait_for(lambda: at_zero(server))
 
 
-# --- item 6: a client that half-closes after sending ---------------------------------------------
+# --- a client that half-closes or closes is gone ---------------------------------------------
 
 FAST: dict[str, Any] = {
     "kv_tokens": 4096,
@@ -113,34 +114,21 @@ def server() -> Iterator[RunningServer]:
         yield running
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
-def test_a_half_closed_client_still_gets_its_answer(server: RunningServer, path: str) -> None:
-    body: dict[str, Any] = {"max_tokens": 200}  # 0.1 s of generation at 2000 tok/s
-    if path == "/v1/chat/completions":
-        body["messages"] = [{"role": "user", "content": "hello"}]
-    else:
-        body["prompt"] = "hello"
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_half_closes_is_gone_and_releases_at_once(
+    server: RunningServer, stream: bool
+) -> None:
+    """A read EOF ends the request, as nginx, Go and uvicorn take it: the reservation comes back
+    long before the 1.5 s the answer would take."""
+    body = {"prompt": "hello", "max_tokens": 1500, "stream": stream}
     with socket.create_connection((server.host, server.port)) as sock:
-        sock.sendall(request_bytes(path, body))
-        sock.shutdown(socket.SHUT_WR)  # done sending: HTTP lets the client still read
-        data = read_all(sock)
-    head, _, payload = data.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200"), data[:300]
-    answer = json.loads(payload)
-    if path != "/tokenize":
-        assert answer["usage"]["completion_tokens"] == 200
-    wait_for(lambda: at_zero(server))
-
-
-def test_a_half_closed_stream_is_read_to_the_end(server: RunningServer) -> None:
-    with socket.create_connection((server.host, server.port)) as sock:
-        body = {"prompt": "hello", "max_tokens": 100, "stream": True}
         sock.sendall(request_bytes("/v1/completions", body))
+        wait_for(lambda: server.metrics()["kv_inflight_requests"] == 1)
+        started = time.monotonic()
         sock.shutdown(socket.SHUT_WR)
-        data = read_all(sock)
-    assert data.startswith(b"HTTP/1.1 200")
-    assert b"data: [DONE]" in data
-    wait_for(lambda: at_zero(server))
+        wait_for(lambda: at_zero(server), timeout=1.0)
+        assert time.monotonic() - started < 1.0
+    assert server.engine.stats().running == 0  # the engine stopped generating for nobody
 
 
 def test_an_end_of_file_inside_the_body_still_closes_at_once(server: RunningServer) -> None:
@@ -154,11 +142,11 @@ def test_an_end_of_file_inside_the_body_still_closes_at_once(server: RunningServ
     assert server.metrics()["kv_inflight_requests"] == 0
 
 
-def test_a_client_that_closes_while_waiting_is_released_by_the_end(
+def test_a_client_that_closes_while_generating_is_released_at_once(
     server: RunningServer,
 ) -> None:
     sock = socket.create_connection((server.host, server.port))
-    sock.sendall(request_bytes("/v1/completions", {"prompt": "hello", "max_tokens": 400}))
+    sock.sendall(request_bytes("/v1/completions", {"prompt": "hello", "max_tokens": 1500}))
     wait_for(lambda: server.metrics()["kv_inflight_requests"] == 1)
-    sock.close()  # gone: looks like a half-close until the answer's write fails
-    wait_for(lambda: at_zero(server), timeout=400 / 2000 + 3.0)
+    sock.close()
+    wait_for(lambda: at_zero(server), timeout=1.0)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from reference_server import KVAdmissionController, ServerConfig, create_app
-from reference_server._journal import AdmissionLog, check_advice, read_log
+from reference_server.admission.journal import AdmissionLog, check_advice, read_log
 
 
 def test_the_log_has_every_admission_release_and_refusal_in_order(tmp_path: Path) -> None:

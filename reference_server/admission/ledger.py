@@ -29,10 +29,11 @@ import math
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from typing import Literal, get_args
 
 from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
+
+from .values import Handle, Headroom, LedgerEvent, LedgerStats, _Promise
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
@@ -68,115 +69,6 @@ _MIN_TAIL = 10
 STAGGER_ROUNDS = 8
 #: Promises remembered at most (the oldest are forgotten first): each estimate scans them all.
 _MAX_PROMISES = 64
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LedgerEvent:
-    """One admission, release or refusal, for an observer (``on_event``) to log.
-
-    ``kind`` is ``"admit"``, ``"release"``, ``"shrink"`` or ``"refuse"``; ``id`` the handle's (0
-    for a refusal); ``tokens`` what was reserved, released, given back by a shrink or asked for;
-    ``retry_after`` the seconds a refusal advised. No time: the ledger has no clock, the
-    observer stamps events as it receives them (they arrive in the ledger's own order, under its
-    lock).
-    """
-
-    kind: Literal["admit", "release", "shrink", "refuse"]
-    id: int
-    tokens: int
-    retry_after: float = 0.0
-
-
-@dataclass(slots=True, kw_only=True)
-class _Promise:
-    """A rejected client told to come back at ``start``, holding ``tokens`` until ``end``."""
-
-    start: float
-    end: float
-    tokens: int
-    client: Hashable | None = None
-
-
-class Handle:
-    """One admitted request's reservation. Give it back with :meth:`KVAdmissionController.release`.
-
-    ``due_at`` is the worst-case release time: the moment the request reaches its output cap when
-    decoding at the engine's rate from admission. Retry-After estimates are built from it.
-    ``writing_since`` is set by the server while a write of the answer waits on the client (the
-    ledger's clock), None otherwise: one waiting longer than the release margin is a client
-    that stopped reading, and the holder ends only when the server cuts it.
-    """
-
-    __slots__ = (
-        "admitted_at",
-        "due_at",
-        "id",
-        "output_cap",
-        "prompt_tokens",
-        "released",
-        "reserved_tokens",
-        "writing_since",
-    )
-
-    def __init__(
-        self,
-        *,
-        id: int,
-        prompt_tokens: int,
-        output_cap: int,
-        reserved_tokens: int,
-        admitted_at: float,
-        due_at: float,
-    ) -> None:
-        self.id = id
-        self.prompt_tokens = prompt_tokens
-        self.output_cap = output_cap
-        self.reserved_tokens = reserved_tokens
-        self.admitted_at = admitted_at
-        self.due_at = due_at
-        self.released = False
-        self.writing_since: float | None = None
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else "live"
-        return (
-            f"Handle(id={self.id}, prompt_tokens={self.prompt_tokens}, "
-            f"output_cap={self.output_cap}, reserved_tokens={self.reserved_tokens}, {state})"
-        )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LedgerStats:
-    """A consistent snapshot of the ledger (taken under its lock)."""
-
-    strategy: str
-    usable_tokens: int
-    usable_bytes: int
-    reserved_tokens: int
-    reserved_bytes: int
-    inflight: int
-    admitted_total: int
-    rejected_total: int
-    released_total: int
-    peak_reserved_tokens: int
-    peak_inflight: int
-    max_concurrency: int | None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Headroom:
-    """The room a server advertises (``RateLimit`` headers, ``/metrics``), in KV tokens.
-
-    ``free`` is what a new reservation may take now; ``next_release_in`` the seconds until the
-    soonest live reservation is due to end at the latest (0.0 when none is live); ``advertised``
-    is False under the ``prompt`` and ``concurrency`` strategies, whose budgets are not what a
-    client reserves (prompt + output cap), so their room is not advertised.
-    """
-
-    usable: int
-    free: int
-    next_release_in: float
-    advertised: bool = True
 
 
 class KVAdmissionController:
@@ -405,15 +297,16 @@ class KVAdmissionController:
         ``_MIN_TAIL`` were and that is before its cap. Otherwise at its cap at the decode rate
         (``due_at``): once a holder has outlived what the recent outputs can vouch for, its
         remaining cap is all that is known. A little past its cap, within another
-        ``release_margin``; later than that (a client that does not read its stream, say),
-        ``overrun`` after its cap, when the server cuts it. Never sooner than
+        ``release_margin``; later than that, ``overrun`` after its cap; and a holder whose
+        answer waits on a client that does not read, ``overrun`` (the send timeout) after the
+        write began, when the server cuts it. Never sooner than
         ``release_margin`` (or one token) from now: it is still held, and a sequence takes
         that long to wind down.
         """
         soonest = now + max(self.release_margin, 1.0 / self.decode_rate)
         writing = handle.writing_since
         if writing is not None and now - writing > self.release_margin:
-            return max(handle.due_at + self.overrun, soonest)  # stalled: cut then
+            return max(writing + self.overrun, soonest)  # a stalled reader: cut then
         if ordered is not None:
             generated = (now - handle.admitted_at) * self.decode_rate
             length = self._quantile_above(ordered, generated)

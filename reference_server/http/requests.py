@@ -1,7 +1,8 @@
-"""Reading and validating request bodies: pure functions, every failure an :class:`APIError`.
+"""Reading and validating request bodies; every failure an :class:`APIError`.
 
 Hostile input gets a 4xx with a clear message, never a 500: broken JSON, invalid UTF-8, deep
-nesting, wrong types, caps below 1. Unknown fields are ignored, as OpenAI does.
+nesting, wrong types, caps below 1, a body over the limit or one that stalls. Unknown fields are
+ignored, as OpenAI does. Only :func:`read_body` does I/O (ASGI ``receive``); the rest is pure.
 """
 
 from __future__ import annotations
@@ -11,12 +12,107 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import anyio
+from starlette.types import Receive, Scope
+
 from kvclient import ChatTemplateError, TokenCounter
+from kvclient._dialects import SpendError, request_spend
 from kvclient._tokens import count_chat_request
 
-from ._errors import APIError, bad_request
+from .errors import APIError, bad_request
 
-__all__ = ["GenerationRequest", "Kind", "count_prompt", "parse_generation", "parse_json_object"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DRAIN_LIMIT_BYTES",
+    "THREAD_TOKENIZE_CHARS",
+    "ClientGone",
+    "GenerationRequest",
+    "Kind",
+    "check_content_type",
+    "count_prompt",
+    "parse_generation",
+    "parse_json_object",
+    "read_body",
+    "scope_header",
+]
+
+#: How much of an oversized body is read and discarded before answering 413, so the client sees
+#: the answer instead of a reset connection.
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
+#: The request body limit unless configured otherwise.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+#: Prompts longer than this many characters are tokenized in a worker thread.
+THREAD_TOKENIZE_CHARS = 32 * 1024
+#: The longest a request body may go without a byte arriving (nginx's client_body_timeout).
+BODY_IDLE_TIMEOUT = 30.0
+
+
+class ClientGone(Exception):
+    """The client went away while its request was being read."""
+
+
+def scope_header(scope: Scope, name: bytes) -> str | None:
+    """The first value of header ``name`` (lower-case, as ASGI gives names)."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"the request body exceeds the server's limit of {limit} bytes",
+        code="request_too_large",
+    )
+
+
+async def read_body(
+    scope: Scope, receive: Receive, limit: int, *, idle_timeout: float = BODY_IDLE_TIMEOUT
+) -> bytes:
+    """The whole body; a 413 after draining (bounded) what the client still sends; a 408 when
+    no byte of it arrives for ``idle_timeout`` seconds."""
+    declared = scope_header(scope, b"content-length")
+    declared_size: int | None = None
+    if declared is not None:
+        try:
+            declared_size = int(declared)
+        except ValueError:
+            raise APIError(400, "invalid Content-Length header", code="invalid_request") from None
+    if declared_size is not None and (declared_size < 0 or declared_size > DRAIN_LIMIT_BYTES):
+        # Too much to drain: answer at once (before the client has sent it all, if ever).
+        raise (
+            too_large(limit)
+            if declared_size > 0
+            else APIError(400, "invalid Content-Length header", code="invalid_request")
+        )
+    chunks: list[bytes] = []
+    total = 0
+    over = declared_size is not None and declared_size > limit
+    while True:
+        with anyio.move_on_after(idle_timeout) as waited:
+            message = await receive()
+        if waited.cancelled_caught:
+            raise APIError(
+                408,
+                f"the request body stalled: no byte for {idle_timeout:g} seconds",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            )
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk: bytes = message.get("body", b"")
+        total += len(chunk)
+        if total > limit:
+            over = True
+        if not over:
+            chunks.append(chunk)
+        if not message.get("more_body", False) or total > DRAIN_LIMIT_BYTES:
+            break
+    if over:
+        raise too_large(limit)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
 
 Kind = Literal["completions", "chat", "generate", "tokenize"]
 
@@ -80,19 +176,6 @@ def _json_type(value: object) -> str:
     return "an object"
 
 
-def _optional_int(body: Mapping[str, Any], name: str, *, minimum: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{name} must be an integer, got {_json_type(value)}", param=name)
-    if value < minimum:
-        raise bad_request(f"{name} must be at least {minimum}, got {value}", param=name)
-    return value
-
-
 def _optional_bool(body: Mapping[str, Any], name: str) -> bool:
     value = body.get(name)
     if value is None:
@@ -112,7 +195,10 @@ class GenerationRequest:
     messages: list[dict[str, Any]] | None = None
     #: A chat's tool definitions, for tokenizers whose chat template lays them out.
     tools: list[dict[str, Any]] | None = None
+    #: Each sequence's output cap: the largest any length field allows (None: unset).
     max_tokens: int | None = None
+    #: Sequences generated (``n``, ``n_cmpl``, ``best_of``: the largest).
+    sequences: int = 1
     stream: bool = False
     include_usage: bool = False
 
@@ -199,13 +285,11 @@ def parse_generation(kind: Kind, body: Mapping[str, Any]) -> GenerationRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"model must be a string, got {_json_type(model)}", param="model")
-    n = _optional_int(body, "n", minimum=1)
-    if n not in (None, 1):
-        raise bad_request("n must be 1: this server generates one choice per request", param="n")
-    max_tokens = _optional_int(body, "max_tokens", minimum=1)
-    if kind == "chat":
-        newer = _optional_int(body, "max_completion_tokens", minimum=1)
-        max_tokens = newer if newer is not None else max_tokens
+    try:
+        spend = request_spend(body)
+    except SpendError as exc:
+        raise bad_request(str(exc), param=exc.field) from None
+    max_tokens, sequences = spend.max_tokens, spend.sequences
     stream = _optional_bool(body, "stream") if kind in ("completions", "chat") else False
     include_usage = False
     options = body.get("stream_options")
@@ -225,6 +309,7 @@ def parse_generation(kind: Kind, body: Mapping[str, Any]) -> GenerationRequest:
             messages=_parse_messages(body),
             tools=tools,
             max_tokens=max_tokens,
+            sequences=sequences,
             stream=stream,
             include_usage=include_usage,
         )
@@ -236,6 +321,7 @@ def parse_generation(kind: Kind, body: Mapping[str, Any]) -> GenerationRequest:
         prompt=prompt,
         token_ids=token_ids,
         max_tokens=max_tokens,
+        sequences=sequences,
         stream=stream,
         include_usage=include_usage,
     )

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 from kvclient import DEFAULT_BLOCK_SIZE, ModelProfile, TiktokenCounter, Tokenizer
 
-from .ledger import DEFAULT_SAFETY_FRACTION, STRATEGIES, Strategy
+from ..admission.ledger import DEFAULT_SAFETY_FRACTION, STRATEGIES, Strategy
+from ..http.generation import DEFAULT_SEND_TIMEOUT
+from ..http.requests import DEFAULT_MAX_BODY_BYTES
 
 __all__ = [
     "DEFAULT_CONTEXT_WINDOW",
@@ -28,14 +30,10 @@ DEFAULT_CONTEXT_WINDOW = 8192
 DEFAULT_KV_TOKENS = 32768
 DEFAULT_DECODE_RATE = 1000.0
 DEFAULT_MEAN_OUTPUT_TOKENS = 200.0
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_TICK_SECONDS = 0.01
 #: Retry-After from every holder's worst case by default (see ServerConfig): a quantile of
 #: recent output lengths is a bet, which told 0.6-2.3 % of the soak's 429s less than the wait.
 DEFAULT_RETRY_AFTER_QUANTILE: float | None = None
-#: Seconds an admitted request's answer may run past its worst case (its output cap at the decode
-#: rate) when the client does not read it; then it is cut and its reservation released.
-DEFAULT_SEND_TIMEOUT = 10.0
 #: Bytes per token of the simulated model's KV cache (for the byte gauges): Llama-3.1-8B's.
 DEFAULT_PROFILE = ModelProfile.preset("llama-3.1-8b")
 
@@ -80,12 +78,11 @@ class ServerConfig:
     fault_rate: float = 0.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: A client that stops reading (its socket buffers full, the server's writes waiting) must
-    #: not pin its reservation: an answer still being written this many seconds after its worst
-    #: case (cap / decode rate, from admission) is cut and its reservation released. The
+    #: not pin its reservation: a write that waits this many seconds ends the request. The
     #: ledger's Retry-After counts such a holder as ending then.
     send_timeout: float = DEFAULT_SEND_TIMEOUT
     #: Append every admission, release and 429 (with its advice) to this file as JSON lines
-    #: (``reference_server._journal``); None: no log.
+    #: (``reference_server.admission.journal``); None: no log.
     admission_log: str | None = None
     #: SO_SNDBUF of every connection, in bytes; None: the kernel's (it grows to megabytes on
     #: loopback). Smaller means a client that stops reading blocks the server's writes sooner.

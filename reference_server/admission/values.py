@@ -1,0 +1,119 @@
+"""The ledger's values: a reservation's handle, the events an observer is told, the ledger's
+statistics and the room it advertises. Plain data, no behaviour of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Handle", "Headroom", "LedgerEvent", "LedgerStats"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LedgerEvent:
+    """One admission, release or refusal, for an observer (``on_event``) to log.
+
+    ``kind`` is ``"admit"``, ``"release"``, ``"shrink"`` or ``"refuse"``; ``id`` the handle's (0
+    for a refusal); ``tokens`` what was reserved, released, given back by a shrink or asked for;
+    ``retry_after`` the seconds a refusal advised. No time: the ledger has no clock, the
+    observer stamps events as it receives them (they arrive in the ledger's own order, under its
+    lock).
+    """
+
+    kind: Literal["admit", "release", "shrink", "refuse"]
+    id: int
+    tokens: int
+    retry_after: float = 0.0
+
+
+@dataclass(slots=True, kw_only=True)
+class _Promise:
+    """A rejected client told to come back at ``start``, holding ``tokens`` until ``end``."""
+
+    start: float
+    end: float
+    tokens: int
+    client: Hashable | None = None
+
+
+class Handle:
+    """One admitted request's reservation. Give it back with :meth:`KVAdmissionController.release`.
+
+    ``due_at`` is the worst-case release time: the moment the request reaches its output cap when
+    decoding at the engine's rate from admission. Retry-After estimates are built from it.
+    ``writing_since`` is set by the server while a write of the answer waits on the client (the
+    ledger's clock), None otherwise: one waiting longer than the release margin is a client
+    that stopped reading, and the holder ends only when the server cuts it.
+    """
+
+    __slots__ = (
+        "admitted_at",
+        "due_at",
+        "id",
+        "output_cap",
+        "prompt_tokens",
+        "released",
+        "reserved_tokens",
+        "writing_since",
+    )
+
+    def __init__(
+        self,
+        *,
+        id: int,
+        prompt_tokens: int,
+        output_cap: int,
+        reserved_tokens: int,
+        admitted_at: float,
+        due_at: float,
+    ) -> None:
+        self.id = id
+        self.prompt_tokens = prompt_tokens
+        self.output_cap = output_cap
+        self.reserved_tokens = reserved_tokens
+        self.admitted_at = admitted_at
+        self.due_at = due_at
+        self.released = False
+        self.writing_since: float | None = None
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "live"
+        return (
+            f"Handle(id={self.id}, prompt_tokens={self.prompt_tokens}, "
+            f"output_cap={self.output_cap}, reserved_tokens={self.reserved_tokens}, {state})"
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LedgerStats:
+    """A consistent snapshot of the ledger (taken under its lock)."""
+
+    strategy: str
+    usable_tokens: int
+    usable_bytes: int
+    reserved_tokens: int
+    reserved_bytes: int
+    inflight: int
+    admitted_total: int
+    rejected_total: int
+    released_total: int
+    peak_reserved_tokens: int
+    peak_inflight: int
+    max_concurrency: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Headroom:
+    """The room a server advertises (``RateLimit`` headers, ``/metrics``), in KV tokens.
+
+    ``free`` is what a new reservation may take now; ``next_release_in`` the seconds until the
+    soonest live reservation is due to end at the latest (0.0 when none is live); ``advertised``
+    is False under the ``prompt`` and ``concurrency`` strategies, whose budgets are not what a
+    client reserves (prompt + output cap), so their room is not advertised.
+    """
+
+    usable: int
+    free: int
+    next_release_in: float
+    advertised: bool = True

@@ -1,0 +1,15 @@
+"""``kvclient gateway``: the reservation ledger in front of real engines.
+
+- :mod:`.config`: what it is told, checked at start;
+- :mod:`.upstream`: one engine: its pooled client, discovery, ledger and health;
+- :mod:`.rewrite`: what changes on the way (the cap, the headers), pure;
+- :mod:`.relay`: the backend of the generation endpoint: count, route, forward, relay;
+- :mod:`.metrics`, :mod:`.app`, :mod:`.cli`.
+
+It never imports the simulated engine.
+"""
+
+from .app import GatewayState, create_gateway_app
+from .config import GatewayConfig
+
+__all__ = ["GatewayConfig", "GatewayState", "create_gateway_app"]

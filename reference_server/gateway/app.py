@@ -1,0 +1,224 @@
+"""``kvclient gateway``'s app: the reservation ledger in front of real engines.
+
+The same admission core as the reference server (the ledger, the FIFO queue, the Retry-After
+estimate, the error shapes, the one generation endpoint) over upstream engines instead of the
+simulated one: :class:`~reference_server.gateway.relay.UpstreamBackend`. Upstream budgets and
+windows are discovered through :mod:`kvclient._dialects` (vLLM, llama.cpp, TGI, SGLang), or
+given with ``kv_tokens``, on the first request (and again for an upstream that failed to answer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import anyio
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvclient import TiktokenCounter, TokenCounter
+
+from ..http.errors import APIError
+from ..http.generation import GenerationEndpoint
+from ..http.middleware import build_app
+from ..http.requests import ClientGone, read_body
+from .config import GatewayConfig
+from .metrics import registry_for
+from .relay import UpstreamBackend, unavailable
+from .upstream import UPSTREAM_ERRORS, Known, Upstream, UpstreamUnavailable, parse_json
+
+__all__ = ["GatewayState", "create_gateway_app"]
+
+logger = logging.getLogger("kvclient.gateway")
+
+_MAX_LISTING_BYTES = 4 * 1024 * 1024
+
+
+class GatewayState:
+    """Everything one gateway owns; ``app.state.gateway``."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        overrides = list(config.kv_tokens) + [None] * (
+            len(config.upstreams) - len(config.kv_tokens)
+        )
+        self.upstreams = [
+            Upstream(url, kv, config) for url, kv in zip(config.upstreams, overrides, strict=True)
+        ]
+        self.fallback_counter: TokenCounter = config.counter or TiktokenCounter()
+        self.backends: list[UpstreamBackend] = []
+        self._discovery_lock: anyio.Lock | None = None
+        self.registry = registry_for(self)
+
+    @property
+    def known(self) -> list[Known]:
+        """The upstreams discovered so far."""
+        return [u.known for u in self.upstreams if u.known is not None]
+
+    def send_timeouts(self) -> int:
+        return sum(backend.cut for backend in self.backends)
+
+    async def admission(self) -> list[Known]:
+        """The upstreams known to the gateway, discovering (again) those not yet known."""
+        if any(u.known is None for u in self.upstreams):
+            if self._discovery_lock is None:
+                self._discovery_lock = anyio.Lock()
+            async with self._discovery_lock:
+                now = time.monotonic()
+                for upstream in self.upstreams:
+                    if upstream.known is not None or not upstream.health.in_service(now):
+                        continue
+                    try:
+                        await upstream.discover()
+                        upstream.discovery_error = None
+                        upstream.health.succeeded()
+                    except UpstreamUnavailable as exc:
+                        upstream.discovery_error = str(exc)
+                        upstream.health.failed(now, at_once=True)  # it never answered
+                        logger.warning("upstream %s: %s", upstream.name, exc)
+        return self.known
+
+    def window(self, known: Sequence[Known]) -> int:
+        """The largest request the gateway can ever admit: each upstream's context window, or
+        its usable budget (whole blocks) where that is smaller, as ``/v1/models`` reports it.
+        So an unset ``max_tokens`` is clamped to what can really be reserved, never refused."""
+        sizes = []
+        for k in known:
+            ledger = k.ledger
+            whole = ledger.usable_tokens // ledger.block_size * ledger.block_size
+            sizes.append(min(ledger.context_window, whole))
+        return min(sizes)
+
+    def model(self) -> str | None:
+        for upstream in self.upstreams:
+            if upstream.discovery is not None and upstream.discovery.model is not None:
+                return upstream.discovery.model
+        return None
+
+    async def aclose(self) -> None:
+        for upstream in self.upstreams:
+            await upstream.aclose()
+
+
+# --- small endpoints ---------------------------------------------------------------------------
+
+
+def _gateway(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+async def _first_upstream(state: GatewayState) -> tuple[list[Known], Upstream]:
+    """The upstreams known, and the first of them (which answers what is not generation)."""
+    known = await state.admission()
+    if not known:
+        raise unavailable("no upstream is in service")
+    return known, known[0].upstream
+
+
+async def _models(request: Request) -> Response:
+    """The first upstream's model list, each entry with the gateway's ``max_model_len``."""
+    state = _gateway(request)
+    try:
+        known, upstream = await _first_upstream(state)
+    except APIError as error:
+        return error.response()
+    try:
+        _, _, listed = await upstream.fetch("GET", "/v1/models")
+    except UPSTREAM_ERRORS:
+        listed = None
+    payload = parse_json(listed) if listed is not None else None
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list) or not data:
+        model = state.model() or "upstream"
+        data = [{"id": model, "object": "model", "owned_by": "kvclient-gateway"}]
+    window = state.window(known)
+    for entry in data:
+        if isinstance(entry, dict):
+            entry["max_model_len"] = window
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def _tokenize(request: Request) -> Response:
+    """Passed to the first upstream as it is."""
+    state = _gateway(request)
+    try:
+        _, upstream = await _first_upstream(state)
+        body = await read_body(request.scope, request.receive, state.config.max_body_bytes)
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it
+    except APIError as error:
+        return error.response()
+    try:
+        status, media, data = await upstream.fetch(
+            "POST", "/tokenize", content=body, limit=state.config.max_answer_bytes
+        )
+    except UPSTREAM_ERRORS as exc:
+        return unavailable(f"upstream {upstream.name}: {type(exc).__name__}").response()
+    if data is None:
+        return unavailable(f"upstream {upstream.name}: /tokenize answered too much").response()
+    return Response(data, status_code=status, media_type=media or "application/json")
+
+
+async def _health(request: Request) -> Response:
+    state = _gateway(request)
+    await state.admission()
+    now = time.monotonic()
+    upstreams = []
+    for u in state.upstreams:
+        stats = u.known.ledger.stats() if u.known is not None else None
+        upstreams.append(
+            {
+                "url": u.name,
+                "engine": u.engine,
+                "in_service": stats is not None and u.health.in_service(now),
+                "usable_tokens": stats.usable_tokens if stats else None,
+                "reserved_tokens": stats.reserved_tokens if stats else None,
+                "inflight": stats.inflight if stats else None,
+                "problem": u.discovery_error,
+            }
+        )
+    ok = any(entry["in_service"] for entry in upstreams)
+    return JSONResponse(
+        {"status": "ok" if ok else "unavailable", "upstreams": upstreams},
+        status_code=200 if ok else 503,
+    )
+
+
+async def _metrics(request: Request) -> Response:
+    return Response(
+        generate_latest(_gateway(request).registry), media_type=CONTENT_TYPE_PLAIN_0_0_4
+    )
+
+
+def create_gateway_app(config: GatewayConfig) -> Starlette:
+    """The gateway as an ASGI app; ``app.state.gateway`` is its :class:`GatewayState`."""
+    state = GatewayState(config)
+    completions = UpstreamBackend(state, "/v1/completions")
+    chat = UpstreamBackend(state, "/v1/chat/completions")
+    state.backends = [completions, chat]
+    routes = [
+        Route("/v1/completions", GenerationEndpoint("completions", completions), methods=["POST"]),
+        Route("/v1/chat/completions", GenerationEndpoint("chat", chat), methods=["POST"]),
+        Route("/tokenize", _tokenize, methods=["POST"]),
+        Route("/v1/models", _models, methods=["GET"]),
+        Route("/health", _health, methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # The upstream clients are opened in the serving loop on first use; closed before it ends.
+        try:
+            yield
+        finally:
+            await state.aclose()
+
+    app = build_app(routes, api_key=config.api_key, lifespan=lifespan)
+    app.state.gateway = state
+    return app

@@ -1,0 +1,152 @@
+"""``kvclient gateway``: the reservation ledger in front of real engines (vLLM, llama.cpp, TGI,
+SGLang), on one port."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..admission.ledger import DEFAULT_SAFETY_FRACTION
+from ..http.serving import LOG_LEVELS, configure, load_tokenizer, serve
+from .config import DEFAULT_DECODE_RATE, DEFAULT_SEND_TIMEOUT, GatewayConfig
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+DEFAULT_PORT = 8080
+
+_DESCRIPTION = """\
+An OpenAI-compatible front (/v1/completions, /v1/chat/completions, /v1/models, /tokenize,
+/health, /metrics) that admits each request against a KV reservation ledger (prompt + output
+cap) and forwards it to an upstream engine with its max_tokens made explicit, so the engine can
+never run past what was reserved. Out of budget: 429 with Retry-After.
+
+Each upstream's context window and KV budget are discovered from its own endpoints (vLLM
+/metrics cache_config_info, llama.cpp /props, TGI /metrics, SGLang /get_server_info), or given
+with --kv-tokens, once per --upstream, in the same order.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvclient gateway",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--upstream", action="append", required=True, metavar="URL",
+        help="an engine's base URL, e.g. http://127.0.0.1:8000 (repeat for several)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-tokens", action="append", type=int, default=[], metavar="N",
+        help="the KV budget of the upstream at the same position, instead of discovering it",
+    )  # fmt: skip
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    add("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any)")
+    add(
+        "--context-window", type=int, metavar="TOKENS",
+        help="the context window of every upstream (default: discovered per upstream)",
+    )  # fmt: skip
+    add(
+        "--safety-fraction", type=float, default=DEFAULT_SAFETY_FRACTION, metavar="F",
+        help="share of each upstream's KV budget that is admitted (default: %(default)s)",
+    )  # fmt: skip
+    add(
+        "--max-queue-wait", type=float, default=0.0, metavar="S",
+        help="wait up to S seconds in FIFO order for budget before answering 429 "
+        "(default: %(default)s, refuse at once)",
+    )  # fmt: skip
+    add(
+        "--decode-rate", type=float, default=DEFAULT_DECODE_RATE, metavar="TOKENS_PER_S",
+        help="per-sequence decode rate assumed for Retry-After estimates until one is measured "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    add(
+        "--send-timeout", type=float, default=DEFAULT_SEND_TIMEOUT, metavar="S",
+        help="end a request when a write of its answer waits S seconds for the client to read "
+        "(a client that stopped reading), releasing its reservation (default: %(default)s)",
+    )  # fmt: skip
+    add(
+        "--tokenizer", type=Path, metavar="DIR",
+        help="count with this local model directory (tokenizer.json, tokenizer_config.json, "
+        "its chat template) instead of the upstream's /tokenize",
+    )  # fmt: skip
+    add(
+        "--api-key", default=os.environ.get("KVCLIENT_GATEWAY_API_KEY"), metavar="KEY",
+        help="require 'Authorization: Bearer KEY' from clients, except on /health and /metrics "
+        "(default: $KVCLIENT_GATEWAY_API_KEY); checked here, never sent upstream",
+    )  # fmt: skip
+    add(
+        "--upstream-api-key", default=os.environ.get("KVCLIENT_UPSTREAM_API_KEY"), metavar="KEY",
+        help="send 'Authorization: Bearer KEY' to every upstream "
+        "(default: $KVCLIENT_UPSTREAM_API_KEY); a user and password in an upstream's URL are "
+        "sent to it as Basic auth instead",
+    )  # fmt: skip
+    add(
+        "--upstream-ca-bundle", metavar="PEM",
+        help="verify https upstreams with these CA certificates (default: the system's)",
+    )  # fmt: skip
+    add(
+        "--upstream-client-cert", metavar="PEM",
+        help="a client certificate for https upstreams (with its key, or --upstream-client-key)",
+    )  # fmt: skip
+    add("--upstream-client-key", metavar="PEM", help="the key of --upstream-client-cert")
+    add(
+        "--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+        help="the event loop: auto is uvloop when it is installed (pip install "
+        "'kvclient[gateway]'), else asyncio (default: %(default)s)",
+    )  # fmt: skip
+    add(
+        "--log-level", default="info", choices=LOG_LEVELS,
+        help="(default: %(default)s)",
+    )  # fmt: skip
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    counter = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
+    return GatewayConfig(
+        upstreams=tuple(args.upstream),
+        kv_tokens=tuple(args.kv_tokens),
+        context_window=args.context_window,
+        safety_fraction=args.safety_fraction,
+        max_queue_wait=args.max_queue_wait,
+        decode_rate=args.decode_rate,
+        send_timeout=args.send_timeout,
+        counter=counter,
+        api_key=args.api_key,
+        upstream_api_key=args.upstream_api_key,
+        upstream_ca_bundle=args.upstream_ca_bundle,
+        upstream_client_cert=args.upstream_client_cert,
+        upstream_client_key=args.upstream_client_key,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, config = configure(build_parser(), argv, config_from_args)
+    import logging
+
+    from .app import create_gateway_app
+    from .config import public_url
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
+    app = create_gateway_app(config)
+    names = ", ".join(public_url(url) for url in config.upstreams)
+    print(
+        f"kvclient gateway in front of {names} (discovered on the first request)", file=sys.stderr
+    )
+    return serve(
+        app,
+        host=args.host,
+        port=args.port,
+        what="kvclient gateway",
+        loop=args.loop,
+        log_level=args.log_level,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

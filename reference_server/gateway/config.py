@@ -1,0 +1,107 @@
+"""What ``kvclient gateway`` is told, checked when it is built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import yarl
+
+from kvclient import TokenCounter
+
+from ..admission.ledger import DEFAULT_SAFETY_FRACTION
+from ..http.generation import DEFAULT_SEND_TIMEOUT
+from ..http.requests import DEFAULT_MAX_BODY_BYTES
+
+__all__ = [
+    "DEFAULT_DECODE_RATE",
+    "DEFAULT_MAX_ANSWER_BYTES",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_SEND_TIMEOUT",
+    "GatewayConfig",
+    "public_url",
+]
+
+#: Per-sequence decode rate assumed for Retry-After estimates until the gateway has measured one.
+DEFAULT_DECODE_RATE = 50.0
+DEFAULT_FAILURE_THRESHOLD = 3
+DEFAULT_OUT_OF_SERVICE_SECONDS = 2.0
+#: A whole (not streamed) upstream answer larger than this is refused (502), not buffered.
+DEFAULT_MAX_ANSWER_BYTES = 16 * 1024 * 1024
+#: Connections to one upstream at once: every admitted request holds one for its whole life.
+DEFAULT_MAX_CONNECTIONS = 1024
+
+
+def public_url(url: str) -> str:
+    """``url`` as it may be shown (logs, metrics, health, errors): without user and password."""
+    try:
+        parsed = yarl.URL(url)
+    except ValueError:
+        return "<an unparseable URL>"
+    if parsed.user is None and parsed.password is None:
+        return url.rstrip("/")
+    return str(parsed.with_user(None)).rstrip("/")
+
+
+def _positive(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewayConfig:
+    """What ``kvclient gateway`` is told. ``kv_tokens[i]`` overrides upstream ``i``'s budget."""
+
+    upstreams: tuple[str, ...]
+    kv_tokens: tuple[int | None, ...] = ()
+    context_window: int | None = None
+    safety_fraction: float = DEFAULT_SAFETY_FRACTION
+    max_queue_wait: float = 0.0
+    decode_rate: float = DEFAULT_DECODE_RATE
+    #: A local counter (a model's tokenizer); None: the upstream's /tokenize, else tiktoken.
+    counter: TokenCounter | None = None
+    #: The key clients must send (``Authorization: Bearer``); checked here, never forwarded.
+    api_key: str | None = None
+    #: The key sent to every upstream (``Authorization: Bearer``); a user and password in an
+    #: upstream's URL are sent to it as Basic auth instead.
+    upstream_api_key: str | None = None
+    #: TLS to upstreams: a CA bundle to verify them with, and a client certificate (a PEM file
+    #: with the key, or the certificate with ``upstream_client_key``).
+    upstream_ca_bundle: str | None = None
+    upstream_client_cert: str | None = None
+    upstream_client_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    connect_timeout: float = 10.0
+    read_timeout: float = 600.0
+    #: A write to the client that waits longer than this ends the request (a stalled reader must
+    #: not pin its reservation).
+    send_timeout: float = DEFAULT_SEND_TIMEOUT
+    failure_threshold: int = DEFAULT_FAILURE_THRESHOLD
+    out_of_service_seconds: float = DEFAULT_OUT_OF_SERVICE_SECONDS
+
+    def __post_init__(self) -> None:
+        if not self.upstreams:
+            raise ValueError("at least one upstream is needed")
+        for url in self.upstreams:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"an upstream must be an http(s) URL, got {public_url(url)!r}")
+        if len(self.kv_tokens) > len(self.upstreams):
+            raise ValueError("more --kv-tokens than --upstream")
+        for kv in self.kv_tokens:
+            if kv is not None and kv < 1:
+                raise ValueError(f"--kv-tokens must be at least 1, got {kv}")
+        if self.context_window is not None and self.context_window < 1:
+            raise ValueError(f"--context-window must be at least 1, got {self.context_window}")
+        if not 0.0 < self.safety_fraction <= 1.0:
+            raise ValueError(f"safety_fraction must be in (0, 1], got {self.safety_fraction}")
+        if self.max_queue_wait < 0 or not math.isfinite(self.max_queue_wait):
+            raise ValueError(
+                f"max_queue_wait must be a finite number >= 0, got {self.max_queue_wait}"
+            )
+        for name in ("decode_rate", "connect_timeout", "read_timeout", "send_timeout"):
+            _positive(name, getattr(self, name))
+        for name in ("max_body_bytes", "max_answer_bytes", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -1,0 +1,82 @@
+"""The gateway's ``/metrics``: the reference server's ledger metrics summed over upstreams, and
+each upstream's labelled by its URL (shown without user and password)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from .app import GatewayState
+
+__all__ = ["GatewayCollector", "registry_for"]
+
+
+def registry_for(state: GatewayState) -> CollectorRegistry:
+    """A registry of its own (several gateways live in one test process)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GatewayCollector(state))
+    return registry
+
+
+class GatewayCollector:
+    """The reference server's ledger metrics summed over upstreams, and each one labelled."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterable[Metric]:
+        now = time.monotonic()
+        rows = []
+        for u in self.state.upstreams:
+            stats = u.known.ledger.stats() if u.known is not None else None
+            rows.append((u, stats))
+        total = {
+            "kv_usable_tokens": sum(s.usable_tokens for _, s in rows if s),
+            "kv_reserved_tokens": sum(s.reserved_tokens for _, s in rows if s),
+            "kv_inflight_requests": sum(s.inflight for _, s in rows if s),
+        }
+        for name, value in total.items():
+            yield GaugeMetricFamily(name, f"{name} summed over upstreams", value=value)
+        yield CounterMetricFamily(
+            "kv_admitted_total",
+            "Requests admitted.",
+            value=sum(s.admitted_total for _, s in rows if s),
+        )
+        yield CounterMetricFamily(
+            "kv_send_timeouts_total",
+            "Answers cut for not being read within --send-timeout.",
+            value=self.state.send_timeouts(),
+        )
+        yield CounterMetricFamily(
+            "kv_rejected_total",
+            "Requests refused with 429.",
+            value=sum(s.rejected_total for _, s in rows if s),
+        )
+        gauges: dict[str, list[float]] = {
+            "kv_upstream_usable_tokens": [s.usable_tokens if s else 0 for _, s in rows],
+            "kv_upstream_reserved_tokens": [s.reserved_tokens if s else 0 for _, s in rows],
+            "kv_upstream_inflight_requests": [s.inflight if s else 0 for _, s in rows],
+            "kv_upstream_out_of_service": [
+                0 if s is not None and u.health.in_service(now) else 1 for u, s in rows
+            ],
+        }
+        counters: dict[str, list[float]] = {
+            "kv_upstream_admitted": [s.admitted_total if s else 0 for _, s in rows],
+            "kv_upstream_rejected": [s.rejected_total if s else 0 for _, s in rows],
+            "kv_upstream_errors": [u.errors for u, _ in rows],
+        }
+        for name, values in gauges.items():
+            gauge = GaugeMetricFamily(name, name.replace("_", " "), labels=["upstream"])
+            for (u, _), amount in zip(rows, values, strict=True):
+                gauge.add_metric([u.name], amount)
+            yield gauge
+        for name, values in counters.items():
+            counter = CounterMetricFamily(name, name.replace("_", " "), labels=["upstream"])
+            for (u, _), amount in zip(rows, values, strict=True):
+                counter.add_metric([u.name], amount)
+            yield counter

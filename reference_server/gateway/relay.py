@@ -1,0 +1,397 @@
+"""The upstream relay: the gateway's :class:`~reference_server.http.generation.Backend`.
+
+Each request is counted (the upstream's own ``/tokenize`` when it has one, else the configured
+counter), its ``max_tokens`` made explicit and clamped to what is reserved, routed to the
+upstream where it fits best, and forwarded with only the cap changed. The answer is relayed as
+it comes; a stream piece by piece. When the client goes away the request is cancelled, and
+closing the unfinished upstream answer closes its connection, which engines take as an abort.
+
+Fail-over: a request goes to another upstream only when the first could not be reached or broke
+before any byte of an answer; an answer that has started is never retried elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Set
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import anyio
+from starlette.responses import Response
+from starlette.types import Scope, Send
+
+from kvclient._dialects import (
+    PROMPT_SHARING_ENGINES,
+    RENDER_FIELDS,
+    countable_render_fields,
+    runs_on_after_reset,
+)
+from kvclient._retry import parse_retry_after
+from kvclient._routing import ranked
+
+from ..admission.ledger import Handle
+from ..http.answers import admissible_cap, retry_after_header, room, send_whole
+from ..http.errors import APIError
+from ..http.generation import Plan, Target
+from ..http.requests import THREAD_TOKENIZE_CHARS, GenerationRequest, count_prompt
+from .rewrite import completion_tokens, request_headers, response_headers, with_cap
+from .upstream import (
+    UPSTREAM_ERRORS,
+    Known,
+    Upstream,
+    UpstreamUnavailable,
+    read_limited,
+    release,
+)
+
+if TYPE_CHECKING:
+    from .app import GatewayState
+
+__all__ = ["UpstreamBackend", "unavailable"]
+
+logger = logging.getLogger("kvclient.gateway")
+
+
+def unavailable(message: str, retry_after: float = 1.0) -> APIError:
+    """A 503 with Retry-After: nothing can take the request now."""
+    seconds = str(max(1, math.ceil(retry_after)))
+    return APIError(
+        503,
+        message,
+        type="server_error",
+        code="upstream_unavailable",
+        headers={"Retry-After": seconds, "retry-after-ms": str(int(retry_after * 1000))},
+    )
+
+
+def _room_headers(known: Known, releasing: Handle | None = None) -> list[tuple[bytes, bytes]]:
+    headers = room(known.ledger, known.queue, releasing)
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+
+def _upstream_error(
+    upstream: Upstream, response: aiohttp.ClientResponse, content: bytes
+) -> Response:
+    """An upstream's error answer: 4xx and 429/503 pass through as the engine sent them, a 429's
+    or 503's advice rewritten in the syntax RFC 9110 allows (the gateway's own, one second, when
+    the engine gave none it could read); any other 5xx becomes our shape, same status."""
+    status = response.status
+    if status < 500 or status == 503:
+        passed = Response(content, status_code=status)
+        headers = response_headers(response.raw_headers)
+        if status in (429, 503):
+            advice = parse_retry_after(response.headers)
+            seconds, millis = retry_after_header(1.0 if advice is None else advice)
+            headers = [(k, v) for k, v in headers if k not in (b"retry-after", b"retry-after-ms")]
+            headers += [(b"retry-after", seconds.encode()), (b"retry-after-ms", millis.encode())]
+        passed.raw_headers = [*headers, (b"content-length", str(len(content)).encode())]
+        return passed
+    try:
+        detail = json.loads(content).get("error", {})
+        message = detail.get("message") if isinstance(detail, dict) else str(detail)
+        code = detail.get("type") or detail.get("code") if isinstance(detail, dict) else None
+    except (ValueError, AttributeError, RecursionError):
+        message, code = content[:300].decode("utf-8", "replace"), None
+    return APIError(
+        status,
+        f"upstream {upstream.name} answered {status}: {message}",
+        type="upstream_error",
+        code=str(code) if code is not None else None,
+    ).response()
+
+
+def _refuse_uncounted(field: str | None) -> None:
+    if field is not None:
+        raise APIError(
+            400,
+            f"`{field}` changes the prompt the engine renders, and the gateway cannot count "
+            "it here (its count would fall short of what the engine holds); leave it out, or "
+            "count by an engine's /tokenize that takes it (vLLM).",
+            param=field,
+            code="uncountable_field",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Forward:
+    """What goes upstream: the body with the cap, the client's headers that may pass."""
+
+    content: bytes
+    headers: list[tuple[bytes, bytes]]
+
+
+class UpstreamBackend:
+    """Plans, routes and relays requests for a :class:`GatewayState`."""
+
+    def __init__(self, state: GatewayState, path: str) -> None:
+        self.state = state
+        self.path = path
+        self.max_body_bytes = state.config.max_body_bytes
+        self.send_timeout = state.config.send_timeout
+        self.cut = 0
+
+    def answer_cut(self) -> None:
+        self.cut += 1
+
+    # --- plan --------------------------------------------------------------------------------
+
+    async def plan(
+        self, scope: Scope, request: GenerationRequest, payload: dict[str, Any], raw: bytes
+    ) -> Plan:
+        state = self.state
+        known = await state.admission()
+        if not known:
+            problems = "; ".join(
+                f"{u.name}: {u.discovery_error or 'not discovered'}" for u in state.upstreams
+            )
+            raise unavailable(f"no upstream is in service ({problems})")
+        model = payload.get("model")
+        render = {k: payload[k] for k in RENDER_FIELDS if k in payload}
+        if request.messages is None:
+            render = {}  # a prompt is not rendered
+        prompt_tokens = await self._count(
+            known, request, model if isinstance(model, str) else None, render
+        )
+        # The most generous upstream decides "never": a request that fits one is retryable.
+        roomiest = max(known, key=lambda k: k.ledger.usable_tokens)
+        cap = admissible_cap(
+            roomiest.ledger,
+            prompt_tokens,
+            request.max_tokens,
+            context_window=state.window(known),
+            param="messages" if request.messages is not None else "prompt",
+        )
+        plan = Plan(
+            request=request,
+            payload=payload,
+            raw=raw,
+            prompt_tokens=prompt_tokens,
+            cap=cap,
+            sequences=request.sequences,
+            # Sequences share the prompt's blocks only where every upstream forks them.
+            shared_prompt=all(k.upstream.engine in PROMPT_SHARING_ENGINES for k in known),
+            extra=_Forward(
+                content=with_cap(raw, payload, cap),
+                headers=request_headers(
+                    scope["headers"], drop_credentials=state.config.api_key is not None
+                ),
+            ),
+        )
+        need = roomiest.ledger.need_tokens(plan.reserved_prompt, plan.reserved_output)
+        if plan.sequences > 1 and roomiest.ledger.never_fits(need):
+            raise APIError(
+                400,
+                f"This request can never be admitted: {plan.sequences} sequences of up to "
+                f"{cap} tokens need {need} KV tokens, more than the largest usable budget "
+                f"({roomiest.ledger.usable_tokens}); ask for fewer or shorter sequences.",
+                code="kv_budget_exceeded",
+                param="n",
+            )
+        return plan
+
+    async def _count(
+        self,
+        known: list[Known],
+        request: GenerationRequest,
+        model: str | None,
+        render: dict[str, Any],
+    ) -> int:
+        """The prompt as the engine will see it, counted: by an upstream's own count (with the
+        request's render fields, where it takes them), else by the configured counter. A
+        request whose rendering cannot be counted is refused rather than under-counted."""
+        state = self.state
+        if state.config.counter is None:
+            now = time.monotonic()
+            for k in known:
+                if k.upstream.health.in_service(now):
+                    if render:
+                        _refuse_uncounted(countable_render_fields(k.upstream.engine, render))
+                    try:
+                        counted = await k.upstream.count(request, model, render)
+                    except UpstreamUnavailable:
+                        continue
+                    if counted is not None:
+                        return counted
+                    break
+        if render:
+            _refuse_uncounted(next(iter(render)))
+        counter = state.fallback_counter
+        if request.size_hint > THREAD_TOKENIZE_CHARS:
+            return await anyio.to_thread.run_sync(count_prompt, request, counter)
+        return count_prompt(request, counter)
+
+    # --- route -------------------------------------------------------------------------------
+
+    def route(self, plan: Plan, tried: Set[int]) -> Target:
+        """Where the reservation fits with the most room; else the in-service upstream with the
+        most room (its queue waits or refuses with its own Retry-After)."""
+        now = time.monotonic()
+        candidates = [k for k in self.state.known if id(k) not in tried]
+        if not candidates:
+            raise unavailable("every upstream failed this request")
+        need = candidates[0].ledger.need_tokens(plan.reserved_prompt, plan.reserved_output)
+        views = [k.upstream.endpoint(now) for k in candidates]
+        order = ranked(views, need)
+        if order:
+            return candidates[order[0]]
+        serving = [i for i, v in enumerate(views) if v.in_service]
+        if not serving:
+            raise unavailable("no upstream is in service")
+        return candidates[max(serving, key=lambda i: views[i].free or 0)]
+
+    # --- run ---------------------------------------------------------------------------------
+
+    async def run(self, target: Target, handle: Handle, plan: Plan, send: Send) -> bool:
+        """Send to the target's upstream and relay its answer. False when it failed before any
+        byte of an answer (the endpoint tries another upstream)."""
+        assert isinstance(target, Known)
+        assert isinstance(plan.extra, _Forward)
+        upstream = target.upstream
+        started = time.monotonic()
+        upstream.health.begin(started)
+        forward = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in plan.extra.headers]
+        # An engine that runs a request on after its connection is reset holds its KV until it
+        # finishes: then so does the reservation. A client that leaves meanwhile is let go
+        # once the engine's answer is in (and thrown away), not before.
+        stream = plan.request.stream
+        holds = runs_on_after_reset(upstream.engine, stream=stream)
+        with anyio.CancelScope(shield=holds):
+            try:
+                response = await upstream.http.request(
+                    "POST", self.path, content=plan.extra.content, headers=forward
+                )
+            except UPSTREAM_ERRORS as exc:
+                upstream.failure()
+                logger.warning(
+                    "upstream %s: %s before any answer", upstream.name, type(exc).__name__
+                )
+                return False
+            except BaseException:
+                upstream.health.abandoned()
+                raise
+            if holds:
+                data = await self._read_whole(response, upstream)
+        # Closed in finally whatever happens: an unfinished answer resets its connection, and
+        # engines abort a request whose connection is reset.
+        try:
+            if response.status >= 400 or not stream:
+                if not holds:
+                    data = await self._read_whole(response, upstream)
+                return await self._whole(target, handle, response, data, send, started)
+            await self._stream(target, response, send, started, handle.output_cap)
+            return True
+        finally:
+            release(response)
+
+    async def _read_whole(
+        self, response: aiohttp.ClientResponse, upstream: Upstream
+    ) -> bytes | BaseException | None:
+        """The answer's body (None past the limit), or the error that broke it."""
+        try:
+            return await read_limited(response, self.state.config.max_answer_bytes)
+        except UPSTREAM_ERRORS as exc:
+            return exc
+
+    async def _whole(
+        self,
+        known: Known,
+        handle: Handle,
+        response: aiohttp.ClientResponse,
+        data: bytes | BaseException | None,
+        send: Send,
+        started: float,
+    ) -> bool:
+        """An answer read whole (bounded), then sent: an error, or a non-streamed completion."""
+        upstream = known.upstream
+        if isinstance(data, BaseException):
+            # The engine had started answering: it did the work, so it is not sent elsewhere.
+            upstream.failure()
+            broken = APIError(
+                502,
+                f"upstream {upstream.name} broke its answer: {type(data).__name__}",
+                type="upstream_error",
+                code="upstream_answer_broken",
+            )
+            await send_whole(broken.response(), send)
+            return True
+        status = response.status
+        if data is None:
+            too_large = APIError(
+                502,
+                f"upstream {upstream.name} answered more than "
+                f"{self.state.config.max_answer_bytes} bytes",
+                type="upstream_error",
+                code="upstream_answer_too_large",
+            ).response()
+            await send_whole(too_large, send)
+            return True
+        if status >= 400:
+            # The engine answered: it is up, whatever it said. An error one request's content
+            # caused must not set the upstream aside for everyone; only no answer does.
+            upstream.health.succeeded()
+            if status >= 500 and status != 503:
+                upstream.errors += 1  # an engine failure: answered, never retried elsewhere
+            await send_whole(_upstream_error(upstream, response, data), send)
+            return True
+        upstream.health.succeeded()
+        # No more than the cap it was sent with, whatever the answer claims.
+        generated = min(completion_tokens(data), handle.output_cap)
+        upstream.observe(generated, time.monotonic() - started)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    *response_headers(response.raw_headers),
+                    (b"content-length", str(len(data)).encode()),
+                    *_room_headers(known, handle),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+        upstream.relayed += 1
+        return True
+
+    async def _stream(
+        self,
+        known: Known,
+        response: aiohttp.ClientResponse,
+        send: Send,
+        started: float,
+        cap: int,
+    ) -> None:
+        """Relay a stream piece by piece as it arrives; a break becomes an SSE error event."""
+        upstream = known.upstream
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": [*response_headers(response.raw_headers), *_room_headers(known)],
+            }
+        )
+        events = 0
+        try:
+            async for piece in response.content.iter_any():
+                events += piece.count(b"data:")
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+        except UPSTREAM_ERRORS:
+            upstream.failure()
+            error = {
+                "message": f"the upstream {upstream.name} broke the stream mid-answer",
+                "type": "upstream_error",
+                "param": None,
+                "code": "upstream_stream_broken",
+            }
+            event = b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+            return
+        upstream.health.succeeded()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        upstream.relayed += 1
+        # Events less the role and [DONE]; no more than the cap, whatever the stream holds.
+        upstream.observe(min(events - 2, cap), time.monotonic() - started)

@@ -1,0 +1,360 @@
+"""One engine behind the gateway: its pooled HTTP client, what discovery learnt of it, its
+ledger and queue once known, its health and counters.
+
+The HTTP client (:class:`UpstreamHTTP`) is one pooled aiohttp session per upstream, closed with
+the app's lifespan: connection limits, timeouts, TLS settings, proxies from the environment
+(``HTTP(S)_PROXY``, ``NO_PROXY``), and a user and password in the URL sent as Basic auth. It
+keeps no cookies (one client serves every caller).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import math
+import socket
+import ssl
+import statistics
+import struct
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+import yarl
+
+from kvclient._dialects import (
+    TOKENIZE_ENGINES,
+    Answer,
+    Budget,
+    Discovery,
+    Probe,
+    count_by_tokenize,
+    discover_budget,
+    discover_context,
+)
+from kvclient._routing import Endpoint, Health
+
+from ..admission.ledger import KVAdmissionController
+from ..admission.queue import AdmissionQueue
+from ..http.requests import GenerationRequest
+from .config import GatewayConfig, public_url
+
+__all__ = [
+    "UPSTREAM_ERRORS",
+    "Known",
+    "Upstream",
+    "UpstreamHTTP",
+    "UpstreamUnavailable",
+    "parse_json",
+    "read_limited",
+    "release",
+]
+
+logger = logging.getLogger("kvclient.gateway")
+
+T = TypeVar("T")
+
+#: A discovery or /tokenize answer larger than this is not read (it is not what it claims).
+_MAX_PROBE_BYTES = 4 * 1024 * 1024
+_MIN_RATE_TOKENS = 8
+#: Answers the decode rate is the median of.
+_RATE_WINDOW = 31
+
+
+class UpstreamUnavailable(Exception):
+    """The upstream could not be reached or could not say what it has."""
+
+
+#: What a failed upstream exchange raises: no answer, a broken one, a timeout.
+UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def _proxy_for(url: str) -> str | None:
+    """The proxy the environment names for ``url`` (``HTTP(S)_PROXY``, ``NO_PROXY``), if any."""
+    parsed = yarl.URL(url)
+    if parsed.host is None or urllib.request.proxy_bypass(parsed.host):
+        return None
+    return urllib.request.getproxies().get(parsed.scheme)
+
+
+class UpstreamHTTP:
+    """The pooled HTTP client of one upstream: an ``aiohttp.ClientSession`` created in the
+    serving loop on first use, with connection limits, timeouts, TLS settings, proxies from the
+    environment, no cookie jar, and no decoding (answers are relayed as they come).
+
+    aiohttp rather than httpx: measured with ``bench/gateway_overhead.py``, and an upstream that
+    writes an answer nobody asked for on a kept-alive connection has that connection closed by
+    aiohttp, where httpx's pool hands the stray answer to the next request (another client).
+    """
+
+    def __init__(self, url: str, config: GatewayConfig) -> None:
+        parsed = yarl.URL(url)
+        self._origin = str(parsed.with_user(None)).rstrip("/")
+        self._headers = {"Accept-Encoding": "identity"}
+        if parsed.user is not None:  # the URL's user and password, as Basic auth (RFC 7617)
+            pair = f"{parsed.user}:{parsed.password or ''}".encode()
+            self._headers["Authorization"] = "Basic " + base64.b64encode(pair).decode("ascii")
+        elif config.upstream_api_key:
+            self._headers["Authorization"] = f"Bearer {config.upstream_api_key}"
+        self._config = config
+        self._session: aiohttp.ClientSession | None = None
+        self._proxy = _proxy_for(self._origin)
+
+    def _open_session(self) -> aiohttp.ClientSession:
+        config = self._config
+        tls: ssl.SSLContext | bool = True
+        if config.upstream_ca_bundle or config.upstream_client_cert:
+            tls = ssl.create_default_context(cafile=config.upstream_ca_bundle)
+            if config.upstream_client_cert:
+                tls.load_cert_chain(config.upstream_client_cert, config.upstream_client_key)
+        return aiohttp.ClientSession(
+            headers=self._headers,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            connector=aiohttp.TCPConnector(limit=config.max_connections, ssl=tls),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=config.connect_timeout, sock_read=config.read_timeout
+            ),
+            # Proxies come from the environment once (_proxy_for), not per request: aiohttp's
+            # trust_env reads ~/.netrc in a worker thread for every request.
+            trust_env=False,
+            auto_decompress=False,
+        )
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        content: bytes | None = None,
+        json_body: Any = None,
+        headers: list[tuple[str, str]] | None = None,
+    ) -> aiohttp.ClientResponse:
+        """Send a request; the answer's body is read by the caller, who releases it."""
+        if self._session is None:
+            self._session = self._open_session()
+        return await self._session.request(
+            method,
+            self._origin + path,
+            data=content,
+            json=json_body,
+            headers=headers,
+            proxy=self._proxy,
+            allow_redirects=False,
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def release(response: aiohttp.ClientResponse) -> None:
+    """Give the connection back to the pool when the answer was read whole; else reset it: an
+    unfinished answer is abandoned, and an engine that keeps half-closed connections open
+    (reading on after a FIN) takes only a reset as the client gone."""
+    if response.content.at_eof():
+        response.release()
+        return
+    connection = response.connection
+    transport = connection.transport if connection is not None else None
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    response.close()
+
+
+async def read_limited(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """An answer's body, or None once it passes ``limit`` bytes (the rest is not read)."""
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in response.content.iter_any():
+        total += len(chunk)
+        if total > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(data: bytes) -> Any:
+    """A JSON value, or None when ``data`` is not JSON (or nests past the parser's limit)."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
+@dataclass(eq=False, slots=True)
+class Known:
+    """An upstream the gateway has discovered: where its reservations are held."""
+
+    upstream: Upstream
+    ledger: KVAdmissionController
+    queue: AdmissionQueue
+
+
+class Upstream:
+    """One engine behind the gateway."""
+
+    def __init__(self, url: str, kv_override: int | None, config: GatewayConfig) -> None:
+        self.url = url.rstrip("/")
+        #: The URL as it may be shown: without user and password.
+        self.name = public_url(self.url)
+        self.kv_override = kv_override
+        self.config = config
+        self.health = Health(
+            threshold=config.failure_threshold, cooldown=config.out_of_service_seconds
+        )
+        self.known: Known | None = None
+        self.discovery: Discovery | None = None
+        self.budget: Budget | None = None
+        self.discovery_error: str | None = None
+        self.errors = 0
+        self.relayed = 0
+        #: Measured per-sequence decode rate (tokens/s): the median of the recent answers'.
+        self.measured_rate: float | None = None
+        self._rates: deque[float] = deque(maxlen=_RATE_WINDOW)
+        self.http = UpstreamHTTP(self.url, config)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    @property
+    def engine(self) -> str | None:
+        return self.discovery.engine if self.discovery else None
+
+    def failure(self) -> None:
+        """It failed a request (no answer, a broken one): count it."""
+        self.errors += 1
+        self.health.failed(time.monotonic())
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One answer's output tokens and duration: the Retry-After estimates follow the
+        engine's real speed instead of the configured guess. The median of the recent answers,
+        so that one answer (a lying usage figure, a stall) moves it little."""
+        if tokens < _MIN_RATE_TOKENS or not 0 < seconds < math.inf or self.known is None:
+            return
+        self._rates.append(tokens / seconds)
+        self.measured_rate = statistics.median(self._rates)
+        self.known.ledger.decode_rate = self.measured_rate
+
+    async def fetch(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        content: bytes | None = None,
+        limit: int = _MAX_PROBE_BYTES,
+    ) -> tuple[int, str | None, bytes | None]:
+        """One request answered whole: (status, content type, body read up to ``limit`` bytes,
+        None past it). ``content`` is sent as JSON."""
+        headers = [("Content-Type", "application/json")] if content is not None else None
+        response = await self.http.request(
+            method, path, json_body=json_body, content=content, headers=headers
+        )
+        try:
+            data = await read_limited(response, limit)
+            return response.status, response.headers.get("Content-Type"), data
+        finally:
+            release(response)
+
+    async def _drive(self, driver: Generator[Probe, Answer, T], *, text: bool = False) -> T:
+        """Run a dialect driver against this upstream."""
+        probe = next(driver)
+        while True:
+            try:
+                status, _, data = await self.fetch(probe.method, probe.path, json_body=probe.json)
+            except UPSTREAM_ERRORS as exc:
+                raise UpstreamUnavailable(f"{probe}: {type(exc).__name__}") from exc
+            payload: Any = None
+            if data is not None:
+                if text and probe.path == "/metrics":
+                    payload = data.decode("utf-8", "replace")
+                else:
+                    payload = parse_json(data)
+            try:
+                probe = driver.send(Answer(status, payload))
+            except StopIteration as stop:
+                result: T = stop.value
+                return result
+
+    async def discover(self) -> None:
+        """Learn the window, the model and the KV budget; build the ledger and queue."""
+        found = await self._drive(discover_context(None))
+        window = self.config.context_window or found.context_window
+        if window is None:
+            raise UpstreamUnavailable(
+                found.explain().replace("context_window=", "--context-window")
+            )
+        budget = await self._drive(discover_budget(), text=True)
+        kv = self.kv_override if self.kv_override is not None else budget.kv_tokens
+        if kv is None:
+            tried = "; ".join(budget.tried)
+            raise UpstreamUnavailable(f"no KV budget discovered (tried: {tried}); pass --kv-tokens")
+        try:
+            ledger = KVAdmissionController(
+                total_kv_tokens=kv,
+                context_window=window,
+                decode_rate=self.config.decode_rate,
+                safety_fraction=self.config.safety_fraction,
+                block_size=budget.block_size,
+                max_concurrency=budget.max_concurrency,
+                release_margin=0.05,
+            )
+        except ValueError as exc:
+            raise UpstreamUnavailable(f"unusable budget (KV {kv} tokens): {exc}") from None
+        if ledger.usable_tokens < ledger.block_size:
+            raise UpstreamUnavailable(
+                f"its KV budget ({kv} tokens, {ledger.usable_tokens} usable) is under one block "
+                f"of {ledger.block_size} tokens: no request could ever be admitted"
+            )
+        self.discovery, self.budget = found, budget
+        queue = AdmissionQueue(ledger, max_wait=self.config.max_queue_wait)
+        self.known = Known(upstream=self, ledger=ledger, queue=queue)
+        logger.info(
+            "upstream %s: %s, window %d (%s), KV %d tokens (%s), usable %d",
+            self.name, found.engine, window, found.source, kv,
+            "--kv-tokens" if self.kv_override is not None else budget.source,
+            ledger.usable_tokens,
+        )  # fmt: skip
+
+    def endpoint(self, now: float) -> Endpoint:
+        """How the router sees it now."""
+        known = self.known
+        if known is None:
+            return Endpoint(free=0, in_service=False)
+        ledger = known.ledger
+        reserved, inflight = ledger.load()
+        full = ledger.max_concurrency is not None and inflight >= ledger.max_concurrency
+        return Endpoint(
+            free=-1 if full or known.queue.waiting else ledger.usable_tokens - reserved,
+            in_flight=inflight,
+            in_service=self.health.in_service(now),
+        )
+
+    async def count(
+        self,
+        request: GenerationRequest,
+        model: str | None,
+        render: Mapping[str, Any] | None = None,
+    ) -> int | None:
+        """The upstream's own count, or None when its /tokenize cannot give one."""
+        if self.engine not in TOKENIZE_ENGINES or request.token_ids is not None:
+            return None
+        driver = count_by_tokenize(
+            self.engine,
+            prompt=request.prompt,
+            messages=request.messages,
+            model=model,
+            tools=request.tools,
+            render=render,
+        )
+        return await self._drive(driver)

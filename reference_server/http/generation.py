@@ -1,0 +1,219 @@
+"""The one generation endpoint both apps serve, over a :class:`Backend`.
+
+One coroutine owns a request's whole life: it reads and parses the body, has the backend count
+and cap it, routes it to a target (a ledger and its FIFO queue), waits for admission there, has
+the backend answer it, and releases the reservation in ``finally`` whatever happens: success,
+an engine error, a cut answer, a client that goes away, cancellation.
+
+- **A client that goes away is gone.** A read EOF or a reset from the client (uvicorn's
+  ``http.disconnect``) cancels the request wherever it is: queued, generating or relaying.
+- **A stalled reader is cut.** A write that waits longer than ``send_timeout`` for the client to
+  read ends the request (nginx's ``send_timeout``), so a client that stops reading cannot pin a
+  reservation.
+- **Fail-over before the first byte only.** When the backend could not answer at all (an upstream
+  that was not reached), the request goes to the next target; once any byte of an answer has been
+  sent, never.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Set
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+from starlette.types import Message, Receive, Scope, Send
+
+from ..admission.ledger import Handle, KVAdmissionController
+from ..admission.queue import AdmissionQueue, Rejected
+from .answers import too_busy
+from .errors import APIError
+from .requests import (
+    ClientGone,
+    GenerationRequest,
+    Kind,
+    check_content_type,
+    parse_generation,
+    parse_json_object,
+    read_body,
+    scope_header,
+)
+
+__all__ = ["DEFAULT_SEND_TIMEOUT", "Backend", "GenerationEndpoint", "Plan", "Target"]
+
+logger = logging.getLogger("reference_server")
+
+#: Seconds a write of an answer may wait for the client to read before the request ends.
+DEFAULT_SEND_TIMEOUT = 10.0
+
+
+class Target(Protocol):
+    """Where a reservation is held: a ledger and the FIFO queue in front of it."""
+
+    @property
+    def ledger(self) -> KVAdmissionController: ...
+
+    @property
+    def queue(self) -> AdmissionQueue: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """A request read, counted and capped: what is reserved and what is generated."""
+
+    request: GenerationRequest
+    payload: dict[str, Any]
+    raw: bytes
+    prompt_tokens: int
+    #: The output cap admitted: the reservation is prompt_tokens + cap, in whole blocks.
+    cap: int
+    #: Sequences generated, each up to ``cap``.
+    sequences: int = 1
+    #: Whether the sequences share the prompt's KV (vLLM, SGLang) or each holds its own.
+    shared_prompt: bool = True
+    #: Anything else the backend decided while planning (the gateway: the body it forwards).
+    extra: Any = None
+
+    @property
+    def reserved_prompt(self) -> int:
+        """The prompt tokens the reservation holds: once, or once per sequence."""
+        return self.prompt_tokens if self.shared_prompt else self.prompt_tokens * self.sequences
+
+    @property
+    def reserved_output(self) -> int:
+        """The output tokens the reservation holds: every sequence's cap."""
+        return self.cap * self.sequences
+
+
+class Backend(Protocol):
+    """What answers admitted requests: the simulated engine, or the upstream relay."""
+
+    max_body_bytes: int
+    send_timeout: float
+
+    async def plan(
+        self, scope: Scope, request: GenerationRequest, payload: dict[str, Any], raw: bytes
+    ) -> Plan:
+        """Count and cap the request, or raise the :class:`APIError` that refuses it."""
+        ...
+
+    def route(self, plan: Plan, tried: Set[int]) -> Target:
+        """Where ``plan`` waits for admission (``tried``: ids of targets that failed it before
+        any byte of an answer); an :class:`APIError` (503) when there is nowhere."""
+        ...
+
+    async def run(self, target: Target, handle: Handle, plan: Plan, send: Send) -> bool:
+        """Answer the admitted request through ``send``. False: the target failed before any
+        byte was sent, and the request may go elsewhere."""
+        ...
+
+    def answer_cut(self) -> None:
+        """An answer was cut by the send timeout (for the metrics)."""
+        ...
+
+
+async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    """Cancels ``scope`` when the client goes away. Per ASGI, ``receive()`` also answers
+    ``http.disconnect`` once the response is complete, when cancelling changes nothing."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+class _StallWatch:
+    """Ends the request when a write of its answer waits longer than ``timeout`` for the client
+    to read. The writes only note when they begin and end (on the handle too: the ledger's
+    Retry-After counts a stalled holder as ending when it is cut); one task per request checks,
+    a quarter of the timeout apart."""
+
+    def __init__(self, scope: anyio.CancelScope, timeout: float) -> None:
+        self._scope = scope
+        self._timeout = timeout
+        self._since: float | None = None
+        self.cut = False
+
+    def watching(self, send: Send, handle: Handle) -> Send:
+        async def watched(message: Message) -> None:
+            handle.writing_since = self._since = time.monotonic()
+            try:
+                await send(message)
+            finally:
+                handle.writing_since = self._since = None
+
+        return watched
+
+    async def run(self) -> None:
+        while True:
+            await anyio.sleep(self._timeout / 4)
+            since = self._since
+            if since is not None and time.monotonic() - since >= self._timeout:
+                self.cut = True
+                self._scope.cancel()
+                return
+
+
+class GenerationEndpoint:
+    """``/v1/completions``, ``/v1/chat/completions`` (and the seed's ``/generate``)."""
+
+    def __init__(self, kind: Kind, backend: Backend) -> None:
+        self.kind = kind
+        self.backend = backend
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        backend = self.backend
+        try:
+            check_content_type(scope_header(scope, b"content-type"))
+            raw = await read_body(scope, receive, backend.max_body_bytes)
+            payload = parse_json_object(raw)
+            request = parse_generation(self.kind, payload)
+            plan = await backend.plan(scope, request, payload, raw)
+        except ClientGone:
+            return
+        except APIError as error:
+            await error.response()(scope, receive, send)
+            return
+        async with anyio.create_task_group() as group:
+            # The client going away, or not reading, cancels waiting and answering alike;
+            # finally blocks release.
+            stall = _StallWatch(group.cancel_scope, backend.send_timeout)
+            group.start_soon(_watch_disconnect, receive, group.cancel_scope)
+            group.start_soon(stall.run)
+            await self._admit_and_run(plan, scope, receive, send, stall)
+            group.cancel_scope.cancel()  # the answer is complete: the watchers end
+        if stall.cut:
+            backend.answer_cut()
+            logger.warning("an answer was cut: not read within the send timeout")
+
+    async def _admit_and_run(
+        self, plan: Plan, scope: Scope, receive: Receive, send: Send, stall: _StallWatch
+    ) -> None:
+        backend = self.backend
+        peer = scope.get("client")  # (host, port): staggered advice per connection
+        client = tuple(peer) if peer else None
+        tried: set[int] = set()
+        while True:
+            try:
+                target = backend.route(plan, tried)
+            except APIError as error:
+                await error.response()(scope, receive, send)
+                return
+            ledger, queue = target.ledger, target.queue
+            try:
+                handle = await queue.acquire(
+                    plan.reserved_prompt, plan.reserved_output, client=client
+                )
+            except Rejected as rejected:
+                busy = too_busy(ledger, rejected, plan.reserved_prompt, plan.reserved_output, queue)
+                await busy(scope, receive, send)
+                return
+            try:
+                if await backend.run(target, handle, plan, stall.watching(send, handle)):
+                    return
+            finally:
+                ledger.release(handle)
+                queue.notify()
+            tried.add(id(target))

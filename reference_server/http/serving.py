@@ -1,0 +1,230 @@
+"""Serving an app with uvicorn: the socket, the protocol, the loop, one way for both apps.
+
+uvicorn speaks HTTP/1.1 through h11, a maintained and strict HTTP/1.1 implementation: it bounds a
+request head (64 KiB here, as nginx's large header buffers), refuses what it cannot frame, reads
+a request's body before anything pipelined after it, ignores an ``Upgrade`` it does not take up
+(``curl --http2``), never merges trailer fields into the headers, frames HTTP/1.0 answers by
+closing, and refuses to send a header value with control characters or more body than declared.
+uvicorn's faster httptools protocol does four of those wrong, and mending them meant writing
+HTTP ourselves; the difference is a fraction of a millisecond on requests that last from 100 ms
+to minutes (``bench/gateway_overhead.py``).
+
+One limit is added, because without it one client can hold a connection forever: a request head
+must arrive whole within ``head_timeout`` seconds of the connection (or of the previous answer,
+plus the keep-alive timeout). Unlike uvicorn's keep-alive timer, a byte does not reset it, so a
+client that trickles one byte at a time is closed all the same. A body that stalls is the app's
+to time out (:func:`~reference_server.http.requests.read_body`). On an untrusted network, put
+nginx or Envoy in front all the same, as vLLM advises: they are built to absorb slow and
+hostile clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import importlib.util
+import logging
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+__all__ = [
+    "DEFAULT_HEAD_LIMIT",
+    "DEFAULT_HEAD_TIMEOUT",
+    "LOG_LEVELS",
+    "GuardedH11Protocol",
+    "PortInUseError",
+    "bind_socket",
+    "configure",
+    "http_url",
+    "load_tokenizer",
+    "serve",
+    "uvicorn_config",
+]
+
+C = TypeVar("C")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+DEFAULT_HEAD_LIMIT = 64 * 1024
+DEFAULT_HEAD_TIMEOUT = 10.0
+#: uvicorn's own default: an idle keep-alive connection is closed after this many seconds.
+KEEP_ALIVE_TIMEOUT = 5.0
+
+
+class PortInUseError(OSError):
+    """The address is taken by another process."""
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (RFC 3986)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def bind_socket(host: str, port: int, *, send_buffer: int | None = None) -> socket.socket:
+    """A listening TCP socket; accepted connections inherit ``send_buffer`` (SO_SNDBUF).
+
+    Bound here rather than by uvicorn so that a port in use is one clear error
+    (:class:`PortInUseError`) and the port is known before serving starts (``port=0``).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # With the protocol named (not 0) asyncio turns Nagle's algorithm off on accepted sockets;
+    # the listener says so too (Linux passes it on). With Nagle on, an answer written as head
+    # then body waits for the client's delayed ACK.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(exc.errno, f"{http_url(host, port)} is already in use") from None
+        raise
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a request-head deadline that bytes cannot reset."""
+
+    head_timeout = DEFAULT_HEAD_TIMEOUT
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.head_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's head arrived whole
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        if not self.transport.is_closing():
+            # Armed first: a pipelined head already in disarms it again.
+            self._arm(self.timeout_keep_alive + self.head_timeout)
+        super().on_response_complete()
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(seconds, self._head_expired)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        busy = self.cycle is not None and not self.cycle.response_complete
+        if not busy and not self.transport.is_closing():
+            self.transport.close()
+
+
+class _QuietUpgrades(logging.Filter):
+    """uvicorn logs two warnings for every request with an Upgrade it does not take up (any
+    client can send them): they say nothing an operator can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not message.startswith(("Unsupported upgrade request", "No supported WebSocket"))
+
+
+logging.getLogger("uvicorn.error").addFilter(_QuietUpgrades())
+
+
+def _loop(loop: Literal["auto", "asyncio", "uvloop"]) -> str:
+    if loop == "auto":
+        return "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    return loop
+
+
+def uvicorn_config(
+    app: Any,
+    *,
+    loop: Literal["auto", "asyncio", "uvloop"] = "auto",
+    log_level: str = "warning",
+    lifespan: Literal["on", "off", "auto"] = "on",
+    access_log: bool = False,
+    graceful_timeout: float = 5.0,
+) -> uvicorn.Config:
+    """The uvicorn settings both apps are served with."""
+    return uvicorn.Config(
+        app,
+        http=GuardedH11Protocol,
+        h11_max_incomplete_event_size=DEFAULT_HEAD_LIMIT,
+        ws="none",
+        loop=_loop(loop),
+        log_level=log_level,
+        lifespan=lifespan,
+        access_log=access_log,
+        timeout_keep_alive=int(KEEP_ALIVE_TIMEOUT),
+        timeout_graceful_shutdown=int(graceful_timeout),
+        workers=1,
+    )
+
+
+def serve(
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    what: str,
+    loop: Literal["auto", "asyncio", "uvloop"] = "auto",
+    log_level: str = "warning",
+    send_buffer: int | None = None,
+) -> int:
+    """Serve ``app`` until SIGINT or SIGTERM; print its URL first. Returns the exit status: 2,
+    with one line on stderr, when the address cannot be bound."""
+    try:
+        sock = bind_socket(host, port, send_buffer=send_buffer)
+    except OSError as exc:
+        print(f"{what}: cannot listen on {http_url(host, port)}: {exc.strerror}", file=sys.stderr)
+        return 2
+    bound = sock.getsockname()[1]
+    print(f"{what} listening on {http_url(host, bound)}", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn_config(app, loop=loop, log_level=log_level))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0
+
+
+def load_tokenizer(directory: Any) -> Any:
+    """A counter from a local model directory (``--tokenizer DIR``); a ValueError that says why
+    when it cannot be read."""
+    from kvclient import HuggingFaceCounter, KVClientError
+
+    try:
+        return HuggingFaceCounter.from_pretrained(directory)
+    except KVClientError as exc:
+        raise ValueError(f"--tokenizer: {exc}") from None
+
+
+def configure(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    build: Callable[[argparse.Namespace], C],
+) -> tuple[argparse.Namespace, C]:
+    """Parse ``argv`` (default: the process's) and build the config; a setting that cannot work
+    is a usage error (one line, exit 2)."""
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return args, build(args)
+    except ValueError as exc:
+        parser.error(str(exc))

@@ -1,0 +1,216 @@
+"""``kvclient serve`` (``python -m reference_server``): the reference server, served by uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvclient import ModelProfile
+
+from ..admission.ledger import DEFAULT_SAFETY_FRACTION, STRATEGIES
+from ..http.serving import LOG_LEVELS, configure, load_tokenizer, serve
+from .config import (
+    DEFAULT_CONTEXT_WINDOW,
+    DEFAULT_DECODE_RATE,
+    DEFAULT_KV_TOKENS,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MEAN_OUTPUT_TOKENS,
+    DEFAULT_MODEL_ID,
+    DEFAULT_PROFILE,
+    DEFAULT_RETRY_AFTER_QUANTILE,
+    DEFAULT_SEND_TIMEOUT,
+    ServerConfig,
+)
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+DEFAULT_PORT = 8000
+
+_DESCRIPTION = f"""\
+Run the kvclient reference server: an OpenAI-compatible API (/v1/completions,
+/v1/chat/completions, /v1/models, /tokenize, /generate, /health, /metrics) in front of a KV
+reservation ledger and a simulated engine that generates real tokens and can really run out of
+KV cache.
+
+Single process by design: one ledger guards one engine's KV pool, so the server runs one uvicorn
+worker and binds 127.0.0.1 only. Several workers would each believe they own the whole pool.
+
+Default KV budget: {DEFAULT_KV_TOKENS} tokens; usable = total x --safety-fraction.
+"""
+
+
+def _quantile(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number in (0, 1] or 'none', got {text!r}"
+        ) from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"the quantile must be in (0, 1], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvclient serve",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--port", type=int, default=DEFAULT_PORT, help="port on 127.0.0.1 (0: any free port)")
+    add("--model", default=DEFAULT_MODEL_ID, help="model id served (default: %(default)s)")
+    add("--context-window", type=int, default=DEFAULT_CONTEXT_WINDOW, help="max_model_len")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--kv-tokens", type=int, help="physical KV pool size in tokens")
+    budget.add_argument(
+        "--kv-bytes", type=int, help="physical KV pool size in bytes (with --model-preset)"
+    )
+    add(
+        "--model-preset",
+        choices=sorted(ModelProfile.PRESETS),
+        default=DEFAULT_PROFILE.name,
+        help="per-token KV bytes of this model (for --kv-bytes and the byte metrics)",
+    )
+    add("--safety-fraction", type=float, default=DEFAULT_SAFETY_FRACTION, help="usable share")
+    add("--block-size", type=int, default=16, help="KV block size in tokens")
+    add(
+        "--decode-rate",
+        type=float,
+        default=DEFAULT_DECODE_RATE,
+        help="simulated tokens per second per sequence (default: %(default)s)",
+    )
+    add(
+        "--mean-output-tokens",
+        type=float,
+        default=DEFAULT_MEAN_OUTPUT_TOKENS,
+        help="mean natural output length before a sequence stops by itself",
+    )
+    add("--admission", choices=STRATEGIES, default="reserve", help="admission strategy")
+    add("--max-concurrency", type=int, help="request cap (the whole rule in concurrency mode)")
+    add(
+        "--max-queue-wait",
+        type=float,
+        default=0.0,
+        help="seconds a request may wait in FIFO order for budget before the 429 (0: at once)",
+    )
+    add(
+        "--stagger-retry-after",
+        action="store_true",
+        help="tell clients turned away together staggered Retry-After times that each fit",
+    )
+    add(
+        "--retry-after-quantile",
+        type=_quantile,
+        metavar="Q",
+        default=DEFAULT_RETRY_AFTER_QUANTILE,
+        help="estimate Retry-After from the Q quantile of recent output lengths (a bet: some "
+        "clients are told less than the wait); 'none' (the default): from every holder's cap, "
+        "never shorter than the wait",
+    )
+    add("--api-key", help="require 'Authorization: Bearer KEY' (except /health and /metrics)")
+    add("--seed", type=int, default=0, help="seed of output lengths, words and faults")
+    add(
+        "--fault-rate",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="fail this share of requests on purpose at a random token, as 500 injected_fault "
+        "(chaos testing; default: %(default)s)",
+    )
+    add("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit")
+    add(
+        "--tokenizer",
+        metavar="PATH",
+        help="count like a real model: a local model directory (tokenizer.json, "
+        "tokenizer_config.json, its chat template) for admission, /tokenize and usage "
+        "(default: tiktoken cl100k_base and OpenAI's chat formula)",
+    )
+    add(
+        "--send-timeout",
+        type=float,
+        default=DEFAULT_SEND_TIMEOUT,
+        metavar="S",
+        help="end a request when a write of its answer waits S seconds for the client to read "
+        "(a client that stopped reading), releasing its reservation (default: %(default)s)",
+    )
+    add(
+        "--socket-send-buffer",
+        type=int,
+        metavar="BYTES",
+        help="SO_SNDBUF of every connection (default: the kernel's, megabytes on loopback); "
+        "smaller makes a client that stops reading block the server's writes sooner",
+    )
+    add(
+        "--admission-log",
+        metavar="PATH",
+        help="append every admission, release and 429 (with its advice) to PATH as JSON lines, "
+        "for bench/soak.py's Retry-After check",
+    )
+    add("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    extra: dict[str, Any] = {}
+    if getattr(args, "tokenizer", None):
+        extra["tokenizer"] = load_tokenizer(args.tokenizer)
+    return ServerConfig(
+        **extra,
+        model=args.model,
+        context_window=args.context_window,
+        kv_tokens=args.kv_tokens,
+        kv_bytes=args.kv_bytes,
+        model_profile=ModelProfile.preset(args.model_preset),
+        safety_fraction=args.safety_fraction,
+        block_size=args.block_size,
+        decode_rate=args.decode_rate,
+        mean_output_tokens=args.mean_output_tokens,
+        admission=args.admission,
+        max_concurrency=args.max_concurrency,
+        max_queue_wait=args.max_queue_wait,
+        stagger_retry_after=args.stagger_retry_after,
+        retry_after_quantile=args.retry_after_quantile,
+        api_key=args.api_key,
+        seed=args.seed,
+        fault_rate=args.fault_rate,
+        max_body_bytes=args.max_body_bytes,
+        send_timeout=args.send_timeout,
+        admission_log=args.admission_log,
+        socket_send_buffer=args.socket_send_buffer,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, config = configure(build_parser(), argv, config_from_args)
+    from .app import create_app
+
+    app = create_app(config)
+    # Load the tokenizer now (about 0.3 s for tiktoken's), not on the first request: the first
+    # burst would wait for it, and its 429s (and their RateLimit room) would come that late.
+    config.tokenizer.count("warm up")
+    usable = app.state.server.ledger.usable_tokens
+    print(
+        f"reference server: model {config.model}, context {config.context_window}, "
+        f"KV pool {config.total_kv_tokens} tokens ({usable} usable), "
+        f"admission {config.admission}",
+        file=sys.stderr,
+    )
+    return serve(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        what="kvclient serve",
+        # asyncio: the simulated engine's timing was measured on it.
+        loop="asyncio",
+        log_level=args.log_level,
+        send_buffer=config.socket_send_buffer,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

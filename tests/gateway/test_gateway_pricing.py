@@ -1,0 +1,206 @@
+"""Every field that spends KV is priced: output caps under any engine's name, several sequences,
+and the prompt as the engine renders it (or the request is refused)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import llama_engine
+import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvclient import TiktokenCounter
+from reference_server.gateway import GatewayConfig
+from reference_server.testing import running_gateway
+from tests.helpers.servers import wait_for
+from tests.helpers.upstreams import discoverable, scripted_upstream
+
+NO_EOS = {"128009": -100, "128001": -100}  # the tiny model's end tokens: run to the cap
+
+
+def _peak(gateway: Any) -> int:
+    return int(gateway.gateway.known[0].ledger.stats().peak_reserved_tokens)
+
+
+def _at_zero(gateway: Any) -> bool:
+    return all(k.ledger.stats().reserved_tokens == 0 for k in gateway.gateway.known)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize(("n_predict", "generated"), [(60, 60), (-1, None)])
+def test_llama_cpps_n_predict_never_exceeds_the_reservation(
+    llama: llama_engine.LlamaServer, n_predict: int, generated: int | None
+) -> None:
+    """llama.cpp obeys ``n_predict`` over ``max_tokens``: the reservation covers it, and what
+    goes upstream is the reserved cap."""
+    with running_gateway(GatewayConfig(upstreams=(llama.url,))) as gw:
+        body = {"prompt": "Once", "max_tokens": 8, "n_predict": n_predict, "logit_bias": NO_EOS}
+        answer = httpx.post(gw.base_url + "/v1/completions", json=body, timeout=120)
+        wait_for(lambda: _at_zero(gw))
+        peak = _peak(gw)
+        largest = gw.gateway.window(gw.gateway.known)  # the most it can ever admit
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    reserved_cap = peak - usage["prompt_tokens"]
+    assert usage["completion_tokens"] <= reserved_cap
+    if generated is not None:
+        assert usage["completion_tokens"] == generated
+        assert reserved_cap >= generated
+    else:  # until the context is full: reserved as an unset cap, the whole window
+        assert peak >= largest
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("field", ["n", "n_cmpl"])
+def test_several_sequences_are_admitted_and_priced_as_several(
+    llama: llama_engine.LlamaServer, field: str
+) -> None:
+    """``n: 2`` (or llama.cpp's alias ``n_cmpl``) is two sequences, each with its own prompt in
+    llama.cpp's slots: reserved as 2 x (prompt + cap)."""
+    with running_gateway(GatewayConfig(upstreams=(llama.url,))) as gw:
+        body = {"prompt": "Once upon", "max_tokens": 20, field: 2, "logit_bias": NO_EOS}
+        answer = httpx.post(gw.base_url + "/v1/completions", json=body, timeout=120)
+        wait_for(lambda: _at_zero(gw))
+        peak = _peak(gw)
+    assert answer.status_code == 200, answer.text
+    payload = answer.json()
+    prompt = payload["usage"]["prompt_tokens"]
+    assert peak >= 2 * (prompt + 20)
+    for choice in payload["choices"]:
+        assert len(choice["text"]) > 0
+
+
+def _vllm_like(tokenized: list[dict[str, Any]], forwarded: list[dict[str, Any]]) -> Any:
+    """An upstream that says it is vLLM and counts a request's own chat template."""
+
+    async def models(request: Request) -> Response:
+        entry = {"id": "m", "object": "model", "owned_by": "vllm", "max_model_len": 4096}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def metrics(request: Request) -> Response:
+        text = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="1024"} 1.0\n'
+        return Response(text)
+
+    async def tokenize(request: Request) -> Response:
+        body = await request.json()
+        tokenized.append(body)
+        # A template that renders a long system prompt: 900 tokens, not 10.
+        return JSONResponse({"count": 900 if "chat_template" in body else 10, "tokens": []})
+
+    async def chat(request: Request) -> Response:
+        forwarded.append(await request.json())
+        return JSONResponse({"choices": [], "usage": {"completion_tokens": 0}})
+
+    app = discoverable([Route("/v1/chat/completions", chat, methods=["POST"])])
+    app.router.routes[:3] = [
+        Route("/v1/models", models),
+        Route("/metrics", metrics),
+        Route("/tokenize", tokenize, methods=["POST"]),
+    ]
+    return app
+
+
+def test_a_requests_own_chat_template_is_counted_as_rendered() -> None:
+    tokenized: list[dict[str, Any]] = []
+    forwarded: list[dict[str, Any]] = []
+    template = "{% for m in messages %}" + "x " * 2000 + "{{ m.content }}{% endfor %}"
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "chat_template": template,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    with (
+        scripted_upstream(_vllm_like(tokenized, forwarded)) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+    ):
+        answer = httpx.post(gw.base_url + "/v1/chat/completions", json=body)
+        wait_for(lambda: _at_zero(gw))
+    assert answer.status_code == 200, answer.text
+    assert tokenized[-1]["chat_template"] == template
+    assert tokenized[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert forwarded[-1]["max_tokens"] == 4096 - 900  # the rendered prompt's room, not 4086
+
+
+@pytest.mark.parametrize("field", ["chat_template", "documents"])
+def test_a_rendering_the_gateway_cannot_count_is_refused_by_name(field: str) -> None:
+    tokenized: list[dict[str, Any]] = []
+    forwarded: list[dict[str, Any]] = []
+    body = {"messages": [{"role": "user", "content": "hi"}], field: "x"}
+    # Counting locally, nothing can render the request's own template; vLLM's /tokenize takes
+    # no documents.
+    counter = TiktokenCounter() if field == "chat_template" else None
+    with (
+        scripted_upstream(_vllm_like(tokenized, forwarded)) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,), counter=counter)) as gw,
+    ):
+        answer = httpx.post(gw.base_url + "/v1/chat/completions", json=body)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == field
+    assert error["code"] == "uncountable_field"
+    assert forwarded == []
+
+
+def test_beam_search_is_refused_by_name() -> None:
+    tokenized: list[dict[str, Any]] = []
+    forwarded: list[dict[str, Any]] = []
+    body = {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True}
+    with (
+        scripted_upstream(_vllm_like(tokenized, forwarded)) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+    ):
+        answer = httpx.post(gw.base_url + "/v1/chat/completions", json=body)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "use_beam_search"
+    assert forwarded == []
+
+
+def _slots_busy(url: str) -> int:
+    slots = httpx.get(url + "/slots", timeout=5).json()
+    return sum(1 for slot in slots if slot.get("is_processing"))
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("how", ["fin", "rst"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_frees_its_reservation_when_the_engine_stops(
+    llama: llama_engine.LlamaServer, how: str, stream: bool
+) -> None:
+    """The client closes (FIN) or resets (RST) mid-generation. A stream: the upstream request
+    is reset, llama.cpp stops at its next token, and within a second its slot is idle and the
+    ledger at zero. A plain request, which llama.cpp runs to its end whatever happens to its
+    connection: the reservation is held while the engine still holds the KV, never longer."""
+    import json
+    import socket
+    import time
+
+    with running_gateway(GatewayConfig(upstreams=(llama.url,))) as gw:
+        body = {"prompt": "Once", "max_tokens": 450, "logit_bias": NO_EOS, "stream": stream}
+        payload = json.dumps(body).encode()
+        sock = socket.create_connection((gw.host, gw.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        wait_for(lambda: not _at_zero(gw))
+        wait_for(lambda: _slots_busy(llama.url) == 1, timeout=10)
+        if how == "rst":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00" * 2)
+        left = time.monotonic()
+        sock.close()
+        if stream:
+            wait_for(lambda: _at_zero(gw) and _slots_busy(llama.url) == 0, timeout=1.0)
+            assert time.monotonic() - left < 1.5
+            return
+        busy_seen = []
+        while _slots_busy(llama.url):
+            busy_seen.append(_at_zero(gw))
+            time.sleep(0.01)
+        idle = time.monotonic()
+        assert busy_seen.count(True) <= 1  # held while the engine ran (bar the last instant)
+        wait_for(lambda: _at_zero(gw), timeout=1.0)  # and given back once it stopped
+        assert time.monotonic() - idle < 1.0
