@@ -26,7 +26,7 @@ __all__ = ["AdmissionLog", "AdviceCheck", "check_advice", "read_log"]
 
 
 class AdmissionLog:
-    """An ``on_event`` observer for :class:`~reference_server.ledger.KVAdmissionController`."""
+    """An ``on_event`` observer for :class:`~reference_server.admission.ledger.KVAdmissionController`."""
 
     def __init__(self, path: str) -> None:
         self.path = path

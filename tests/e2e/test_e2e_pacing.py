@@ -19,8 +19,8 @@ import pytest
 from kvclient import AsyncClient, RetryPolicy
 from kvclient._pacing import Pacer, RoomHint, parse_ratelimit
 from reference_server import RunningServer, running_server
-from reference_server.testing import running_gateway
 from reference_server.gateway import GatewayConfig
+from reference_server.testing import running_gateway
 from tests.helpers.servers import at_zero, wait_for
 
 CONFIG: dict[str, Any] = {

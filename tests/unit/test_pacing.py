@@ -24,8 +24,8 @@ from kvclient._pacing import (
 )
 from kvclient._retry import Cooldown, RetryCall
 from kvclient.testing import FakeClock
-from reference_server.http.answers import ratelimit_headers
 from reference_server.admission.ledger import Headroom, KVAdmissionController
+from reference_server.http.answers import ratelimit_headers
 
 # --- the header syntax -----------------------------------------------------------------------
 
