@@ -26,7 +26,8 @@ __all__ = ["AdmissionLog", "AdviceCheck", "check_advice", "read_log"]
 
 
 class AdmissionLog:
-    """An ``on_event`` observer for :class:`~reference_server.admission.ledger.KVAdmissionController`."""
+    """An ``on_event`` observer for a
+    :class:`~reference_server.admission.ledger.KVAdmissionController`."""
 
     def __init__(self, path: str) -> None:
         self.path = path
