@@ -192,6 +192,9 @@ def serve(
     with one line on stderr, when the address cannot be bound."""
     try:
         sock = bind_socket(host, port, send_buffer=send_buffer)
+    except PortInUseError as exc:
+        print(f"{what}: {exc.strerror}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"{what}: cannot listen on {http_url(host, port)}: {exc.strerror}", file=sys.stderr)
         return 2

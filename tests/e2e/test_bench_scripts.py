@@ -124,7 +124,7 @@ def test_gateway_overhead(tmp_path: Path) -> None:
         "status": 429,
         "upstream_attempts": 1,
         "retry_after": "7",
-        "headers_with_the_value": ["retry-after"],
+        "headers_with_the_value": ["retry-after", "retry-after-ms"],
         "ok": True,
     }
 

@@ -395,3 +395,20 @@ def test_mixed_traffic_leaves_the_ledger_at_zero(server: RunningServer) -> None:
     assert set(statuses) <= {200, 400, 413, 429}
     assert 500 not in statuses
     wait_for(lambda: at_zero(server))
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line() -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "kvclient.cli", "serve", "--port", str(port)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == f"kvclient serve: http://127.0.0.1:{port} is already in use"
+    assert "Traceback" not in done.stderr
