@@ -7,9 +7,11 @@ import base64
 import json
 import socket
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import llama_engine
 import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -255,3 +257,36 @@ def test_an_upstream_whose_numbers_cannot_be_used_is_a_503_that_says_why(
     message = answer.json()["error"]["message"]
     assert up.base_url in message
     assert said in message
+
+
+@pytest.fixture(scope="module")
+def roomy_llama(llama_engine_ready: None) -> Iterator[llama_engine.LlamaServer]:
+    """A real llama-server whose slots have room for an image's estimated 576 tokens."""
+    with llama_engine.LlamaServer(ctx=4096, parallel=2) as server:
+        yield server
+
+
+@pytest.mark.llama_cpp
+def test_image_chats_to_a_text_only_llama_cpp_do_not_stop_the_next_request(
+    roomy_llama: llama_engine.LlamaServer,
+) -> None:
+    """llama.cpp without a vision projector answers a chat with an image with a 500: three of
+    them from one client leave the upstream in service for everyone else."""
+    llama = roomy_llama
+    url = "data:image/png;base64,iVBORw0KGgo="
+    image = {"type": "image_url", "image_url": {"url": url, "detail": "low"}}
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, image]}]}
+    with (
+        running_gateway(GatewayConfig(upstreams=(llama.url,))) as gw,
+        httpx.Client(base_url=gw.base_url, timeout=60) as http,
+    ):
+        refused = [
+            http.post("/v1/chat/completions", json={**chat, "max_tokens": 4}).status_code
+            for _ in range(3)
+        ]
+        good = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+        health = http.get("/health").json()
+        wait_for(lambda: _reserved(gw) == 0)
+    assert refused == [500, 500, 500], refused  # the engine's error, passed on
+    assert good.status_code == 200, good.text
+    assert health["upstreams"][0]["in_service"] is True
