@@ -21,6 +21,7 @@ from typing import Any
 __all__ = [
     "HostileServer",
     "Request",
+    "accept_each",
     "chat_events",
     "hold_open",
     "json_answer",
@@ -31,6 +32,26 @@ __all__ = [
 
 # No script runs longer than this, whatever it was asked to do.
 MAX_SCRIPT_SECONDS = 15.0
+
+
+def accept_each(
+    listener: socket.socket,
+    stopping: threading.Event,
+    serve: Callable[[socket.socket], None],
+    threads: list[threading.Thread],
+) -> None:
+    """Accept connections on ``listener`` (which has a short timeout) until ``stopping``, each
+    served by ``serve`` in a thread of its own, appended to ``threads``."""
+    while not stopping.is_set():
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        thread = threading.Thread(target=serve, args=(conn,), daemon=True)
+        threads.append(thread)
+        thread.start()
 
 
 @dataclass
@@ -88,16 +109,7 @@ class HostileServer:
         return self.stopping.wait(seconds)
 
     def _accept(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
+        accept_each(self._listener, self.stopping, self._serve, self._threads)
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:

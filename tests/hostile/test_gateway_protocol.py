@@ -24,7 +24,6 @@ from typing import Any
 
 import httpx
 import pytest
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -34,7 +33,9 @@ from reference_server import RunningServer, running_server, serve_in_thread
 from reference_server.gateway import GatewayConfig
 from reference_server.http.serving import GuardedH11Protocol
 from reference_server.testing import running_gateway
+from tests.helpers.hostile import accept_each
 from tests.helpers.servers import wait_for
+from tests.helpers.upstreams import discoverable
 
 FAST: dict[str, Any] = {
     "decode_rate": 4000.0,
@@ -203,28 +204,6 @@ def reset(sock: socket.socket) -> None:
 # --- upstreams ---------------------------------------------------------------------------------
 
 
-def discoverable(routes: list[Route], *, window: int = 1024, kv: int = 4096) -> Starlette:
-    """A scripted upstream the gateway discovers as vLLM-like: window and KV budget."""
-
-    async def models(request: Request) -> Response:
-        return JSONResponse({"data": [{"id": "m", "max_model_len": window}]})
-
-    async def metrics(request: Request) -> Response:
-        return Response(f"kv_physical_capacity_tokens {kv}\n")
-
-    async def tokenize(request: Request) -> Response:
-        return JSONResponse({"count": 3, "tokens": [1, 2, 3]})
-
-    return Starlette(
-        routes=[
-            Route("/v1/models", models),
-            Route("/metrics", metrics),
-            Route("/tokenize", tokenize, methods=["POST"]),
-            *routes,
-        ]
-    )
-
-
 def raw_answer(body: bytes, *extra: bytes, status: bytes = b"200 OK") -> bytes:
     lines = [b"HTTP/1.1 " + status, b"Content-Type: application/json", *extra]
     lines.append(b"Content-Length: " + str(len(body)).encode())
@@ -268,16 +247,7 @@ class RawUpstream:
         self._listener.close()
 
     def _accept(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
+        accept_each(self._listener, self.stopping, self._serve, self._threads)
 
     def _serve(self, conn: socket.socket) -> None:
         buffer = b""
