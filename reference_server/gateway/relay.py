@@ -1,10 +1,13 @@
 """The upstream relay: the gateway's :class:`~reference_server.http.generation.Backend`.
 
-Each request is counted (the upstream's own ``/tokenize`` when it has one, else the configured
-counter), its ``max_tokens`` made explicit and clamped to what is reserved, routed to the
-upstream where it fits best, and forwarded with only the cap changed. The answer is relayed as
-it comes; a stream piece by piece. When the client goes away the request is cancelled, and
-closing the unfinished upstream answer closes its connection, which engines take as an abort.
+Each request is counted as its engine renders it (the upstream's own ``/tokenize`` when it has
+one, else the configured counter; a rendering it cannot count is refused), priced with every
+field that spends KV (output caps under any engine's name, several sequences), routed to the
+upstream where it fits best, and forwarded with every output cap set to the one reserved. The
+answer is relayed as it comes; a stream piece by piece. When the client goes away the request is
+cancelled and the unfinished upstream answer reset, which engines take as an abort; where an
+engine runs a request on regardless (llama.cpp, a plain request), the reservation is held until
+its answer is in.
 
 Fail-over: a request goes to another upstream only when the first could not be reached or broke
 before any byte of an answer; an answer that has started is never retried elsewhere.
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Set
 from dataclasses import dataclass
@@ -59,13 +61,13 @@ logger = logging.getLogger("kvclient.gateway")
 
 def unavailable(message: str, retry_after: float = 1.0) -> APIError:
     """A 503 with Retry-After: nothing can take the request now."""
-    seconds = str(max(1, math.ceil(retry_after)))
+    seconds, millis = retry_after_header(retry_after)
     return APIError(
         503,
         message,
         type="server_error",
         code="upstream_unavailable",
-        headers={"Retry-After": seconds, "retry-after-ms": str(int(retry_after * 1000))},
+        headers={"Retry-After": seconds, "retry-after-ms": millis},
     )
 
 
