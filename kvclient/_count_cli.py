@@ -12,6 +12,7 @@ from typing import Any
 from ._accounting import effective_output_cap
 from ._dialects import TOKENIZE_ENGINES
 from ._exceptions import KVClientError
+from ._help import HelpFormatter
 from ._tokens import (
     DEFAULT_NON_TEXT_PART_TOKENS,
     HuggingFaceCounter,
@@ -23,29 +24,34 @@ from ._tokens import (
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="kvclient count",
         description="Count the tokens of a prompt (text) or a chat request (JSON: a list of "
         'messages, or {"messages": [...], "tools": [...]}), offline, and show the max_tokens '
         "kvclient would send.",
     )
-    parser.add_argument("text", nargs="?", help="the prompt; omit to read standard input")
+    parser.add_argument("text", nargs="?", help="the prompt (default: standard input)")
     parser.add_argument(
         "--chat",
         nargs="?",
         const="",
         metavar="FILE",
         help="the input is a chat request in JSON: from FILE ('-': standard input), else from "
-        "the text argument or standard input",
+        "the text argument or standard input (default: the input is a prompt)",
     )
     counters = parser.add_mutually_exclusive_group()
     counters.add_argument(
         "--tokenizer",
         metavar="PATH",
         help="a local model directory (tokenizer.json, tokenizer_config.json, chat template): "
-        "exact counts, the chat template rendered as the server renders it",
+        "exact counts, the chat template rendered as the server renders it (default: tiktoken)",
     )
-    counters.add_argument("--hf-tokenizer", help="path to a bare Hugging Face tokenizer.json")
-    counters.add_argument("--server", metavar="URL", help="ask the server's /tokenize instead")
+    counters.add_argument(
+        "--hf-tokenizer", help="path to a bare Hugging Face tokenizer.json (default: tiktoken)"
+    )
+    counters.add_argument(
+        "--server", metavar="URL", help="ask the server's /tokenize instead (default: count here)"
+    )
     parser.add_argument(
         "--engine",
         choices=sorted(TOKENIZE_ENGINES),
@@ -53,14 +59,19 @@ def _parser() -> argparse.ArgumentParser:
         help="the --server's dialect (ours: vllm)",
     )
     parser.add_argument("--encoding", default="cl100k_base", help="tiktoken encoding name")
-    parser.add_argument("--tiktoken-file", help="explicit path to a .tiktoken encoding file")
+    parser.add_argument(
+        "--tiktoken-file",
+        help="explicit path to a .tiktoken encoding file (default: the one shipped)",
+    )
     parser.add_argument(
         "--media-tokens",
         type=int,
         default=DEFAULT_NON_TEXT_PART_TOKENS,
         help="tokens counted per image or audio part (default: %(default)s)",
     )
-    parser.add_argument("--context-window", type=int, help="show the effective max_tokens too")
+    parser.add_argument(
+        "--context-window", type=int, help="show the effective max_tokens too (default: no)"
+    )
     parser.add_argument("--max-tokens", type=int, help="the requested cap (default: unset)")
     return parser
 

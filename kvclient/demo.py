@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 import httpx
 
+from ._help import HelpFormatter
 from ._tokens import TiktokenCounter
 from .loadgen._metrics import RequestRecord, Summary, summarize
 from .loadgen._report import format_count, format_seconds, parse_prometheus_text, print_table
@@ -54,6 +55,7 @@ class DemoRun:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="kvclient demo",
         description="Run the reference server embedded and drive one workload through a naive "
         "client (retries at once, ignores Retry-After) and through kvclient; print both.",
@@ -64,10 +66,15 @@ def _parser() -> argparse.ArgumentParser:
         default="reserve",
         help="the server's admission strategy; 'prompt' shows the OOMs the seed warns about",
     )
-    p.add_argument("--requests", type=int, default=DEMO_REQUESTS)
+    p.add_argument("--requests", type=int, default=DEMO_REQUESTS, help="requests per client")
     p.add_argument("--rate", type=float, default=DEMO_RATE, help="arrivals per second (Poisson)")
     p.add_argument("--kv-tokens", type=int, default=DEMO_KV_TOKENS, help="server KV budget")
-    p.add_argument("--decode-rate", type=float, default=DEMO_DECODE_RATE)
+    p.add_argument(
+        "--decode-rate",
+        type=float,
+        default=DEMO_DECODE_RATE,
+        help="simulated tokens per second per sequence",
+    )
     p.add_argument("--max-concurrency", type=int, default=8, help="for --admission concurrency")
     p.add_argument(
         "--seed",
@@ -82,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
         help="runs of each client; the table shows each figure's median and range "
         "(default %(default)s)",
     )
-    p.add_argument("--json", type=Path, dest="json_path", help="write both summaries here")
+    p.add_argument(
+        "--json", type=Path, dest="json_path", help="write both summaries here (default: none)"
+    )
     return p
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from .._help import HelpFormatter
 from . import run_contract
 from ._results import (
     CHECK_NAMES,
@@ -42,6 +44,7 @@ _STYLES = {
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="kvclient contract",
         description=(
             "Check a live OpenAI-compatible server against the KV admission contract: context "
@@ -50,14 +53,26 @@ def _parser() -> argparse.ArgumentParser:
             "streams, bad input answered with 4xx JSON errors."
         ),
     )
-    parser.add_argument("url", metavar="URL", help="server base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "url",
+        metavar="URL",
+        nargs="?",
+        default=os.environ.get("KVCLIENT_BASE_URL") or os.environ.get("OPENAI_BASE_URL"),
+        help="server base URL, e.g. http://127.0.0.1:8000 (default: $KVCLIENT_BASE_URL or "
+        "$OPENAI_BASE_URL)",
+    )
     parser.add_argument("--model", help="model name to send (default: the first in /v1/models)")
-    parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KVCLIENT_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $KVCLIENT_API_KEY or $OPENAI_API_KEY)",
+    )
     parser.add_argument(
         "--context-window",
         type=int,
         metavar="TOKENS",
-        help="the model's context window, when /v1/models does not report max_model_len",
+        help="the model's context window, when /v1/models does not report max_model_len "
+        "(default: discovered)",
     )
     parser.add_argument(
         "--burst",
@@ -108,10 +123,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--only",
         metavar="CHECK[,CHECK]",
-        help=f"run only these checks: {', '.join(CHECK_NAMES)}",
+        help=f"run only these checks: {', '.join(CHECK_NAMES)} (default: all)",
     )
     parser.add_argument(
-        "--json", metavar="FILE", help="also write the report as JSON ('-': stdout)"
+        "--json", metavar="FILE", help="also write the report as JSON ('-': stdout; default: none)"
     )
     parser.add_argument(
         "--plain", action="store_true", help="plain text table even if rich is there"
@@ -179,6 +194,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as exc:
         print(f"kvclient contract: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if not args.url:
+        print(
+            "kvclient contract: give the server's URL (or set KVCLIENT_BASE_URL)", file=sys.stderr
+        )
         return EXIT_USAGE
     report = run_contract(args.url, options=options)
     if args.json:

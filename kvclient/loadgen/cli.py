@@ -20,6 +20,7 @@ import anyio
 import httpx
 
 from .._exceptions import KVClientError
+from .._help import HelpFormatter
 from .._tokens import TiktokenCounter, TokenCounter
 from ._html import Sample, render_html
 from ._metrics import SLO, RequestRecord, Summary, summarize
@@ -70,6 +71,7 @@ def _share(text: str) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="kvclient bench",
         description="Load-test an OpenAI-compatible server. Arrivals are planned before the run "
         "(open loop) so a slow server cannot slow them; retries follow the server's Retry-After; "
@@ -89,10 +91,22 @@ def _parser() -> argparse.ArgumentParser:
         "--context-window", type=int, help="default: discovered from the server (/v1/models)"
     )
     loop = p.add_argument_group("arrivals (one of --rate, --concurrency or --sweep)")
-    loop.add_argument("--rate", type=float, help="open loop: requests per second")
-    loop.add_argument("--arrival", choices=["poisson", "constant", "gamma"], default="poisson")
+    loop.add_argument(
+        "--rate",
+        type=float,
+        help="open loop: requests per second (no default: give one of --rate, --concurrency, "
+        "--sweep)",
+    )
+    loop.add_argument(
+        "--arrival",
+        choices=["poisson", "constant", "gamma"],
+        default="poisson",
+        help="how --rate's arrivals are spaced",
+    )
     loop.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
-    loop.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
+    loop.add_argument(
+        "--concurrency", type=int, help="closed loop: requests in flight (default: none)"
+    )
     loop.add_argument("--num-requests", type=int, help=f"default {DEFAULT_NUM_REQUESTS}")
     loop.add_argument(
         "--duration",
@@ -142,10 +156,18 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         dest="dataset",
         help="our JSONL (prompt or messages, max_tokens) or ShareGPT JSON (first human turn "
-        "as prompt, the reply's length as max_tokens)",
+        "as prompt, the reply's length as max_tokens; default: a synthetic workload)",
     )
-    work.add_argument("--prompt-tokens", type=_range, help="synthetic prompt length MIN:MAX")
-    work.add_argument("--max-tokens", type=_range, help="synthetic output cap MIN:MAX")
+    work.add_argument(
+        "--prompt-tokens",
+        type=_range,
+        help="synthetic prompt length MIN:MAX (default: the seed's mix)",
+    )
+    work.add_argument(
+        "--max-tokens",
+        type=_range,
+        help="synthetic output cap MIN:MAX (default: the seed's mix)",
+    )
     work.add_argument("--unset-cap-share", type=float, default=0.0, help="share sent with no cap")
     work.add_argument("--chat", action="store_true", help="send prompts as chat")
     work.add_argument(
@@ -163,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stream", action="store_true", help="no SSE: no TTFT or TPOT")
     p.add_argument("--naive", action="store_true", help="baseline: retry at once, no Retry-After")
     p.add_argument("--request-deadline", type=float, default=60.0, help="seconds per request")
-    p.add_argument("--max-attempts", type=int, default=6)
+    p.add_argument("--max-attempts", type=int, default=6, help="attempts per request at most")
     p.add_argument(
         "--max-failure-rate",
         type=_share,
@@ -171,19 +193,31 @@ def _parser() -> argparse.ArgumentParser:
         help="exit 1 when a larger share of the offered requests did not complete "
         "(default %(default)s)",
     )
-    p.add_argument("--slo-ttft", type=float, help="goodput: TTFT goal in seconds")
-    p.add_argument("--slo-tpot", type=float, help="goodput: time-per-output-token goal, seconds")
-    p.add_argument("--slo-latency", type=float, help="goodput: end-to-end goal in seconds")
-    p.add_argument("--json", type=Path, dest="json_path", help="write the summary here")
+    p.add_argument("--slo-ttft", type=float, help="goodput: TTFT goal in seconds (default: none)")
+    p.add_argument(
+        "--slo-tpot",
+        type=float,
+        help="goodput: time-per-output-token goal, seconds (default: none)",
+    )
+    p.add_argument(
+        "--slo-latency", type=float, help="goodput: end-to-end goal in seconds (default: none)"
+    )
+    p.add_argument(
+        "--json", type=Path, dest="json_path", help="write the summary here (default: none)"
+    )
     p.add_argument("--records", action="store_true", help="with --json: per-request records too")
-    p.add_argument("--plot", type=Path, help="PNG of latency and rejections (or the sweep curve)")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        help="PNG of latency and rejections, or the sweep curve (default: none)",
+    )
     p.add_argument(
         "--html",
         type=Path,
         help="one self-contained page: summary, latency distributions, timeline of in-flight "
-        "KV and refusals, sweep curve",
+        "KV and refusals, sweep curve (default: none)",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvclient._help import HelpFormatter
+
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION
 from ..http.serving import LOG_LEVELS, configure, load_tokenizer, serve
 from .config import DEFAULT_DECODE_RATE, DEFAULT_SEND_TIMEOUT, GatewayConfig
@@ -33,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvclient gateway",
         description=_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--upstream", action="append", required=True, metavar="URL",
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--kv-tokens", action="append", type=int, default=[], metavar="N",
-        help="the KV budget of the upstream at the same position, instead of discovering it",
+        help="the KV budget of the upstream at the same position (default: discovered)",
     )  # fmt: skip
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -72,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--tokenizer", type=Path, metavar="DIR",
         help="count with this local model directory (tokenizer.json, tokenizer_config.json, "
-        "its chat template) instead of the upstream's /tokenize",
+        "its chat template) instead of the upstream's /tokenize (default: the upstream's)",
     )  # fmt: skip
     add(
         "--api-key", default=os.environ.get("KVCLIENT_GATEWAY_API_KEY"), metavar="KEY",
@@ -91,9 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add(
         "--upstream-client-cert", metavar="PEM",
-        help="a client certificate for https upstreams (with its key, or --upstream-client-key)",
+        help="a client certificate for https upstreams, with its key or --upstream-client-key "
+        "(default: none)",
     )  # fmt: skip
-    add("--upstream-client-key", metavar="PEM", help="the key of --upstream-client-cert")
+    add(
+        "--upstream-client-key",
+        metavar="PEM",
+        help="the key of --upstream-client-cert (default: in the certificate's file)",
+    )
     add(
         "--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
         help="the event loop: auto is uvloop when it is installed (pip install "

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvclient import ModelProfile
+from kvclient._help import HelpFormatter
 
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION, STRATEGIES
 from ..http.serving import LOG_LEVELS, configure, load_tokenizer, serve
@@ -59,16 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvclient serve",
         description=_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add = parser.add_argument
     add("--port", type=int, default=DEFAULT_PORT, help="port on 127.0.0.1 (0: any free port)")
     add("--model", default=DEFAULT_MODEL_ID, help="model id served (default: %(default)s)")
     add("--context-window", type=int, default=DEFAULT_CONTEXT_WINDOW, help="max_model_len")
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--kv-tokens", type=int, help="physical KV pool size in tokens")
     budget.add_argument(
-        "--kv-bytes", type=int, help="physical KV pool size in bytes (with --model-preset)"
+        "--kv-tokens",
+        type=int,
+        help=f"physical KV pool size in tokens (default: {DEFAULT_KV_TOKENS})",
+    )
+    budget.add_argument(
+        "--kv-bytes",
+        type=int,
+        help="physical KV pool size in bytes, with --model-preset (default: --kv-tokens's)",
     )
     add(
         "--model-preset",
@@ -91,7 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="mean natural output length before a sequence stops by itself",
     )
     add("--admission", choices=STRATEGIES, default="reserve", help="admission strategy")
-    add("--max-concurrency", type=int, help="request cap (the whole rule in concurrency mode)")
+    add(
+        "--max-concurrency",
+        type=int,
+        help="request cap, the whole rule in concurrency mode (default: none; "
+        "16 in concurrency mode)",
+    )
     add(
         "--max-queue-wait",
         type=float,
@@ -112,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
         "clients are told less than the wait); 'none' (the default): from every holder's cap, "
         "never shorter than the wait",
     )
-    add("--api-key", help="require 'Authorization: Bearer KEY' (except /health and /metrics)")
+    add(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY', except on /health and /metrics "
+        "(default: no key)",
+    )
     add("--seed", type=int, default=0, help="seed of output lengths, words and faults")
     add(
         "--fault-rate",
@@ -149,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--admission-log",
         metavar="PATH",
         help="append every admission, release and 429 (with its advice) to PATH as JSON lines, "
-        "for bench/soak.py's Retry-After check",
+        "for bench/soak.py's Retry-After check (default: none)",
     )
     add("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     return parser
