@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -130,11 +130,13 @@ class _StallWatch:
     Retry-After counts a stalled holder as ending when it is cut); one task per request checks,
     a quarter of the timeout apart."""
 
-    def __init__(self, scope: anyio.CancelScope, timeout: float) -> None:
+    def __init__(
+        self, scope: anyio.CancelScope, timeout: float, on_cut: Callable[[], None]
+    ) -> None:
         self._scope = scope
         self._timeout = timeout
+        self._on_cut = on_cut
         self._since: float | None = None
-        self.cut = False
 
     def watching(self, send: Send, handle: Handle) -> Send:
         async def watched(message: Message) -> None:
@@ -151,7 +153,10 @@ class _StallWatch:
             await anyio.sleep(self._timeout / 4)
             since = self._since
             if since is not None and time.monotonic() - since >= self._timeout:
-                self.cut = True
+                # Counted before the cancellation releases the reservation: whoever sees the
+                # ledger back at zero sees the cut counted too.
+                self._on_cut()
+                logger.warning("an answer was cut: not read within the send timeout")
                 self._scope.cancel()
                 return
 
@@ -179,14 +184,11 @@ class GenerationEndpoint:
         async with anyio.create_task_group() as group:
             # The client going away, or not reading, cancels waiting and answering alike;
             # finally blocks release.
-            stall = _StallWatch(group.cancel_scope, backend.send_timeout)
+            stall = _StallWatch(group.cancel_scope, backend.send_timeout, backend.answer_cut)
             group.start_soon(_watch_disconnect, receive, group.cancel_scope)
             group.start_soon(stall.run)
             await self._admit_and_run(plan, scope, receive, send, stall)
             group.cancel_scope.cancel()  # the answer is complete: the watchers end
-        if stall.cut:
-            backend.answer_cut()
-            logger.warning("an answer was cut: not read within the send timeout")
 
     async def _admit_and_run(
         self, plan: Plan, scope: Scope, receive: Receive, send: Send, stall: _StallWatch

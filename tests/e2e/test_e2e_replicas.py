@@ -69,8 +69,9 @@ async def test_requests_split_by_the_advertised_free_budget() -> None:
 
 @pytest.mark.anyio
 async def test_a_replica_stopped_mid_run() -> None:
-    # Streams of 300 tokens at 200 tokens/s run 1.5 s: longer than the 1 s a stopping server
-    # waits for them (reference_server.testing), so those on the stopped one are cut.
+    # Streams of 600 tokens at 200 tokens/s run 3 s: far longer than the 1 s a stopping server
+    # waits for them (reference_server.testing), so those on the stopped one are cut, however
+    # late a busy machine starts the stop.
     config = {"kv_tokens": 16384, "decode_rate": 200.0}
     deadline = 10.0
     with replicas(config, config, config) as (servers, stacks):
@@ -83,7 +84,7 @@ async def test_a_replica_stopped_mid_run() -> None:
 
         async def stream() -> None:
             try:
-                async with client.complete_stream("x", max_tokens=300) as s:
+                async with client.complete_stream("x", max_tokens=600) as s:
                     async for _ in s:
                         pass
                 streams.append("ok")

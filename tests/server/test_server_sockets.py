@@ -49,9 +49,12 @@ STALL: dict[str, Any] = {
 STALL_CAP = 1_500_000
 
 
-def test_a_client_that_stops_reading_a_stream_is_cut_and_releases() -> None:
+def test_a_client_that_stops_reading_a_stream_is_cut_and_releases(
+    request: pytest.FixtureRequest,
+) -> None:
     with running_server(**STALL) as server:
         reader = socket.socket()
+        request.addfinalizer(reader.close)  # closed even when an assertion fails first
         reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # small: fills at once
         reader.connect((server.host, server.port))
         body = {"prompt": "x", "max_tokens": STALL_CAP, "stream": True}
