@@ -13,7 +13,20 @@ the Redis server's (``TIME``), so gateways on machines with different clocks agr
 
 from __future__ import annotations
 
-__all__ = ["ADMIT", "CONFIG", "KEY_NAMES", "LEAVE", "RELEASE", "RENEW", "SHRINK", "SNAPSHOT"]
+__all__ = [
+    "ADMIT",
+    "CONFIG",
+    "DEFAULT_LEASE_SECONDS",
+    "KEY_NAMES",
+    "LEAVE",
+    "RELEASE",
+    "RENEW",
+    "SHRINK",
+    "SNAPSHOT",
+]
+
+#: A lease not renewed for this long is expired: its reservations come back.
+DEFAULT_LEASE_SECONDS = 5.0
 
 KEY_NAMES = ("holders", "reserved", "queue", "seq", "leases", "config")
 

@@ -29,7 +29,17 @@ import redis.exceptions
 
 from .ledger import Handle, KVAdmissionController
 from .queue import LedgerUnavailable
-from .scripts import ADMIT, CONFIG, KEY_NAMES, LEAVE, RELEASE, RENEW, SHRINK, SNAPSHOT
+from .scripts import (
+    ADMIT,
+    CONFIG,
+    DEFAULT_LEASE_SECONDS,
+    KEY_NAMES,
+    LEAVE,
+    RELEASE,
+    RENEW,
+    SHRINK,
+    SNAPSHOT,
+)
 
 __all__ = [
     "DEFAULT_LEASE_SECONDS",
@@ -45,8 +55,6 @@ __all__ = [
 
 logger = logging.getLogger("kvclient.gateway")
 
-#: A lease not renewed for this long is expired: its reservations come back.
-DEFAULT_LEASE_SECONDS = 5.0
 #: Seconds any one Redis command may take before the ledger counts as away.
 _COMMAND_TIMEOUT = 1.0
 
@@ -350,6 +358,16 @@ class RedisLedger:
         for tokens, cap, admitted in snap.holders:
             scratch.try_admit(0, cap, now=admitted, need=tokens)
         return scratch.retry_after(need, snap.now, duration=duration), ahead
+
+    async def give_back(self) -> None:
+        """Retry the releases and queue exits that failed while Redis was away (at shutdown)."""
+        try:
+            while self._unreleased:
+                await self._run(RELEASE, self._unreleased.pop())
+            while self._unleft:
+                await self._run(LEAVE, self._unleft.pop())
+        except LedgerUnavailable:
+            logger.warning("shared ledger of %s: unreachable at shutdown", self.name)
 
     async def aclose(self) -> None:
         """Close the Redis client (the lease's reservations stay until released or expired)."""

@@ -16,13 +16,22 @@ from collections.abc import Callable, Hashable
 import anyio
 
 from .ledger import Handle, KVAdmissionController
-from .queue import AdmissionQueue, Rejected
+from .queue import AdmissionQueue, LedgerUnavailable, Rejected
 from .shared import RedisLedger
 
 __all__ = ["POLL_SECONDS", "SharedQueue"]
 
 #: How often a waiter looks again at the shared budget when nothing here was released.
 POLL_SECONDS = 0.02
+
+
+class _Wake:
+    """One waiter's wake-up: a fresh event after each one it used."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
 
 
 class SharedQueue(AdmissionQueue):
@@ -35,21 +44,23 @@ class SharedQueue(AdmissionQueue):
         *,
         max_wait: float,
         clock: Callable[[], float] = time.monotonic,
+        on_refused: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(ledger, max_wait=max_wait, clock=clock)
         self.shared = shared
+        self._on_refused = on_refused
         #: mirror handle id -> (mirror handle, shared handle)
         self._links: dict[int, tuple[Handle, Handle]] = {}
-        self._events: list[anyio.Event] = []
+        self._wakes: list[_Wake] = []
         shared.on_lapse = self._lapsed
 
     def notify(self) -> None:
-        for event in self._events:
-            event.set()
+        for wake in self._wakes:
+            wake.event.set()
 
     @property
     def waiting(self) -> int:
-        return len(self._events)
+        return len(self._wakes)
 
     def _lapsed(self, lost: list[Handle]) -> None:
         # The shared reservations are gone: the mirror's go too, and their relays stop (they
@@ -72,12 +83,25 @@ class SharedQueue(AdmissionQueue):
         self, prompt_tokens: int, output_cap: int, *, client: Hashable | None = None
     ) -> Handle:
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
+        ticket = self.shared.ticket(need)
+        wake = _Wake()
+        self._wakes.append(wake)
+        try:
+            return await self._acquire(prompt_tokens, output_cap, need, ticket, wake)
+        except LedgerUnavailable:
+            if self._on_refused is not None:
+                self._on_refused()
+            raise
+        finally:
+            self._wakes.remove(wake)
+            self.notify()
+
+    async def _acquire(
+        self, prompt_tokens: int, output_cap: int, need: int, ticket: str, wake: _Wake
+    ) -> Handle:
         shared = self.shared
-        ticket = shared.ticket(need)
         enqueue = self.max_wait > 0
         deadline = self._clock() + self.max_wait
-        event = anyio.Event()
-        self._events.append(event)
         queued = False
         try:
             while True:
@@ -92,22 +116,18 @@ class SharedQueue(AdmissionQueue):
                 if remaining <= 0:
                     break
                 with anyio.move_on_after(min(POLL_SECONDS, remaining)):
-                    await event.wait()
-                if event.is_set():
-                    self._events.remove(event)
-                    event = anyio.Event()
-                    self._events.append(event)
+                    await wake.event.wait()
+                if wake.event.is_set():
+                    wake.event = anyio.Event()
             wait, ahead = await shared.retry_after(
                 need, duration=output_cap / self.ledger.decode_rate, ticket=ticket
             )
             self.ledger.record_rejection(need, wait)
             raise Rejected(need=need, retry_after=wait, queued_ahead=ahead)
         finally:
-            self._events.remove(event)
             if queued:
                 with anyio.CancelScope(shield=True):
                     await shared.leave(ticket)
-            self.notify()
 
     async def _link(self, held: Handle, prompt_tokens: int, output_cap: int, need: int) -> Handle:
         mine = self.ledger.try_admit(
