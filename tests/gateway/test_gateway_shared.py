@@ -236,3 +236,37 @@ def test_workers_share_one_port_and_need_a_shared_ledger(redis_server: RedisServ
             wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url) == (0, 0))
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(15) == 0
+
+
+def test_a_gateway_whose_lease_lapsed_stops_relaying(redis_server: RedisServer) -> None:
+    slow = {"decode_rate": 100.0, "tick_seconds": 0.01, "kv_tokens": 8192,
+            "context_window": 4096}  # fmt: skip
+    with running_server(**slow) as upstream:
+        config = GatewayConfig(
+            upstreams=(upstream.base_url,), ledger=redis_server.url, lease_seconds=0.6
+        )
+        with running_gateway(config) as gateway:
+            chunks: list[bytes] = []
+
+            def stream() -> None:
+                with httpx.stream(
+                    "POST", gateway.base_url + "/v1/completions", timeout=30,
+                    json={"prompt": "hi", "max_tokens": 2000, "stream": True},
+                ) as response:  # fmt: skip
+                    chunks.extend(response.iter_bytes())
+
+            reader = threading.Thread(target=stream)
+            reader.start()
+            wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 1)
+            # What another gateway's sweep does once this one's lease has expired unrenewed.
+            client = redis.Redis.from_url(redis_server.url)
+            tag = "{kvclient:" + public_url(upstream.base_url) + "}"
+            client.delete(f"{tag}:leases", f"{tag}:holders")
+            client.set(f"{tag}:reserved", 0)
+            client.close()
+            reader.join(10)
+            assert not reader.is_alive()  # ended long before its 20 s of decoding
+            assert b"reservation_lapsed" in b"".join(chunks)
+            metrics = httpx.get(gateway.base_url + "/metrics").text
+            assert "kv_ledger_lease_lapses_total 1.0" in metrics
+        wait_for(lambda: at_zero(upstream))
