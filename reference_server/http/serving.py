@@ -181,6 +181,24 @@ def uvicorn_config(
     )
 
 
+def _listen(
+    host: str, port: int, what: str, *, send_buffer: int | None = None, note: str = ""
+) -> socket.socket | None:
+    """The listening socket, its URL printed; None, with one line on stderr, when the address
+    cannot be bound."""
+    try:
+        sock = bind_socket(host, port, send_buffer=send_buffer)
+    except PortInUseError as exc:
+        print(f"{what}: {exc.strerror}", file=sys.stderr)
+        return None
+    except OSError as exc:
+        print(f"{what}: cannot listen on {http_url(host, port)}: {exc.strerror}", file=sys.stderr)
+        return None
+    bound = sock.getsockname()[1]
+    print(f"{what} listening on {http_url(host, bound)}{note}", file=sys.stderr, flush=True)
+    return sock
+
+
 def serve(
     app: Any,
     *,
@@ -193,16 +211,9 @@ def serve(
 ) -> int:
     """Serve ``app`` until SIGINT or SIGTERM; print its URL first. Returns the exit status: 2,
     with one line on stderr, when the address cannot be bound."""
-    try:
-        sock = bind_socket(host, port, send_buffer=send_buffer)
-    except PortInUseError as exc:
-        print(f"{what}: {exc.strerror}", file=sys.stderr)
+    sock = _listen(host, port, what, send_buffer=send_buffer)
+    if sock is None:
         return 2
-    except OSError as exc:
-        print(f"{what}: cannot listen on {http_url(host, port)}: {exc.strerror}", file=sys.stderr)
-        return 2
-    bound = sock.getsockname()[1]
-    print(f"{what} listening on {http_url(host, bound)}", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn_config(app, loop=loop, log_level=log_level))
     try:
         server.run(sockets=[sock])
@@ -225,17 +236,9 @@ def serve_workers(
     hands each connection to one of them). Each builds its own app with ``make_app`` after the
     fork, so nothing but the socket is shared. SIGINT and SIGTERM are passed to every worker;
     returns 0 when all of them ended cleanly, 1 otherwise, 2 when the address cannot be bound."""
-    try:
-        sock = bind_socket(host, port)
-    except OSError as exc:
-        print(f"{what}: cannot listen on {http_url(host, port)}: {exc.strerror}", file=sys.stderr)
+    sock = _listen(host, port, what, note=f" ({workers} worker processes)")
+    if sock is None:
         return 2
-    bound = sock.getsockname()[1]
-    print(
-        f"{what} listening on {http_url(host, bound)} ({workers} worker processes)",
-        file=sys.stderr,
-        flush=True,
-    )
     children: list[int] = []
     for _ in range(workers):
         pid = os.fork()

@@ -4,7 +4,6 @@ reservations, Redis going away and coming back, ``--workers``."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -19,13 +18,12 @@ import httpx
 import llama_engine
 import redis
 
-from kvclient.loadgen import cli as bench_cli
 from reference_server import running_server
 from reference_server.gateway import GatewayConfig
 from reference_server.gateway.config import public_url
 from reference_server.testing import running_gateway
 from tests.helpers.redis_server import RedisServer
-from tests.helpers.servers import at_zero, wait_for
+from tests.helpers.servers import at_zero, bench_summary_run, wait_for
 
 FAST = {"decode_rate": 4000.0, "tick_seconds": 0.005}
 #: The seed's mix against an engine that admits on prompt length alone: it OOMs when overrun.
@@ -71,21 +69,15 @@ def gateway_process(upstream: str, *extra: str) -> Iterator[tuple[subprocess.Pop
             proc.stderr.close()
 
 
-def _bench(url: str, tmp_path: Path, *extra: str) -> dict[str, Any]:
-    out = tmp_path / f"bench-{time.monotonic_ns()}-{threading.get_ident()}.json"
-    argv = [url, "--json", str(out), "--no-progress", "--seed", "7", *extra]
-    assert bench_cli.main([*argv, "--max-failure-rate", "1"]) == 0
-    data: dict[str, Any] = json.loads(out.read_text())
-    return data
-
-
 def _overload(urls: list[str], tmp_path: Path) -> list[dict[str, Any]]:
     """The seed's mix at overload through every gateway at once (70 requests/s in all)."""
     results: list[dict[str, Any]] = []
     rate = str(70 // len(urls))
 
     def one(url: str) -> None:
-        results.append(_bench(url, tmp_path, "--num-requests", "30", "--rate", rate)["summary"])
+        results.append(
+            bench_summary_run(url, tmp_path, "--num-requests", "30", "--rate", rate)["summary"]
+        )
 
     threads = [threading.Thread(target=one, args=(url,)) for url in urls]
     for thread in threads:

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from reference_server import Handle, KVAdmissionController
+from reference_server import Handle
 from reference_server.admission.interface import AsyncLedger, LocalLedger
 from reference_server.admission.queue import LedgerUnavailable
 from reference_server.admission.shared import (
@@ -25,6 +25,7 @@ from reference_server.admission.shared import (
     fingerprint,
 )
 from tests.helpers.redis_server import RedisServer
+from tests.unit.test_server_ledger import make
 
 
 @pytest.fixture
@@ -32,14 +33,7 @@ def anyio_backend() -> str:
     return "asyncio"  # redis-py's asyncio client
 
 
-def pricing(**kw: object) -> KVAdmissionController:
-    settings_: dict[str, object] = {
-        "total_kv_tokens": 10_000,
-        "context_window": 4096,
-        "decode_rate": 100.0,
-    }
-    settings_.update(kw)
-    return KVAdmissionController(**settings_)  # type: ignore[arg-type]
+pricing = make  # the in-process ledger's settings: what prices every request
 
 
 _OPEN: list[RedisLedger] = []
