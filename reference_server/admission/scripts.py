@@ -59,6 +59,15 @@ local function sweep(now)
     redis.call('ZREM', KEYS[5], lease)
   end
 end
+local function holder(field)
+  sweep(now_ms())
+  local held = redis.call('HGET', KEYS[1], field)
+  if not held then
+    return nil
+  end
+  local lease, tokens, rest = string.match(held, '^(%S+) (%d+) (.*)$')
+  return lease, tonumber(tokens), rest
+end
 """
 
 #: ARGV: lease, ticket, need, cap, usable, max_concurrency (0: none), enqueue (1/0).
@@ -96,12 +105,10 @@ return {0, now}
 RELEASE = (
     _PRELUDE
     + """
-sweep(now_ms())
-local held = redis.call('HGET', KEYS[1], ARGV[1])
-if not held then
+local _, tokens = holder(ARGV[1])
+if not tokens then
   return 0
 end
-local tokens = tonumber(string.match(held, '^%S+ (%d+)'))
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('DECRBY', KEYS[2], tokens)
 return tokens
@@ -112,13 +119,11 @@ return tokens
 SHRINK = (
     _PRELUDE
     + """
-sweep(now_ms())
-local held = redis.call('HGET', KEYS[1], ARGV[1])
-if not held then
+local lease, tokens, rest = holder(ARGV[1])
+if not tokens then
   return 0
 end
-local lease, tokens, rest = string.match(held, '^(%S+) (%d+) (.*)$')
-local freed = tonumber(tokens) - tonumber(ARGV[2])
+local freed = tokens - tonumber(ARGV[2])
 if freed <= 0 then
   return 0
 end
