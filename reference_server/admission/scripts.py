@@ -3,10 +3,12 @@
 Keys, per upstream (one hash tag, so they live on one node): ``holders`` (a hash: reservation
 -> ``"lease tokens cap admitted_ms"``), ``reserved`` (their tokens summed), ``queue`` (a sorted
 set of waiting tickets in arrival order), ``seq`` (the arrival counter), ``leases`` (a sorted set:
-lease -> expiry in ms of the Redis clock), ``config`` (the budget's fingerprint).
+lease -> expiry in ms of the Redis clock), ``config`` (the budget's fingerprint), ``gone``
+(the leases swept for expiring, remembered for an hour).
 
 A reservation and a ticket are both named ``lease:n:need``, so the holders and waiters of a lease
-are found by their prefix. Every script first sweeps expired leases: their holders' tokens come
+are found by their prefix. Every script may run twice (a retry after a lost answer) and mean
+the same as once. Every script first sweeps expired leases: their holders' tokens come
 back and their tickets leave the queue, so a gateway that died cannot pin the budget. Times are
 the Redis server's (``TIME``), so gateways on machines with different clocks agree.
 """
@@ -21,6 +23,7 @@ __all__ = [
     "LEAVE",
     "RELEASE",
     "RENEW",
+    "RESTORE",
     "SHRINK",
     "SNAPSHOT",
 ]
@@ -28,7 +31,7 @@ __all__ = [
 #: A lease not renewed for this long is expired: its reservations come back.
 DEFAULT_LEASE_SECONDS = 5.0
 
-KEY_NAMES = ("holders", "reserved", "queue", "seq", "leases", "config")
+KEY_NAMES = ("holders", "reserved", "queue", "seq", "leases", "config", "gone")
 
 _PRELUDE = """
 local function now_ms()
@@ -57,6 +60,8 @@ local function sweep(now)
   for _, lease in ipairs(dead) do
     drop_lease(lease)
     redis.call('ZREM', KEYS[5], lease)
+    redis.call('SADD', KEYS[7], lease)
+    redis.call('PEXPIRE', KEYS[7], 3600000)
   end
 end
 local function holder(field)
@@ -80,6 +85,9 @@ sweep(now)
 local lease, ticket, need = ARGV[1], ARGV[2], tonumber(ARGV[3])
 if not redis.call('ZSCORE', KEYS[5], lease) then
   return {-1, now}
+end
+if redis.call('HEXISTS', KEYS[1], ticket) == 1 then
+  return {1, now}  -- admitted already: this is a retry whose first answer was lost
 end
 local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
 if head == nil or head == ticket then
@@ -137,8 +145,9 @@ return freed
 LEAVE = _PRELUDE + "\nsweep(now_ms())\nreturn redis.call('ZREM', KEYS[3], ARGV[1])\n"
 
 #: ARGV: lease, ttl_ms. Extends the lease (and the config's life with it). Returns 1 when the
-#: lease was still valid, 0 when it had lapsed or was unknown: its holders are gone (swept
-#: here if they were not yet) and it starts afresh.
+#: lease was still valid, 0 when it had lapsed: its holders are gone (swept here if they were
+#: not yet) and it starts afresh; 2 when Redis does not know the lease at all (it lost its data,
+#: a restart without persistence): the caller restores what it holds.
 RENEW = (
     _PRELUDE
     + """
@@ -150,9 +159,24 @@ redis.call('PEXPIRE', KEYS[6], 4 * tonumber(ARGV[2]))
 if expiry and tonumber(expiry) > now then
   return 1
 end
+if not expiry and redis.call('SISMEMBER', KEYS[7], ARGV[1]) == 0 then
+  return 2
+end
 return 0
 """
 )
+
+#: ARGV: field, value, field, value...: reservations put back after Redis lost its data. The
+#: engine still holds them, so they count even past the budget (nothing more is admitted until
+#: they end).
+RESTORE = """
+for i = 1, #ARGV, 2 do
+  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
+    redis.call('INCRBY', KEYS[2], string.match(ARGV[i + 1], '^%S+ (%d+)'))
+  end
+end
+return 1
+"""
 
 #: ARGV: fingerprint, ttl_ms. Returns the fingerprint in force: ours, or another gateway's.
 CONFIG = """

@@ -26,6 +26,8 @@ from typing import Any
 import anyio
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from .ledger import Handle, KVAdmissionController
 from .queue import LedgerUnavailable
@@ -37,6 +39,7 @@ from .scripts import (
     LEAVE,
     RELEASE,
     RENEW,
+    RESTORE,
     SHRINK,
     SNAPSHOT,
 )
@@ -82,11 +85,14 @@ def connect(url: str, *, environ: dict[str, str] | None = None) -> aioredis.Redi
     password = env.get("KVCLIENT_LEDGER_PASSWORD")
     if password and "@" not in url:
         options["password"] = password
+    # One retry on a fresh connection: a pooled one may have died with a Redis restart. The
+    # scripts are idempotent, so one that ran before its answer was lost may run again.
     return aioredis.from_url(
         url,
         socket_timeout=_COMMAND_TIMEOUT,
         socket_connect_timeout=_COMMAND_TIMEOUT,
-        retry_on_timeout=False,
+        retry=Retry(NoBackoff(), 1),
+        retry_on_error=[redis.exceptions.ConnectionError],
         **options,
     )
 
@@ -195,7 +201,7 @@ class RedisLedger:
         self._keys = [f"{tag}:{key}" for key in KEY_NAMES]
         self._scripts = {
             script: client.register_script(script)
-            for script in (ADMIT, CONFIG, LEAVE, RELEASE, RENEW, SHRINK, SNAPSHOT)
+            for script in (ADMIT, CONFIG, LEAVE, RELEASE, RENEW, RESTORE, SHRINK, SNAPSHOT)
         }
         self._ids = itertools.count(1)
         self._fields: dict[int, tuple[Handle, str]] = {}
@@ -316,6 +322,9 @@ class RedisLedger:
             await self._run(LEAVE, self._unleft[-1])
             self._unleft.pop()
         kept = await self._run(RENEW, self.lease.id, self.lease.ttl_ms)
+        if kept == 2:  # Redis lost its data: the engine still holds what was admitted here
+            await self._restore()
+            return
         if kept == 0 and self._fields:
             lost = [handle for handle, _ in self._fields.values()]
             self._fields.clear()
@@ -330,6 +339,24 @@ class RedisLedger:
             )
             if self.on_lapse is not None:
                 self.on_lapse(lost)
+
+    async def _restore(self) -> None:
+        await self._run(CONFIG, fingerprint(self.pricing), self.lease.ttl_ms)
+        if not self._fields:
+            return
+        args: list[str] = []
+        for handle, field in self._fields.values():
+            admitted = round(handle.admitted_at * 1000)
+            args += [
+                field,
+                f"{self.lease.id} {handle.reserved_tokens} {handle.output_cap} {admitted}",
+            ]
+        await self._run(RESTORE, *args)
+        logger.warning(
+            "shared ledger of %s: Redis had lost its data; %d reservations put back",
+            self.name,
+            len(self._fields),
+        )
 
     async def snapshot(self) -> Snapshot:
         return Snapshot(await self._run(SNAPSHOT))

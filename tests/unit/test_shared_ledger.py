@@ -182,6 +182,41 @@ async def test_redis_away_is_unavailable_and_recovery_needs_no_restart(
     assert states == [False, True]
 
 
+@pytest.mark.anyio
+async def test_what_is_held_is_put_back_when_redis_lost_its_data(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    held = await a.try_admit(0, 4000)
+    assert held is not None
+    redis_server.stop()
+    redis_server.start()  # in memory only: empty
+    assert await b.load() == (0, 0)
+    await a.renew()  # a finds its lease unknown (not expired): it puts back what it holds
+    assert await b.load() == (held.reserved_tokens, 1)
+    assert await b.try_admit(0, 8000) is None  # the engine still holds a's request
+    await a.release(held)
+    assert await b.load() == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_an_admission_run_twice_reserves_once(
+    redis_server: RedisServer, closing: None
+) -> None:
+    """The client retries a script once after a lost answer: it may have run already."""
+    a = await shared(redis_server, "u")
+    ticket = a.ticket(a.pricing.need_tokens(0, 100))
+    first = await a.try_admit(0, 100, ticket=ticket)
+    again = await a.try_admit(0, 100, ticket=ticket)
+    assert first is not None
+    assert again is not None
+    assert await a.load() == (112, 1)
+    await a.release(first)
+    await a.release(again)
+    assert await a.load() == (0, 0)
+
+
 def test_a_ledger_url_must_be_redis() -> None:
     with pytest.raises(ValueError, match="redis://"):
         connect("http://user:secret@host:6379")
