@@ -9,6 +9,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
+import anyio
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -16,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from reference_server import Handle
 from reference_server.admission.interface import AsyncLedger, LocalLedger
-from reference_server.admission.queue import LedgerUnavailable
+from reference_server.admission.queue import LedgerUnavailable, Rejected
 from reference_server.admission.shared import (
     Lease,
     LedgerConflict,
@@ -24,6 +25,7 @@ from reference_server.admission.shared import (
     connect,
     fingerprint,
 )
+from reference_server.admission.shared_queue import SharedQueue
 from tests.helpers.redis_server import RedisServer
 from tests.unit.test_server_ledger import make
 
@@ -214,6 +216,34 @@ async def test_an_admission_run_twice_reserves_once(
     assert await a.load() == (112, 1)
     await a.release(first)
     await a.release(again)
+    assert await a.load() == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_a_waiter_in_one_process_is_admitted_when_another_releases(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    queue_a = SharedQueue(a.pricing, a, max_wait=5)
+    queue_b = SharedQueue(b.pricing, b, max_wait=5)
+    big = await queue_a.acquire(0, 8000)
+    got: list[Handle] = []
+    async with anyio.create_task_group() as group:
+
+        async def wait() -> None:
+            got.append(await queue_b.acquire(0, 2000))
+
+        group.start_soon(wait)
+        await anyio.sleep(0.2)
+        assert not got
+        # A newcomer that would fit waits behind the other process's waiter: refused at once.
+        with pytest.raises(Rejected) as refused:
+            await SharedQueue(a.pricing, a, max_wait=0).acquire(0, 10)
+        assert refused.value.queued_ahead == 1
+        await queue_a.release(big)
+    assert len(got) == 1
+    await queue_b.release(got[0])
     assert await a.load() == (0, 0)
 
 
