@@ -139,20 +139,29 @@ def test_a_killed_gateways_reservations_come_back_within_its_lease(
     lease = ("--ledger", redis_server.url, "--lease-seconds", "1", "--max-queue-wait", "10")
     with running_server(**slow) as upstream, ExitStack() as stack:
         a = stack.enter_context(gateway_process(upstream.base_url, *lease))[1]
+        b = stack.enter_context(gateway_process(upstream.base_url, *lease))[1]
         doomed, c = stack.enter_context(gateway_process(upstream.base_url, *lease))
-        results: list[int] = []
+        cut: list[int] = []
         for _ in range(3):  # 3 x 1000 tokens at 100 tokens/s: 10 s each
-            threading.Thread(target=_stream, args=(c, 1000, results), daemon=True).start()
-        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 3)
+            threading.Thread(target=_stream, args=(c, 1000, cut), daemon=True).start()
+        served: list[int] = []
+        others = [threading.Thread(target=_stream, args=(url, 400, served)) for url in (a, b)]
+        for thread in others:  # 4 s each, through the gateways that live on
+            thread.start()
+        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 5)
         doomed.send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url) == (0, 0), 3)
+        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 2, 3)
         assert time.monotonic() - killed < 2.5  # the lease (1 s) and a sweep
-        # The other gateway serves on, against the whole budget again.
-        response = httpx.post(a + "/v1/completions", json={"prompt": "hi", "max_tokens": 20})
+        for thread in others:
+            thread.join(30)
+        assert served == [200, 200]  # the others kept serving
+        # Against the whole budget again: nothing of the killed gateway's is left.
+        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url) == (0, 0))
+        response = httpx.post(b + "/v1/completions", json={"prompt": "hi", "max_tokens": 20})
         assert response.status_code == 200
         wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url) == (0, 0))
-        assert results.count(200) == 0  # the killed gateway's clients were cut
+        assert cut.count(200) == 0  # the killed gateway's clients were cut
 
 
 def test_redis_away_refuses_new_requests_lets_admitted_finish_and_recovers(
