@@ -252,6 +252,20 @@ def test_a_ledger_url_must_be_redis() -> None:
         connect("http://user:secret@host:6379")
 
 
+def test_the_password_comes_from_the_url_or_else_the_environment() -> None:
+    env = {"KVCLIENT_LEDGER_PASSWORD": "from-env"}
+    from_env = connect("redis://127.0.0.1:1/0", environ=env)
+    assert from_env.connection_pool.connection_kwargs["password"] == "from-env"
+    in_url = connect("rediss://:in-url@127.0.0.1:1/0", environ=env)
+    assert in_url.connection_pool.connection_kwargs["password"] == "in-url"
+    assert (
+        connect("redis://127.0.0.1:1/0", environ={}).connection_pool.connection_kwargs.get(
+            "password"
+        )
+        is None
+    )
+
+
 # --- the property tests, against both ledgers ---------------------------------------------------
 
 
