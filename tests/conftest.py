@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.redis_server import RedisServer, redis_server_path
+
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
@@ -70,6 +72,27 @@ def llama_engine_ready() -> None:
         f"the real engine is missing ({what}): run `python scripts/test_setup.py` once "
         "(builds llama-server, about 5 minutes on 2 cores)"
     )
+
+
+@pytest.fixture(scope="session")
+def redis_server_ready() -> str:
+    """Debian's redis-server is installed (``scripts/test_setup.py`` installs it). In CI a missing
+    one fails the run; elsewhere the test is skipped with the way to install it."""
+    path = redis_server_path()
+    if path is not None:
+        return path
+    if os.environ.get("CI"):
+        pytest.fail("redis-server is missing: .ci/run runs scripts/test_setup.py")
+    pytest.skip("redis-server is not installed: run `python scripts/test_setup.py` once")
+
+
+@pytest.fixture
+def redis_server(
+    redis_server_ready: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RedisServer]:
+    """A fresh real Redis on a free loopback port, for one test."""
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import anyio
 
 from .ledger import Handle, KVAdmissionController
 
-__all__ = ["AdmissionQueue", "Rejected"]
+__all__ = ["AdmissionQueue", "LedgerUnavailable", "Rejected"]
 
 
 class Rejected(Exception):
@@ -28,6 +28,13 @@ class Rejected(Exception):
         self.need = need
         self.retry_after = retry_after
         self.queued_ahead = queued_ahead
+
+
+class LedgerUnavailable(Exception):
+    """The ledger cannot be reached (a shared one, when Redis is away): the request is refused
+    with 503 and ``retry_after`` seconds, and admitted requests run on."""
+
+    retry_after = 1.0
 
 
 class _Waiter:
@@ -85,6 +92,11 @@ class AdmissionQueue:
         """Something was released: let the head of the queue try again."""
         if self._waiters:
             self._waiters[0].event.set()
+
+    async def release(self, handle: Handle) -> None:
+        """Give ``handle``'s reservation back and let the head of the queue try again."""
+        self.ledger.release(handle)
+        self.notify()
 
     async def acquire(
         self, prompt_tokens: int, output_cap: int, *, client: Hashable | None = None

@@ -30,6 +30,7 @@ from ..http.requests import ClientGone, read_body
 from .config import GatewayConfig
 from .metrics import registry_for
 from .relay import UpstreamBackend, unavailable
+from .sharing import SharedLedgers
 from .upstream import UPSTREAM_ERRORS, Known, Upstream, UpstreamUnavailable, parse_json
 
 __all__ = ["GatewayState", "create_gateway_app"]
@@ -53,6 +54,12 @@ class GatewayState:
         self.fallback_counter: TokenCounter = config.counter or TiktokenCounter()
         self.backends: list[UpstreamBackend] = []
         self._discovery_lock: anyio.Lock | None = None
+        #: The shared ledger (``--ledger``), or None: each upstream's ledger is this process's.
+        self.shared: SharedLedgers | None = None
+        if config.ledger is not None:
+            self.shared = SharedLedgers(config.ledger, lease_seconds=config.lease_seconds)
+            for upstream in self.upstreams:
+                upstream.shared = self.shared
         self.registry = registry_for(self)
 
     @property
@@ -103,6 +110,8 @@ class GatewayState:
     async def aclose(self) -> None:
         for upstream in self.upstreams:
             await upstream.aclose()
+        if self.shared is not None:
+            await self.shared.aclose()
 
 
 # --- small endpoints ---------------------------------------------------------------------------
@@ -214,8 +223,13 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # The upstream clients are opened in the serving loop on first use; closed before it ends.
+        # With a shared ledger, the lease is renewed in the background while the app serves.
         try:
-            yield
+            async with anyio.create_task_group() as group:
+                if state.shared is not None:
+                    group.start_soon(state.shared.run)
+                yield
+                group.cancel_scope.cancel()
         finally:
             await state.aclose()
 

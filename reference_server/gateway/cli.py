@@ -12,8 +12,8 @@ from pathlib import Path
 from kvclient._help import HelpFormatter
 
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION
-from ..http.serving import LOG_LEVELS, configure, load_tokenizer, serve
-from .config import DEFAULT_DECODE_RATE, DEFAULT_SEND_TIMEOUT, GatewayConfig
+from ..http.serving import LOG_LEVELS, configure, load_tokenizer, serve, serve_workers
+from .config import DEFAULT_DECODE_RATE, DEFAULT_LEASE_SECONDS, DEFAULT_SEND_TIMEOUT, GatewayConfig
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -102,6 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="the key of --upstream-client-cert (default: in the certificate's file)",
     )
     add(
+        "--ledger", default=os.environ.get("KVCLIENT_GATEWAY_LEDGER"), metavar="URL",
+        help="keep every upstream's reservations in Redis (redis://HOST:PORT/DB, rediss:// for "
+        "TLS; a password in the URL or in $KVCLIENT_LEDGER_PASSWORD), shared by every gateway "
+        "given the same URL (default: $KVCLIENT_GATEWAY_LEDGER, else in this process only). "
+        "While Redis is away new requests get 503 with Retry-After; admitted ones finish",
+    )  # fmt: skip
+    add(
+        "--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS, metavar="S",
+        help="with --ledger: a gateway that dies loses its reservations after S seconds "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    add(
+        "--workers", type=int, default=1, metavar="N",
+        help="serve N processes on one port (needs --ledger when N > 1: they share its budget)",
+    )  # fmt: skip
+    add(
         "--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
         help="the event loop: auto is uvloop when it is installed (pip install "
         "'kvclient[gateway]'), else asyncio (default: %(default)s)",
@@ -114,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    if args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    if args.workers > 1 and not args.ledger:
+        raise ValueError(
+            "--workers N > 1 needs --ledger redis://...: without a shared ledger each process "
+            "would admit against every upstream's whole budget, N times what it holds"
+        )
     counter = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
     return GatewayConfig(
         upstreams=tuple(args.upstream),
@@ -129,6 +152,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         upstream_ca_bundle=args.upstream_ca_bundle,
         upstream_client_cert=args.upstream_client_cert,
         upstream_client_key=args.upstream_client_key,
+        ledger=args.ledger,
+        lease_seconds=args.lease_seconds,
     )
 
 
@@ -140,13 +165,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .config import public_url
 
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
-    app = create_gateway_app(config)
     names = ", ".join(public_url(url) for url in config.upstreams)
     print(
         f"kvclient gateway in front of {names} (discovered on the first request)", file=sys.stderr
     )
+    if args.workers > 1:
+        return serve_workers(
+            lambda: create_gateway_app(config),
+            workers=args.workers,
+            host=args.host,
+            port=args.port,
+            what="kvclient gateway",
+            loop=args.loop,
+            log_level=args.log_level,
+        )
     return serve(
-        app,
+        create_gateway_app(config),
         host=args.host,
         port=args.port,
         what="kvclient gateway",

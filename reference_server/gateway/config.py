@@ -10,11 +10,13 @@ import yarl
 from kvclient import TokenCounter
 
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION
+from ..admission.scripts import DEFAULT_LEASE_SECONDS
 from ..http.generation import DEFAULT_SEND_TIMEOUT
 from ..http.requests import DEFAULT_MAX_BODY_BYTES
 
 __all__ = [
     "DEFAULT_DECODE_RATE",
+    "DEFAULT_LEASE_SECONDS",
     "DEFAULT_MAX_ANSWER_BYTES",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_SEND_TIMEOUT",
@@ -80,6 +82,11 @@ class GatewayConfig:
     send_timeout: float = DEFAULT_SEND_TIMEOUT
     failure_threshold: int = DEFAULT_FAILURE_THRESHOLD
     out_of_service_seconds: float = DEFAULT_OUT_OF_SERVICE_SECONDS
+    #: ``redis://HOST:PORT/DB`` (or ``rediss://``): every upstream's reservations are kept there,
+    #: shared by every gateway given the same URL. None: in this process only.
+    ledger: str | None = None
+    #: Seconds a gateway's reservations outlive it in the shared ledger when it dies.
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -100,6 +107,10 @@ class GatewayConfig:
             raise ValueError(
                 f"max_queue_wait must be a finite number >= 0, got {self.max_queue_wait}"
             )
+        if self.ledger is not None and not self.ledger.startswith(("redis://", "rediss://")):
+            raise ValueError("--ledger must be a redis:// or rediss:// URL")
+        if not 0 < self.lease_seconds < 3600:
+            raise ValueError(f"--lease-seconds must be > 0 and < 3600, got {self.lease_seconds}")
         for name in ("decode_rate", "connect_timeout", "read_timeout", "send_timeout"):
             _positive(name, getattr(self, name))
         for name in ("max_body_bytes", "max_answer_bytes", "max_connections"):

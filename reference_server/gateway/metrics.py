@@ -70,6 +70,25 @@ class GatewayCollector:
             "kv_upstream_rejected": [s.rejected_total if s else 0 for _, s in rows],
             "kv_upstream_errors": [u.errors for u, _ in rows],
         }
+        shared = self.state.shared
+        if shared is not None:
+            yield GaugeMetricFamily(
+                "kv_ledger_unreachable",
+                "1 while the shared ledger (Redis) cannot be reached: new requests get 503.",
+                value=0 if shared.reachable else 1,
+            )
+            yield CounterMetricFamily(
+                "kv_ledger_outages", "Times the shared ledger became unreachable.",
+                value=shared.outages,
+            )  # fmt: skip
+            yield CounterMetricFamily(
+                "kv_ledger_refused", "Requests refused (503) while the shared ledger was away.",
+                value=shared.refused,
+            )  # fmt: skip
+            yield CounterMetricFamily(
+                "kv_ledger_lease_lapses", "Times this gateway found its lease lapsed.",
+                value=shared.lease.lapsed_total,
+            )  # fmt: skip
         for name, values in gauges.items():
             gauge = GaugeMetricFamily(name, name.replace("_", " "), labels=["upstream"])
             for (u, _), amount in zip(rows, values, strict=True):

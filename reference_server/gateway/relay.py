@@ -59,6 +59,12 @@ __all__ = ["UpstreamBackend", "unavailable"]
 logger = logging.getLogger("kvclient.gateway")
 
 
+_LAPSED = (
+    b'data: {"error": {"message": "the reservation lapsed (the gateway lost its lease on the '
+    b'shared ledger)", "type": "server_error", "param": null, "code": "reservation_lapsed"}}\n\n'
+)
+
+
 def unavailable(message: str, retry_after: float = 1.0) -> APIError:
     """A 503 with Retry-After: nothing can take the request now."""
     seconds, millis = retry_after_header(retry_after)
@@ -285,7 +291,7 @@ class UpstreamBackend:
                 if not holds:
                     data = await self._read_whole(response, upstream)
                 return await self._whole(target, handle, response, data, send, started)
-            await self._stream(target, response, send, started, handle.output_cap)
+            await self._stream(target, response, send, started, handle)
             return True
         finally:
             release(response)
@@ -365,10 +371,13 @@ class UpstreamBackend:
         response: aiohttp.ClientResponse,
         send: Send,
         started: float,
-        cap: int,
+        handle: Handle,
     ) -> None:
-        """Relay a stream piece by piece as it arrives; a break becomes an SSE error event."""
+        """Relay a stream piece by piece as it arrives; a break becomes an SSE error event, and
+        so does a reservation taken back mid-stream (a shared ledger's lapsed lease): the
+        budget is no longer held, so nothing more is relayed."""
         upstream = known.upstream
+        cap = handle.output_cap
         await send(
             {
                 "type": "http.response.start",
@@ -379,6 +388,9 @@ class UpstreamBackend:
         events = 0
         try:
             async for piece in response.content.iter_any():
+                if handle.released:
+                    await send({"type": "http.response.body", "body": _LAPSED, "more_body": False})
+                    return
                 events += piece.count(b"data:")
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
         except UPSTREAM_ERRORS:

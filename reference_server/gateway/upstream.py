@@ -45,6 +45,7 @@ from ..admission.ledger import KVAdmissionController
 from ..admission.queue import AdmissionQueue
 from ..http.requests import GenerationRequest
 from .config import GatewayConfig, public_url
+from .sharing import SharedLedgers
 
 __all__ = [
     "UPSTREAM_ERRORS",
@@ -222,6 +223,8 @@ class Upstream:
         self.measured_rate: float | None = None
         self._rates: deque[float] = deque(maxlen=_RATE_WINDOW)
         self.http = UpstreamHTTP(self.url, config)
+        #: Set by the gateway when its ledger is shared: where reservations are kept.
+        self.shared: SharedLedgers | None = None
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -316,8 +319,10 @@ class Upstream:
                 f"its KV budget ({kv} tokens, {ledger.usable_tokens} usable) is under one block "
                 f"of {ledger.block_size} tokens: no request could ever be admitted"
             )
-        self.discovery, self.budget = found, budget
         queue = AdmissionQueue(ledger, max_wait=self.config.max_queue_wait)
+        if self.shared is not None:
+            queue = await self.shared.queue_for(self.name, ledger, self.config.max_queue_wait)
+        self.discovery, self.budget = found, budget
         self.known = Known(upstream=self, ledger=ledger, queue=queue)
         logger.info(
             "upstream %s: %s, window %d (%s), KV %d tokens (%s), usable %d",

@@ -18,16 +18,18 @@ an engine error, a cut answer, a client that goes away, cancellation.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
+from starlette.responses import JSONResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from ..admission.ledger import Handle, KVAdmissionController
-from ..admission.queue import AdmissionQueue, Rejected
+from ..admission.queue import AdmissionQueue, LedgerUnavailable, Rejected
 from .answers import too_busy
 from .errors import APIError
 from .requests import (
@@ -57,6 +59,20 @@ class Target(Protocol):
 
     @property
     def queue(self) -> AdmissionQueue: ...
+
+
+def ledger_away(away: LedgerUnavailable) -> JSONResponse:
+    """503 with Retry-After: the shared ledger cannot be reached, so nothing new is admitted."""
+    seconds = max(1, math.ceil(away.retry_after))
+    error = APIError(
+        503,
+        "the shared admission ledger is unreachable; new requests are refused until it is back. "
+        f"Retry after {seconds} seconds.",
+        type="server_error",
+        code="ledger_unavailable",
+        headers={"Retry-After": str(seconds), "retry-after-ms": str(int(away.retry_after * 1000))},
+    )
+    return error.response()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,10 +228,12 @@ class GenerationEndpoint:
                 busy = too_busy(ledger, rejected, plan.reserved_prompt, plan.reserved_output, queue)
                 await busy(scope, receive, send)
                 return
+            except LedgerUnavailable as away:
+                await ledger_away(away)(scope, receive, send)
+                return
             try:
                 if await backend.run(target, handle, plan, stall.watching(send, handle)):
                     return
             finally:
-                ledger.release(handle)
-                queue.notify()
+                await queue.release(handle)
             tried.add(id(target))

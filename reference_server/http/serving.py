@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import importlib.util
 import logging
+import os
+import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -178,6 +181,24 @@ def uvicorn_config(
     )
 
 
+def _listen(
+    host: str, port: int, what: str, *, send_buffer: int | None = None, note: str = ""
+) -> socket.socket | None:
+    """The listening socket, its URL printed; None, with one line on stderr, when the address
+    cannot be bound."""
+    try:
+        sock = bind_socket(host, port, send_buffer=send_buffer)
+    except PortInUseError as exc:
+        print(f"{what}: {exc.strerror}", file=sys.stderr)
+        return None
+    except OSError as exc:
+        print(f"{what}: cannot listen on {http_url(host, port)}: {exc.strerror}", file=sys.stderr)
+        return None
+    bound = sock.getsockname()[1]
+    print(f"{what} listening on {http_url(host, bound)}{note}", file=sys.stderr, flush=True)
+    return sock
+
+
 def serve(
     app: Any,
     *,
@@ -190,22 +211,66 @@ def serve(
 ) -> int:
     """Serve ``app`` until SIGINT or SIGTERM; print its URL first. Returns the exit status: 2,
     with one line on stderr, when the address cannot be bound."""
-    try:
-        sock = bind_socket(host, port, send_buffer=send_buffer)
-    except PortInUseError as exc:
-        print(f"{what}: {exc.strerror}", file=sys.stderr)
+    sock = _listen(host, port, what, send_buffer=send_buffer)
+    if sock is None:
         return 2
-    except OSError as exc:
-        print(f"{what}: cannot listen on {http_url(host, port)}: {exc.strerror}", file=sys.stderr)
-        return 2
-    bound = sock.getsockname()[1]
-    print(f"{what} listening on {http_url(host, bound)}", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn_config(app, loop=loop, log_level=log_level))
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
     return 0
+
+
+def serve_workers(
+    make_app: Callable[[], Any],
+    *,
+    workers: int,
+    host: str,
+    port: int,
+    what: str,
+    loop: Literal["auto", "asyncio", "uvloop"] = "auto",
+    log_level: str = "warning",
+) -> int:
+    """Serve ``workers`` processes on one listening socket (bound here, then forked: the kernel
+    hands each connection to one of them). Each builds its own app with ``make_app`` after the
+    fork, so nothing but the socket is shared. SIGINT and SIGTERM are passed to every worker;
+    returns 0 when all of them ended cleanly, 1 otherwise, 2 when the address cannot be bound."""
+    sock = _listen(host, port, what, note=f" ({workers} worker processes)")
+    if sock is None:
+        return 2
+    children: list[int] = []
+    for _ in range(workers):
+        pid = os.fork()
+        if pid == 0:  # a worker: serve until told to stop, never return into the parent's code
+            status = 1
+            try:
+                server = uvicorn.Server(uvicorn_config(make_app(), loop=loop, log_level=log_level))
+                server.run(sockets=[sock])
+                status = 0
+            finally:
+                os._exit(status)
+        children.append(pid)
+    sock.close()
+
+    forwarded: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        forwarded.append(signum)
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    status = 0
+    for child in children:
+        _, code = os.waitpid(child, 0)
+        # uvicorn raises the signal it stopped on again once it has shut down.
+        ended = os.waitstatus_to_exitcode(code)
+        if ended != 0 and -ended not in forwarded:
+            status = 1
+    return status
 
 
 def load_tokenizer(directory: Any) -> Any:

@@ -30,11 +30,10 @@ from starlette.routing import Route
 from kvclient import AsyncClient, Client, Completion, KVClientError, RetryPolicy
 from kvclient._routing import Endpoint, Health, choose, ranked
 from kvclient.contract import CheckStatus, run_contract
-from kvclient.loadgen import cli as bench_cli
 from reference_server import RunningServer, running_server, serve_in_thread
 from reference_server.gateway import GatewayConfig, GatewayState
 from reference_server.testing import running_gateway
-from tests.helpers.servers import at_zero, wait_for
+from tests.helpers.servers import at_zero, bench_summary_run, wait_for
 from tests.helpers.upstreams import discoverable, scripted_upstream
 
 FAST = {"decode_rate": 4000.0, "tick_seconds": 0.005}
@@ -167,13 +166,7 @@ def test_completion_tokens_are_read_from_usage_not_from_the_generated_text() -> 
 # --- in front of the reference server --------------------------------------------------------
 
 
-def _bench(url: str, tmp_path: Path, *extra: str) -> dict[str, Any]:
-    out = tmp_path / f"bench-{time.monotonic_ns()}.json"
-    argv = [url, "--json", str(out), "--no-progress", "--seed", "7", *extra]
-    # Failures are what these runs measure: the exit status must not depend on how many.
-    assert bench_cli.main([*argv, "--max-failure-rate", "1"]) == 0
-    data: dict[str, Any] = json.loads(out.read_text())
-    return data
+_bench = bench_summary_run
 
 
 def test_prompt_admission_ooms_directly_and_never_through_the_gateway(tmp_path: Path) -> None:

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import httpx
 
 from reference_server import RunningServer
+
+
+def bench_summary_run(url: str, tmp_path: Path, *extra: str) -> dict[str, Any]:
+    """``kvclient bench URL`` (seed 7) with ``extra`` arguments: its JSON report. Failures are
+    what these runs measure: the exit status does not depend on how many."""
+    from kvclient.loadgen import cli as bench_cli
+
+    out = tmp_path / f"bench-{time.monotonic_ns()}-{threading.get_ident()}.json"
+    argv = [url, "--json", str(out), "--no-progress", "--seed", "7", *extra]
+    assert bench_cli.main([*argv, "--max-failure-rate", "1"]) == 0
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:

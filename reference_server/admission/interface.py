@@ -1,0 +1,71 @@
+"""The one interface both ledgers keep: the in-process :class:`~.ledger.KVAdmissionController`
+(wrapped by :class:`LocalLedger`) and the shared :class:`~.shared.RedisLedger`.
+
+Async, because the shared one speaks to Redis; the in-process one answers at once. Both price
+requests with the same ``pricing`` (a :class:`~.ledger.KVAdmissionController`), so what a
+request needs and what never fits are decided in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from .ledger import Handle, KVAdmissionController
+
+__all__ = ["AsyncLedger", "LocalLedger"]
+
+
+class AsyncLedger(Protocol):
+    """Admit, shrink and release reservations against one budget; estimate when one fits."""
+
+    @property
+    def pricing(self) -> KVAdmissionController: ...
+
+    async def try_admit(
+        self, prompt_tokens: int, output_cap: int, *, need: int | None = None
+    ) -> Handle | None: ...
+
+    async def release(self, handle: Handle) -> None: ...
+
+    async def shrink(self, handle: Handle, prompt_tokens: int) -> int: ...
+
+    async def retry_after(self, need: int, *, duration: float = 0.0) -> tuple[float, int]:
+        """(seconds until ``need`` fits, requests waiting ahead)."""
+        ...
+
+    async def load(self) -> tuple[int, int]:
+        """(tokens reserved, requests in flight)."""
+        ...
+
+
+class LocalLedger:
+    """:class:`AsyncLedger` over an in-process ledger, on ``clock``."""
+
+    def __init__(
+        self, ledger: KVAdmissionController, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ledger = ledger
+        self._clock = clock
+
+    @property
+    def pricing(self) -> KVAdmissionController:
+        return self.ledger
+
+    async def try_admit(
+        self, prompt_tokens: int, output_cap: int, *, need: int | None = None
+    ) -> Handle | None:
+        return self.ledger.try_admit(prompt_tokens, output_cap, now=self._clock(), need=need)
+
+    async def release(self, handle: Handle) -> None:
+        self.ledger.release(handle)
+
+    async def shrink(self, handle: Handle, prompt_tokens: int) -> int:
+        return self.ledger.shrink(handle, prompt_tokens)
+
+    async def retry_after(self, need: int, *, duration: float = 0.0) -> tuple[float, int]:
+        return self.ledger.retry_after(need, self._clock(), duration=duration), 0
+
+    async def load(self) -> tuple[int, int]:
+        return self.ledger.load()

@@ -1,0 +1,408 @@
+"""The shared ledger: an upstream's reservations kept in Redis, so that any number of gateway
+processes on any number of machines admit against one budget.
+
+Every operation is one Lua script (:mod:`.scripts`) run atomically by Redis, never a read then a
+write from here. The pricing (what a request needs, what never fits) is the in-process ledger's,
+shared, not copied: a :class:`~.ledger.KVAdmissionController` is the ``pricing`` of each shared
+ledger.
+
+Each reservation carries its process's :class:`Lease`, renewed in the background while the
+process lives; a process that dies (SIGKILL, a cut network) loses its reservations once the
+lease expires, and one whose lease lapsed while it was slow finds its handles released when it
+next renews (the relay stops at that point).
+
+>>> # ledger = RedisLedger(client, name="http://engine:8000", pricing=pricing, lease=lease)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from .ledger import Handle, KVAdmissionController
+from .queue import LedgerUnavailable
+from .scripts import (
+    ADMIT,
+    CONFIG,
+    DEFAULT_LEASE_SECONDS,
+    KEY_NAMES,
+    LEAVE,
+    RELEASE,
+    RENEW,
+    RESTORE,
+    SHRINK,
+    SNAPSHOT,
+)
+
+__all__ = [
+    "DEFAULT_LEASE_SECONDS",
+    "LEDGER_ERRORS",
+    "Lease",
+    "LedgerConflict",
+    "LedgerUnavailable",
+    "RedisLedger",
+    "Snapshot",
+    "connect",
+    "fingerprint",
+]
+
+logger = logging.getLogger("kvclient.gateway")
+
+#: Seconds any one Redis command may take before the ledger counts as away.
+_COMMAND_TIMEOUT = 1.0
+
+#: What a Redis that is away raises.
+LEDGER_ERRORS: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    OSError,
+)
+
+
+class LedgerConflict(Exception):
+    """Another gateway sharing the ledger has this upstream configured differently."""
+
+
+def connect(url: str, *, environ: dict[str, str] | None = None) -> aioredis.Redis:
+    """A Redis client for ``redis://HOST:PORT/DB`` or ``rediss://`` (TLS). A password missing
+    from the URL is taken from ``$KVCLIENT_LEDGER_PASSWORD`` when set."""
+    if not url.startswith(("redis://", "rediss://")):
+        raise ValueError(
+            f"--ledger must be a redis:// or rediss:// URL, got {url.split('@')[-1]!r}"
+        )
+    env = os.environ if environ is None else environ
+    options: dict[str, Any] = {}
+    password = env.get("KVCLIENT_LEDGER_PASSWORD")
+    if password and "@" not in url:
+        options["password"] = password
+    # One retry on a fresh connection: a pooled one may have died with a Redis restart. The
+    # scripts are idempotent, so one that ran before its answer was lost may run again.
+    return aioredis.from_url(
+        url,
+        socket_timeout=_COMMAND_TIMEOUT,
+        socket_connect_timeout=_COMMAND_TIMEOUT,
+        retry=Retry(NoBackoff(), 1),
+        retry_on_error=[redis.exceptions.ConnectionError],
+        **options,
+    )
+
+
+def fingerprint(pricing: KVAdmissionController) -> str:
+    """What two gateways must agree on to share an upstream's budget."""
+    p = pricing
+    return (
+        f"usable={p.usable_tokens} total={p.total_kv_tokens} block={p.block_size} "
+        f"strategy={p.strategy} max_concurrency={p.max_concurrency} window={p.context_window}"
+    )
+
+
+class Snapshot:
+    """The shared state at one moment of the Redis clock (seconds)."""
+
+    __slots__ = ("holders", "now", "reserved", "tickets", "waiting")
+
+    def __init__(self, raw: list[Any]) -> None:
+        self.now = int(raw[0]) / 1000
+        self.reserved = int(raw[1])
+        flat = [_text(x) for x in raw[2]]
+        #: (tokens, cap, admitted_at) per holder.
+        self.holders: list[tuple[int, int, float]] = []
+        for value in flat[1::2]:
+            _, tokens, cap, admitted = value.split(" ")
+            self.holders.append((int(tokens), int(cap), int(admitted) / 1000))
+        #: Needs of the waiting tickets, in order.
+        self.tickets = [_text(t) for t in raw[3]]
+        self.waiting = [int(t.rsplit(":", 1)[1]) for t in self.tickets]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Lease:
+    """One process's lease, renewed for every shared ledger it holds reservations in.
+
+    :meth:`run` renews every ``ttl / 3`` seconds until cancelled; releases that failed while Redis
+    was away are retried then. ``on_state`` is told True when Redis is reachable again after a
+    failure, False when it stops being reachable.
+    """
+
+    def __init__(
+        self,
+        *,
+        ttl: float = DEFAULT_LEASE_SECONDS,
+        on_state: Callable[[bool], None] | None = None,
+    ) -> None:
+        if not 0 < ttl < 3600:
+            raise ValueError(f"the lease must be > 0 and < 3600 seconds, got {ttl}")
+        self.id = uuid.uuid4().hex[:16]
+        self.ttl = ttl
+        self.ledgers: list[RedisLedger] = []
+        self.lapsed_total = 0
+        self.reachable = True
+        self._on_state = on_state
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, round(self.ttl * 1000))
+
+    def mark(self, reachable: bool) -> None:
+        """Record whether Redis answered; log and tell ``on_state`` on a change."""
+        if reachable == self.reachable:
+            return
+        self.reachable = reachable
+        if reachable:
+            logger.warning("shared ledger: Redis is reachable again; admitting new requests")
+        else:
+            logger.warning(
+                "shared ledger: Redis is unreachable; new requests are refused (503), "
+                "admitted ones finish"
+            )
+        if self._on_state is not None:
+            self._on_state(reachable)
+
+    async def renew_once(self) -> None:
+        for ledger in list(self.ledgers):
+            try:
+                await ledger.renew()
+            except LedgerUnavailable:
+                return
+
+    async def run(self) -> None:
+        while True:
+            await self.renew_once()
+            await anyio.sleep(self.ttl / 3)
+
+
+class RedisLedger:
+    """An upstream's reservations in Redis, under keys named by ``name`` (its public URL).
+
+    The pricing, the budget and the decode rate are ``pricing``'s; admission, release and
+    shrinking are one script each. Methods raise :class:`LedgerUnavailable` when Redis is away.
+    """
+
+    def __init__(
+        self, client: aioredis.Redis, *, name: str, pricing: KVAdmissionController, lease: Lease
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.lease = lease
+        tag = "{kvclient:" + name + "}"
+        self._keys = [f"{tag}:{key}" for key in KEY_NAMES]
+        self._scripts = {
+            script: client.register_script(script)
+            for script in (ADMIT, CONFIG, LEAVE, RELEASE, RENEW, RESTORE, SHRINK, SNAPSHOT)
+        }
+        self._ids = itertools.count(1)
+        self._fields: dict[int, tuple[Handle, str]] = {}
+        self._unreleased: list[str] = []
+        self._unleft: list[str] = []
+        self._pricing = pricing
+        self.on_lapse: Callable[[list[Handle]], None] | None = None
+
+    @property
+    def pricing(self) -> KVAdmissionController:
+        return self._pricing
+
+    @property
+    def usable_tokens(self) -> int:
+        return self.pricing.usable_tokens
+
+    async def _run(self, script: str, *args: Any) -> Any:
+        try:
+            result = await self._scripts[script](keys=self._keys, args=list(args))
+        except LEDGER_ERRORS as exc:
+            self.lease.mark(False)
+            raise LedgerUnavailable(f"Redis: {type(exc).__name__}: {exc}") from exc
+        self.lease.mark(True)
+        return result
+
+    def ticket(self, need: int) -> str:
+        """A name for one request's place in the queue, then its reservation."""
+        return f"{self.lease.id}:{next(self._ids)}:{need}"
+
+    async def join(self) -> None:
+        """Register the lease and this gateway's budget; :class:`LedgerConflict` when another
+        gateway's differs."""
+        mine = fingerprint(self.pricing)
+        theirs = _text(await self._run(CONFIG, mine, self.lease.ttl_ms))
+        if theirs != mine:
+            raise LedgerConflict(
+                f"another gateway shares the ledger of {self.name} configured differently "
+                f"(theirs: {theirs}; ours: {mine}): give every gateway the same settings"
+            )
+        await self._run(RENEW, self.lease.id, self.lease.ttl_ms)
+        if self not in self.lease.ledgers:
+            self.lease.ledgers.append(self)
+
+    async def try_admit(
+        self,
+        prompt_tokens: int,
+        output_cap: int,
+        *,
+        need: int | None = None,
+        ticket: str | None = None,
+        enqueue: bool = False,
+    ) -> Handle | None:
+        """Reserve in the shared budget, or None: it does not fit, or others wait ahead (then
+        ``enqueue`` puts ``ticket`` in the queue behind them)."""
+        if need is None:
+            need = self.pricing.need_tokens(prompt_tokens, output_cap)
+        if ticket is None:
+            ticket = self.ticket(need)
+        most = self.pricing.max_concurrency or 0
+        args = (self.lease.id, ticket, need, output_cap, self.usable_tokens, most, int(enqueue))
+        status, now_ms = await self._run(ADMIT, *args)
+        if status == -1:  # our lease lapsed (or Redis lost it): renew, then try once more
+            await self.renew()
+            status, now_ms = await self._run(ADMIT, *args)
+        if status != 1:
+            return None
+        admitted = int(now_ms) / 1000
+        handle = Handle(
+            id=next(self._ids),
+            prompt_tokens=prompt_tokens,
+            output_cap=output_cap,
+            reserved_tokens=need,
+            admitted_at=admitted,
+            due_at=admitted + output_cap / self.pricing.decode_rate + self.pricing.release_margin,
+        )
+        self._fields[handle.id] = (handle, ticket)
+        return handle
+
+    async def leave(self, ticket: str) -> None:
+        """A waiter gives up its place in the queue; when Redis is away, at the next renewal
+        (a ticket left at the head would hold up every gateway)."""
+        try:
+            await self._run(LEAVE, ticket)
+        except LedgerUnavailable:
+            self._unleft.append(ticket)
+
+    async def release(self, handle: Handle) -> None:
+        """Give a reservation back; idempotent. When Redis is away it is retried at the next
+        renewal (and is lost with the lease if this process dies first)."""
+        entry = self._fields.pop(handle.id, None)
+        if entry is None or entry[0] is not handle:
+            return
+        handle.released = True
+        try:
+            await self._run(RELEASE, entry[1])
+        except LedgerUnavailable:
+            self._unreleased.append(entry[1])
+
+    async def shrink(self, handle: Handle, prompt_tokens: int) -> int:
+        """Lower a live reservation to what ``prompt_tokens`` and its cap need; never raises it."""
+        entry = self._fields.get(handle.id)
+        if entry is None or entry[0] is not handle:
+            return 0
+        need = self.pricing.need_tokens(prompt_tokens, handle.output_cap)
+        freed = int(await self._run(SHRINK, entry[1], need))
+        if freed > 0:
+            handle.reserved_tokens = need
+            handle.prompt_tokens = prompt_tokens
+        return freed
+
+    async def renew(self) -> None:
+        """Extend this process's lease; retry releases that failed. A lease found lapsed: its
+        reservations are gone from Redis, so the handles here are released (``on_lapse``)."""
+        while self._unreleased:
+            await self._run(RELEASE, self._unreleased[-1])
+            self._unreleased.pop()
+        while self._unleft:
+            await self._run(LEAVE, self._unleft[-1])
+            self._unleft.pop()
+        kept = await self._run(RENEW, self.lease.id, self.lease.ttl_ms)
+        if kept == 2:  # Redis lost its data: the engine still holds what was admitted here
+            await self._restore()
+            return
+        if kept == 0 and self._fields:
+            lost = [handle for handle, _ in self._fields.values()]
+            self._fields.clear()
+            for handle in lost:
+                handle.released = True
+            self.lease.lapsed_total += 1
+            logger.warning(
+                "shared ledger of %s: this gateway's lease lapsed; %d reservations were "
+                "reclaimed and their requests end",
+                self.name,
+                len(lost),
+            )
+            if self.on_lapse is not None:
+                self.on_lapse(lost)
+
+    async def _restore(self) -> None:
+        await self._run(CONFIG, fingerprint(self.pricing), self.lease.ttl_ms)
+        if not self._fields:
+            return
+        args: list[str] = []
+        for handle, field in self._fields.values():
+            admitted = round(handle.admitted_at * 1000)
+            args += [
+                field,
+                f"{self.lease.id} {handle.reserved_tokens} {handle.output_cap} {admitted}",
+            ]
+        await self._run(RESTORE, *args)
+        logger.warning(
+            "shared ledger of %s: Redis had lost its data; %d reservations put back",
+            self.name,
+            len(self._fields),
+        )
+
+    async def snapshot(self) -> Snapshot:
+        return Snapshot(await self._run(SNAPSHOT))
+
+    async def retry_after(
+        self, need: int, *, duration: float = 0.0, ticket: str | None = None
+    ) -> tuple[float, int]:
+        """(seconds until ``need`` fits, tickets waiting ahead of ``ticket``), from every
+        holder's worst-case end in the shared state, whichever gateway holds it, by the
+        in-process ledger's own estimate. Those waiting ahead count as load."""
+        snap = await self.snapshot()
+        names = snap.tickets
+        ahead = names.index(ticket) if ticket in names else len(names)
+        need += sum(snap.waiting[:ahead])
+        p = self.pricing
+        scratch = KVAdmissionController(
+            total_kv_tokens=p.total_kv_tokens,
+            context_window=p.context_window,
+            decode_rate=p.decode_rate,
+            safety_fraction=p.safety_fraction,
+            block_size=p.block_size,
+            max_concurrency=p.max_concurrency,
+            release_margin=p.release_margin,
+            strategy=p.strategy,
+        )
+        for tokens, cap, admitted in snap.holders:
+            scratch.try_admit(0, cap, now=admitted, need=tokens)
+        return scratch.retry_after(need, snap.now, duration=duration), ahead
+
+    async def give_back(self) -> None:
+        """Retry the releases and queue exits that failed while Redis was away (at shutdown)."""
+        try:
+            while self._unreleased:
+                await self._run(RELEASE, self._unreleased.pop())
+            while self._unleft:
+                await self._run(LEAVE, self._unleft.pop())
+        except LedgerUnavailable:
+            logger.warning("shared ledger of %s: unreachable at shutdown", self.name)
+
+    async def aclose(self) -> None:
+        """Close the Redis client (the lease's reservations stay until released or expired)."""
+        if self in self.lease.ledgers:
+            self.lease.ledgers.remove(self)
+        await self.client.aclose()
+
+    async def load(self) -> tuple[int, int]:
+        """(tokens reserved, requests in flight) across every gateway."""
+        snap = await self.snapshot()
+        return snap.reserved, len(snap.holders)

@@ -1,0 +1,140 @@
+"""The FIFO queue in front of a shared ledger: one queue across every gateway process.
+
+The order is kept in Redis (the ledger's queue of tickets): only the head may be admitted, so a
+newcomer in any process waits behind those already waiting in any other. A release here wakes
+this process's waiters at once; others' releases are seen by polling, ``POLL_SECONDS`` apart.
+
+The in-process ledger it is given (``ledger``) mirrors this process's own reservations: the
+room it advertises and the metrics it shows are this process's; admission is the shared one's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+
+import anyio
+
+from .ledger import Handle, KVAdmissionController
+from .queue import AdmissionQueue, LedgerUnavailable, Rejected
+from .shared import RedisLedger
+
+__all__ = ["POLL_SECONDS", "SharedQueue"]
+
+#: How often a waiter looks again at the shared budget when nothing here was released.
+POLL_SECONDS = 0.02
+
+
+class _Wake:
+    """One waiter's wake-up: a fresh event after each one it used."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+
+
+class SharedQueue(AdmissionQueue):
+    """An :class:`AdmissionQueue` whose admission is ``shared``'s, in Redis."""
+
+    def __init__(
+        self,
+        ledger: KVAdmissionController,
+        shared: RedisLedger,
+        *,
+        max_wait: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_refused: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(ledger, max_wait=max_wait, clock=clock)
+        self.shared = shared
+        self._on_refused = on_refused
+        #: mirror handle id -> (mirror handle, shared handle)
+        self._links: dict[int, tuple[Handle, Handle]] = {}
+        self._wakes: list[_Wake] = []
+        shared.on_lapse = self._lapsed
+
+    def notify(self) -> None:
+        for wake in self._wakes:
+            wake.event.set()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._wakes)
+
+    def _lapsed(self, lost: list[Handle]) -> None:
+        # The shared reservations are gone: the mirror's go too, and their relays stop (they
+        # watch ``handle.released``).
+        gone = {id(h) for h in lost}
+        for key, (mine, shared) in list(self._links.items()):
+            if id(shared) in gone:
+                del self._links[key]
+                self.ledger.release(mine)
+
+    async def release(self, handle: Handle) -> None:
+        link = self._links.pop(handle.id, None)
+        self.ledger.release(handle)
+        if link is not None and link[0] is handle:
+            with anyio.CancelScope(shield=True):
+                await self.shared.release(link[1])
+        self.notify()
+
+    async def acquire(
+        self, prompt_tokens: int, output_cap: int, *, client: Hashable | None = None
+    ) -> Handle:
+        need = self.ledger.need_tokens(prompt_tokens, output_cap)
+        ticket = self.shared.ticket(need)
+        wake = _Wake()
+        self._wakes.append(wake)
+        try:
+            return await self._acquire(prompt_tokens, output_cap, need, ticket, wake)
+        except LedgerUnavailable:
+            if self._on_refused is not None:
+                self._on_refused()
+            raise
+        finally:
+            self._wakes.remove(wake)
+            self.notify()
+
+    async def _acquire(
+        self, prompt_tokens: int, output_cap: int, need: int, ticket: str, wake: _Wake
+    ) -> Handle:
+        shared = self.shared
+        enqueue = self.max_wait > 0
+        deadline = self._clock() + self.max_wait
+        queued = False
+        try:
+            while True:
+                held = await shared.try_admit(
+                    prompt_tokens, output_cap, need=need, ticket=ticket, enqueue=enqueue
+                )
+                if held is not None:
+                    queued = False
+                    return await self._link(held, prompt_tokens, output_cap, need)
+                queued = enqueue
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    break
+                with anyio.move_on_after(min(POLL_SECONDS, remaining)):
+                    await wake.event.wait()
+                if wake.event.is_set():
+                    wake.event = anyio.Event()
+            wait, ahead = await shared.retry_after(
+                need, duration=output_cap / self.ledger.decode_rate, ticket=ticket
+            )
+            self.ledger.record_rejection(need, wait)
+            raise Rejected(need=need, retry_after=wait, queued_ahead=ahead)
+        finally:
+            if queued:
+                with anyio.CancelScope(shield=True):
+                    await shared.leave(ticket)
+
+    async def _link(self, held: Handle, prompt_tokens: int, output_cap: int, need: int) -> Handle:
+        mine = self.ledger.try_admit(
+            prompt_tokens, output_cap, now=self._clock(), count_rejection=False, need=need
+        )
+        if mine is None:  # cannot happen while this process's share is within the shared one
+            await self.shared.release(held)
+            raise Rejected(need=need, retry_after=1.0, queued_ahead=0)
+        self._links[mine.id] = (mine, held)
+        return mine

@@ -1,0 +1,83 @@
+"""The gateway's side of the shared ledger (``--ledger redis://...``): one Redis client and one
+lease per process, a shared ledger and queue per upstream, the lease renewed in the background,
+and what the gateway does while Redis is away.
+
+The policy while Redis is away: new requests are refused with 503 and Retry-After (nothing can
+be admitted without the shared budget), admitted ones run to their end; their releases are
+retried once Redis answers again, and admission resumes by itself, with no restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ..admission.ledger import KVAdmissionController
+from ..admission.queue import AdmissionQueue, LedgerUnavailable
+
+if TYPE_CHECKING:
+    from ..admission.shared import Lease, RedisLedger
+
+__all__ = ["SharedLedgers"]
+
+logger = logging.getLogger("kvclient.gateway")
+
+
+class SharedLedgers:
+    """Everything one gateway process keeps in the shared ledger at ``url``."""
+
+    def __init__(self, url: str, *, lease_seconds: float) -> None:
+        # Imported here: redis is needed only when a ledger is shared.
+        from ..admission.shared import Lease, connect
+
+        self.url = url
+        self.client = connect(url)
+        self.lease: Lease = Lease(ttl=lease_seconds, on_state=self._state)
+        self.ledgers: list[RedisLedger] = []
+        #: Times Redis was found unreachable (a change from reachable).
+        self.outages = 0
+        #: Requests refused because Redis was away.
+        self.refused = 0
+
+    @property
+    def reachable(self) -> bool:
+        return self.lease.reachable
+
+    def _state(self, reachable: bool) -> None:
+        if not reachable:
+            self.outages += 1
+
+    async def queue_for(
+        self, name: str, ledger: KVAdmissionController, max_wait: float
+    ) -> AdmissionQueue:
+        """The shared queue of upstream ``name``, priced by ``ledger``; raises
+        ``UpstreamUnavailable`` when another gateway has it configured differently or Redis
+        cannot be reached (discovery is tried again later)."""
+        from ..admission.shared import LedgerConflict, RedisLedger
+        from ..admission.shared_queue import SharedQueue
+        from .upstream import UpstreamUnavailable
+
+        shared = RedisLedger(self.client, name=name, pricing=ledger, lease=self.lease)
+        try:
+            await shared.join()
+        except LedgerConflict as exc:
+            raise UpstreamUnavailable(str(exc)) from None
+        except LedgerUnavailable as exc:
+            raise UpstreamUnavailable(f"the shared ledger is unreachable ({exc})") from None
+        self.ledgers.append(shared)
+        return SharedQueue(ledger, shared, max_wait=max_wait, on_refused=self._refused)
+
+    def _refused(self) -> None:
+        self.refused += 1
+
+    async def run(self) -> None:
+        """Renew the lease until cancelled (the app's lifespan)."""
+        await self.lease.run()
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for shared in self.ledgers:
+                await shared.give_back()
+            await self.client.aclose()

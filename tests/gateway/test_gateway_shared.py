@@ -1,0 +1,276 @@
+"""Several ``kvclient gateway`` processes on one real Redis (``--ledger``) in front of the
+reference server: one budget per upstream across them, leases that free a killed gateway's
+reservations, Redis going away and coming back, ``--workers``."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import llama_engine
+import redis
+
+from reference_server import running_server
+from reference_server.gateway import GatewayConfig
+from reference_server.gateway.config import public_url
+from reference_server.testing import running_gateway
+from tests.helpers.redis_server import RedisServer
+from tests.helpers.servers import at_zero, bench_summary_run, wait_for
+
+FAST = {"decode_rate": 4000.0, "tick_seconds": 0.005}
+#: The seed's mix against an engine that admits on prompt length alone: it OOMs when overrun.
+OOMING = {**FAST, "kv_tokens": 8192, "context_window": 4096, "mean_output_tokens": 1500.0,
+          "admission": "prompt"}  # fmt: skip
+
+
+def shared_reserved(redis_url: str, upstream_url: str) -> tuple[int, int]:
+    """(tokens reserved, holders) in the shared ledger of ``upstream_url``, read from Redis."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        tag = "{kvclient:" + public_url(upstream_url) + "}"
+        reserved = int(client.get(f"{tag}:reserved") or 0)
+        return reserved, int(client.hlen(f"{tag}:holders"))
+    finally:
+        client.close()
+
+
+@contextmanager
+def gateway_process(upstream: str, *extra: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``kvclient gateway`` in its own process on a free loopback port, once it is healthy."""
+    port = llama_engine.free_port()
+    cmd = [sys.executable, "-m", "kvclient.cli", "gateway", "--upstream", upstream, "--port",
+           str(port), "--decode-rate", "4000", "--log-level", "warning", *extra]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                return httpx.get(url + "/health").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, timeout=30)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(15)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def _overload(urls: list[str], tmp_path: Path) -> list[dict[str, Any]]:
+    """The seed's mix at overload through every gateway at once (70 requests/s in all)."""
+    results: list[dict[str, Any]] = []
+    rate = str(70 // len(urls))
+
+    def one(url: str) -> None:
+        results.append(
+            bench_summary_run(url, tmp_path, "--num-requests", "30", "--rate", rate)["summary"]
+        )
+
+    threads = [threading.Thread(target=one, args=(url,)) for url in urls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert len(results) == len(urls)
+    return results
+
+
+def test_three_gateways_on_one_redis_never_oom_and_three_on_their_own_do(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    with running_server(**OOMING) as upstream, ExitStack() as stack:
+        urls = [
+            stack.enter_context(
+                gateway_process(
+                    upstream.base_url, "--ledger", redis_server.url, "--max-queue-wait", "30"
+                )
+            )[1]
+            for _ in range(3)
+        ]
+        summaries = _overload(urls, tmp_path)
+        wait_for(lambda: at_zero(upstream), timeout=30)
+        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url) == (0, 0))
+        shared_ooms = upstream.metrics()["kv_oom_events_total"]
+        assert all(s["failed"] == 0 for s in summaries), summaries
+    with running_server(**OOMING) as upstream, ExitStack() as stack:
+        urls = [
+            stack.enter_context(gateway_process(upstream.base_url, "--max-queue-wait", "30"))[1]
+            for _ in range(3)
+        ]
+        _overload(urls, tmp_path)
+        wait_for(lambda: at_zero(upstream), timeout=30)
+        alone_ooms = upstream.metrics()["kv_oom_events_total"]
+    assert shared_ooms == 0
+    assert alone_ooms > 0  # each believed it owned the whole pool
+
+
+def _stream(url: str, max_tokens: int, results: list[int]) -> None:
+    """One streamed request; its status is appended once the answer is whole (or broken: 0)."""
+    try:
+        with httpx.stream(
+            "POST", url + "/v1/completions", timeout=60,
+            json={"prompt": "hi", "max_tokens": max_tokens, "stream": True},
+        ) as response:  # fmt: skip
+            for _ in response.iter_bytes():
+                pass
+            results.append(response.status_code)
+    except httpx.HTTPError:
+        results.append(0)
+
+
+def test_a_killed_gateways_reservations_come_back_within_its_lease(
+    redis_server: RedisServer,
+) -> None:
+    slow = {"decode_rate": 100.0, "tick_seconds": 0.01, "kv_tokens": 8192,
+            "context_window": 4096}  # fmt: skip
+    lease = ("--ledger", redis_server.url, "--lease-seconds", "1", "--max-queue-wait", "10")
+    with running_server(**slow) as upstream, ExitStack() as stack:
+        a = stack.enter_context(gateway_process(upstream.base_url, *lease))[1]
+        b = stack.enter_context(gateway_process(upstream.base_url, *lease))[1]
+        doomed, c = stack.enter_context(gateway_process(upstream.base_url, *lease))
+        cut: list[int] = []
+        for _ in range(3):  # 3 x 1000 tokens at 100 tokens/s: 10 s each
+            threading.Thread(target=_stream, args=(c, 1000, cut), daemon=True).start()
+        served: list[int] = []
+        others = [threading.Thread(target=_stream, args=(url, 400, served)) for url in (a, b)]
+        for thread in others:  # 4 s each, through the gateways that live on
+            thread.start()
+        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 5)
+        doomed.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 2, 3)
+        assert time.monotonic() - killed < 2.5  # the lease (1 s) and a sweep
+        for thread in others:
+            thread.join(30)
+        assert served == [200, 200]  # the others kept serving
+        # Against the whole budget again: nothing of the killed gateway's is left.
+        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url) == (0, 0))
+        response = httpx.post(b + "/v1/completions", json={"prompt": "hi", "max_tokens": 20})
+        assert response.status_code == 200
+        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url) == (0, 0))
+        assert cut.count(200) == 0  # the killed gateway's clients were cut
+
+
+def test_redis_away_refuses_new_requests_lets_admitted_finish_and_recovers(
+    redis_server: RedisServer,
+) -> None:
+    slow = {"decode_rate": 200.0, "tick_seconds": 0.01, "kv_tokens": 8192,
+            "context_window": 4096}  # fmt: skip
+    with running_server(**slow) as upstream:
+        config = GatewayConfig(
+            upstreams=(upstream.base_url,), ledger=redis_server.url, lease_seconds=1.0,
+            decode_rate=200.0,
+        )  # fmt: skip
+        with running_gateway(config) as gateway:
+            url = gateway.base_url
+            results: list[int] = []
+            admitted = threading.Thread(target=_stream, args=(url, 600, results))  # 3 s
+            admitted.start()
+            wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 1)
+            redis_server.stop()
+            refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+            assert refused.status_code == 503
+            assert int(refused.headers["Retry-After"]) >= 1
+            assert refused.json()["error"]["code"] == "ledger_unavailable"
+            metrics = httpx.get(url + "/metrics").text
+            assert "kv_ledger_unreachable 1.0" in metrics
+            assert "kv_ledger_refused_total 1.0" in metrics
+            redis_server.start()  # empty: it kept nothing in memory
+            # The gateway puts back what it still holds: the engine still holds it.
+            wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 1)
+            assert admitted.is_alive()
+
+            def served() -> bool:
+                answer = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+                return answer.status_code == 200
+
+            wait_for(served, timeout=10)  # no restart
+            admitted.join(30)
+            assert results == [200]  # the admitted request finished
+            assert "kv_ledger_unreachable 0.0" in httpx.get(url + "/metrics").text
+            wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url) == (0, 0))
+
+
+def test_two_gateways_configured_differently_for_one_upstream_say_so(
+    redis_server: RedisServer,
+) -> None:
+    with running_server(**FAST, kv_tokens=8192, context_window=1024) as upstream:
+        first = GatewayConfig(upstreams=(upstream.base_url,), ledger=redis_server.url)
+        other = GatewayConfig(
+            upstreams=(upstream.base_url,), kv_tokens=(4096,), ledger=redis_server.url
+        )
+        with running_gateway(first) as a, running_gateway(other) as b:
+            ok = httpx.post(a.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+            assert ok.status_code == 200
+            no = httpx.post(b.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+            assert no.status_code == 503
+            problem = httpx.get(b.base_url + "/health").json()["upstreams"][0]["problem"]
+            assert "configured differently" in problem
+
+
+def test_workers_share_one_port_and_need_a_shared_ledger(redis_server: RedisServer) -> None:
+    with running_server(**FAST, kv_tokens=8192, context_window=1024) as upstream:
+        refused = subprocess.run(
+            [sys.executable, "-m", "kvclient.cli", "gateway", "--upstream", upstream.base_url,
+             "--workers", "2"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert refused.returncode == 2
+        assert "--workers N > 1 needs --ledger" in refused.stderr
+        with gateway_process(upstream.base_url, "--workers", "2", "--ledger", redis_server.url) as (
+            proc,
+            url,
+        ):
+            for _ in range(6):
+                answer = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+                assert answer.status_code == 200
+            wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url) == (0, 0))
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(15) == 0
+
+
+def test_a_gateway_whose_lease_lapsed_stops_relaying(redis_server: RedisServer) -> None:
+    slow = {"decode_rate": 100.0, "tick_seconds": 0.01, "kv_tokens": 8192,
+            "context_window": 4096}  # fmt: skip
+    with running_server(**slow) as upstream:
+        config = GatewayConfig(
+            upstreams=(upstream.base_url,), ledger=redis_server.url, lease_seconds=0.6
+        )
+        with running_gateway(config) as gateway:
+            chunks: list[bytes] = []
+
+            def stream() -> None:
+                with httpx.stream(
+                    "POST", gateway.base_url + "/v1/completions", timeout=30,
+                    json={"prompt": "hi", "max_tokens": 2000, "stream": True},
+                ) as response:  # fmt: skip
+                    chunks.extend(response.iter_bytes())
+
+            reader = threading.Thread(target=stream)
+            reader.start()
+            wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 1)
+            # Its lease expires unrenewed (a stalled process): the next script sweeps it.
+            client = redis.Redis.from_url(redis_server.url)
+            tag = "{kvclient:" + public_url(upstream.base_url) + "}"
+            for lease in client.zrange(f"{tag}:leases", 0, -1):
+                client.zadd(f"{tag}:leases", {lease: 0})  # expired long ago
+            client.close()
+            reader.join(10)
+            assert not reader.is_alive()  # ended long before its 20 s of decoding
+            assert b"reservation_lapsed" in b"".join(chunks)
+            metrics = httpx.get(gateway.base_url + "/metrics").text
+            assert "kv_ledger_lease_lapses_total 1.0" in metrics
+        wait_for(lambda: at_zero(upstream))

@@ -1,0 +1,440 @@
+"""The shared ledger on a real Redis: one budget across processes, FIFO, leases, Redis away, and
+the ledger's property tests (the model machine, many threads) run against both ledgers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from reference_server import Handle
+from reference_server.admission.interface import AsyncLedger, LocalLedger
+from reference_server.admission.queue import LedgerUnavailable, Rejected
+from reference_server.admission.shared import (
+    Lease,
+    LedgerConflict,
+    RedisLedger,
+    connect,
+    fingerprint,
+)
+from reference_server.admission.shared_queue import SharedQueue
+from tests.helpers.redis_server import RedisServer
+from tests.unit.test_server_ledger import make
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # redis-py's asyncio client
+
+
+pricing = make  # the in-process ledger's settings: what prices every request
+
+
+_OPEN: list[RedisLedger] = []
+
+
+async def shared(server: RedisServer, name: str, *, ttl: float = 5.0, **kw: object) -> RedisLedger:
+    ledger = RedisLedger(
+        connect(server.url), name=name, pricing=pricing(**kw), lease=Lease(ttl=ttl)
+    )
+    _OPEN.append(ledger)
+    await ledger.join()
+    return ledger
+
+
+async def close_all() -> None:
+    while _OPEN:
+        await _OPEN.pop().aclose()
+
+
+@pytest.fixture
+async def closing() -> AsyncIterator[None]:
+    """Closes the clients the test opened, in its loop."""
+    yield
+    await close_all()
+
+
+@pytest.mark.anyio
+async def test_two_gateways_share_one_budget_and_release_once(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    held = await a.try_admit(100, 4000)  # 4112 of 9000
+    held2 = await b.try_admit(100, 4000)
+    assert held is not None
+    assert held2 is not None
+    assert await b.try_admit(100, 1000) is None  # 8224 + 1136 > 9000: refused across processes
+    assert await a.load() == (8224, 2)
+    await a.release(held)
+    await a.release(held)  # idempotent
+    assert await b.load() == (4112, 1)
+    assert await b.shrink(held2, 10) == 96
+    assert await a.load() == (4016, 1)
+    await b.release(held2)
+    assert await a.load() == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_the_queue_is_fifo_across_processes(redis_server: RedisServer, closing: None) -> None:
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    big = await a.try_admit(0, 8000)
+    assert big is not None
+    first = b.ticket(a.pricing.need_tokens(0, 2000))
+    assert await b.try_admit(0, 2000, ticket=first, enqueue=True) is None  # queued
+    # A small one from the other process would fit, but waits behind the head.
+    assert await a.try_admit(0, 10) is None
+    wait, ahead = await a.retry_after(16)
+    assert ahead == 1
+    assert wait > 0
+    await a.release(big)
+    assert await a.try_admit(0, 10) is None  # the head goes first
+    head = await b.try_admit(0, 2000, ticket=first, enqueue=True)
+    assert head is not None
+    assert await a.try_admit(0, 10) is not None
+
+
+@pytest.mark.anyio
+async def test_retry_after_reads_the_holders_of_every_gateway(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    assert await b.retry_after(9000) == (0.0, 0)
+    assert await a.try_admit(0, 5000) is not None  # ends by its cap in 50 s at 100 tokens/s
+    wait, _ = await b.retry_after(5000)
+    assert 49.0 < wait <= 50.1
+
+
+@pytest.mark.anyio
+async def test_a_dead_gateways_reservations_come_back_when_its_lease_expires(
+    redis_server: RedisServer, closing: None
+) -> None:
+    dead = await shared(redis_server, "u", ttl=0.3)  # never renewed: it died
+    alive = await shared(redis_server, "u")
+    assert await dead.try_admit(0, 8000) is not None
+    assert await alive.try_admit(0, 2000) is None
+    for _ in range(60):  # the lease is 0.3 s; 3 s at most
+        if (await alive.load())[0] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await alive.load() == (0, 0)
+    assert await alive.try_admit(0, 2000) is not None
+
+
+@pytest.mark.anyio
+async def test_a_slow_gateway_notices_its_lapsed_lease_and_never_releases_twice(
+    redis_server: RedisServer, closing: None
+) -> None:
+    slow = await shared(redis_server, "u", ttl=0.2)
+    other = await shared(redis_server, "u")
+    lost: list[Handle] = []
+    slow.on_lapse = lost.extend
+    handle = await slow.try_admit(0, 8000)
+    assert handle is not None
+    await asyncio.sleep(0.4)  # the lease lapses while it is busy elsewhere
+    taken = await other.try_admit(0, 8000)
+    assert taken is not None  # swept: the other gateway took the room
+    await slow.renew()
+    assert lost == [handle]
+    assert handle.released
+    assert slow.lease.lapsed_total == 1
+    await slow.release(handle)  # nothing: it is not released a second time
+    assert await other.load() == (taken.reserved_tokens, 1)
+
+
+@pytest.mark.anyio
+async def test_gateways_configured_differently_for_one_upstream_is_an_error(
+    redis_server: RedisServer, closing: None
+) -> None:
+    await shared(redis_server, "u", total_kv_tokens=10_000)
+    with pytest.raises(LedgerConflict, match="configured differently"):
+        await shared(redis_server, "u", total_kv_tokens=20_000)
+    await shared(redis_server, "other", total_kv_tokens=20_000)  # another upstream: fine
+    assert "usable=9000" in fingerprint(pricing())
+
+
+@pytest.mark.anyio
+async def test_redis_away_is_unavailable_and_recovery_needs_no_restart(
+    redis_server: RedisServer, closing: None
+) -> None:
+    states: list[bool] = []
+    lease = Lease(on_state=states.append)
+    ledger = RedisLedger(connect(redis_server.url), name="u", pricing=pricing(), lease=lease)
+    _OPEN.append(ledger)
+    await ledger.join()
+    handle = await ledger.try_admit(0, 100)
+    assert handle is not None
+    redis_server.stop()
+    with pytest.raises(LedgerUnavailable):
+        await ledger.try_admit(0, 100)
+    await ledger.release(handle)  # kept to retry
+    redis_server.start()
+    await ledger.renew()  # retried; the lease starts afresh on the empty server
+    assert await ledger.try_admit(0, 100) is not None
+    assert states == [False, True]
+
+
+@pytest.mark.anyio
+async def test_what_is_held_is_put_back_when_redis_lost_its_data(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    held = await a.try_admit(0, 4000)
+    assert held is not None
+    redis_server.stop()
+    redis_server.start()  # in memory only: empty
+    assert await b.load() == (0, 0)
+    await a.renew()  # a finds its lease unknown (not expired): it puts back what it holds
+    assert await b.load() == (held.reserved_tokens, 1)
+    assert await b.try_admit(0, 8000) is None  # the engine still holds a's request
+    await a.release(held)
+    assert await b.load() == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_an_admission_run_twice_reserves_once(
+    redis_server: RedisServer, closing: None
+) -> None:
+    """The client retries a script once after a lost answer: it may have run already."""
+    a = await shared(redis_server, "u")
+    ticket = a.ticket(a.pricing.need_tokens(0, 100))
+    first = await a.try_admit(0, 100, ticket=ticket)
+    again = await a.try_admit(0, 100, ticket=ticket)
+    assert first is not None
+    assert again is not None
+    assert await a.load() == (112, 1)
+    await a.release(first)
+    await a.release(again)
+    assert await a.load() == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_a_waiter_in_one_process_is_admitted_when_another_releases(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    queue_a = SharedQueue(a.pricing, a, max_wait=5)
+    queue_b = SharedQueue(b.pricing, b, max_wait=5)
+    big = await queue_a.acquire(0, 8000)
+    got: list[Handle] = []
+    async with anyio.create_task_group() as group:
+
+        async def wait() -> None:
+            got.append(await queue_b.acquire(0, 2000))
+
+        group.start_soon(wait)
+        await anyio.sleep(0.2)
+        assert not got
+        # A newcomer that would fit waits behind the other process's waiter: refused at once.
+        with pytest.raises(Rejected) as refused:
+            await SharedQueue(a.pricing, a, max_wait=0).acquire(0, 10)
+        assert refused.value.queued_ahead == 1
+        await queue_a.release(big)
+    assert len(got) == 1
+    await queue_b.release(got[0])
+    assert await a.load() == (0, 0)
+
+
+def test_a_ledger_url_must_be_redis() -> None:
+    with pytest.raises(ValueError, match="redis://"):
+        connect("http://user:secret@host:6379")
+
+
+def test_the_password_comes_from_the_url_or_else_the_environment() -> None:
+    env = {"KVCLIENT_LEDGER_PASSWORD": "from-env"}
+    from_env = connect("redis://127.0.0.1:1/0", environ=env)
+    assert from_env.connection_pool.connection_kwargs["password"] == "from-env"
+    in_url = connect("rediss://:in-url@127.0.0.1:1/0", environ=env)
+    assert in_url.connection_pool.connection_kwargs["password"] == "in-url"
+    assert (
+        connect("redis://127.0.0.1:1/0", environ={}).connection_pool.connection_kwargs.get(
+            "password"
+        )
+        is None
+    )
+
+
+# --- the property tests, against both ledgers ---------------------------------------------------
+
+
+class _Bridge:
+    """One event loop per machine, so a sync state machine drives the async interface."""
+
+    def __init__(self, server: RedisServer | None, **kw: object) -> None:
+        self.runner = asyncio.new_event_loop()  # asyncio.Runner is 3.11+
+        if server is None:
+            self.ledger: AsyncLedger = LocalLedger(pricing(**kw))
+        else:
+            name = uuid.uuid4().hex
+            self.ledger = self.runner.run_until_complete(shared(server, name, **kw))
+
+    def close(self) -> None:
+        self.runner.run_until_complete(close_all())
+        self.runner.close()
+
+
+_SERVER: list[RedisServer] = []
+
+
+@pytest.fixture(params=["in-process", "redis"])
+def backend(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RedisServer | None]:
+    if request.param == "in-process":
+        yield None
+        return
+    request.getfixturevalue("redis_server_ready")
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Reserved is always the sum of the live handles, whichever ledger."""
+
+    server: RedisServer | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bridge = _Bridge(self.server, total_kv_tokens=6000, max_concurrency=5)
+        self.ledger = self.bridge.ledger
+        self.live: list[Handle] = []
+        self.dead: list[Handle] = []
+
+    def run(self, coroutine):  # type: ignore[no-untyped-def]
+        return self.bridge.runner.run_until_complete(coroutine)
+
+    @rule(prompt=st.integers(0, 4000), cap=st.integers(1, 4000))
+    def admit(self, prompt: int, cap: int) -> None:
+        need = self.ledger.pricing.need_tokens(prompt, cap)
+        reserved, inflight = self.run(self.ledger.load())
+        handle = self.run(self.ledger.try_admit(prompt, cap))
+        fits = reserved + need <= self.ledger.pricing.usable_tokens and inflight < 5
+        assert (handle is not None) == fits
+        if handle is not None:
+            assert handle.reserved_tokens == need
+            self.live.append(handle)
+
+    @precondition(lambda self: bool(self.live))
+    @rule(pick=st.integers(0, 100))
+    def end(self, pick: int) -> None:
+        handle = self.live.pop(pick % len(self.live))
+        self.run(self.ledger.release(handle))
+        self.dead.append(handle)
+
+    @precondition(lambda self: bool(self.live or self.dead))
+    @rule(pick=st.integers(0, 100), prompt=st.integers(0, 4000))
+    def shrink(self, pick: int, prompt: int) -> None:
+        pool = self.live + self.dead
+        handle = pool[pick % len(pool)]
+        held = handle.reserved_tokens
+        before, _ = self.run(self.ledger.load())
+        freed = self.run(self.ledger.shrink(handle, prompt))
+        need = self.ledger.pricing.need_tokens(prompt, handle.output_cap)
+        if handle in self.live and need < held:
+            assert freed == held - need == held - handle.reserved_tokens
+        else:
+            assert freed == 0
+            assert handle.reserved_tokens == held
+        assert self.run(self.ledger.load())[0] == before - freed
+
+    @precondition(lambda self: bool(self.dead))
+    @rule(pick=st.integers(0, 100))
+    def release_again(self, pick: int) -> None:
+        self.run(self.ledger.release(self.dead[pick % len(self.dead)]))
+
+    @rule(need=st.integers(0, 5400))
+    def estimate(self, need: int) -> None:
+        wait, _ = self.run(self.ledger.retry_after(need))
+        reserved, inflight = self.run(self.ledger.load())
+        fits = reserved + need <= self.ledger.pricing.usable_tokens and inflight < 5
+        assert wait >= 0.0
+        assert (wait == 0.0) == fits
+
+    @invariant()
+    def reserved_is_the_sum_of_live_handles(self) -> None:
+        reserved, inflight = self.run(self.ledger.load())
+        assert reserved == sum(h.reserved_tokens for h in self.live)
+        assert inflight == len(self.live)
+        assert 0 <= reserved <= self.ledger.pricing.usable_tokens
+
+    def teardown(self) -> None:
+        for handle in self.live:
+            self.run(self.ledger.release(handle))
+        assert self.run(self.ledger.load()) == (0, 0)
+        self.bridge.close()
+
+
+def test_the_model_machine_holds_for_both_ledgers(backend: RedisServer | None) -> None:
+    machine = type("Machine", (LedgerMachine,), {"server": backend})
+    test = machine.TestCase
+    test.settings = settings(
+        max_examples=25 if backend else 60,
+        stateful_step_count=30,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    test().runTest()
+
+
+def test_many_threads_admit_and_release_back_to_zero_on_both(backend: RedisServer | None) -> None:
+    """Threads (each its own loop and, for Redis, its own connection: as many processes would)
+    hammer one budget; it never goes past usable and ends at zero."""
+    name = uuid.uuid4().hex
+    local = LocalLedger(pricing(total_kv_tokens=5000))
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        async def go() -> None:
+            ledger = local if backend is None else await shared(backend, name, total_kv_tokens=5000)
+            rng = random.Random(seed)
+            held: list[Handle] = []
+            for _ in range(150):
+                if held and rng.random() < 0.5:
+                    handle = held.pop(rng.randrange(len(held)))
+                    await ledger.release(handle)
+                    if rng.random() < 0.2:
+                        await ledger.release(handle)
+                else:
+                    got = await ledger.try_admit(rng.randrange(200), rng.randrange(1, 600))
+                    if got is not None:
+                        held.append(got)
+                reserved, _ = await ledger.load()
+                if not 0 <= reserved <= ledger.pricing.usable_tokens:
+                    errors.append(f"reserved out of range: {reserved}")
+            for handle in held:
+                await ledger.release(handle)
+            if isinstance(ledger, RedisLedger):
+                _OPEN.remove(ledger)
+                await ledger.aclose()
+
+        asyncio.run(go())
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+
+    async def final() -> tuple[int, int]:
+        if backend is None:
+            return await local.load()
+        ledger = await shared(backend, name, total_kv_tokens=5000)
+        try:
+            return await ledger.load()
+        finally:
+            await close_all()
+
+    assert asyncio.run(final()) == (0, 0)
