@@ -22,8 +22,9 @@ from kvclient.loadgen._kvsender import KVClientSender
 from reference_server import RunningServer, running_server
 from reference_server.testing import serve_in_thread
 
-# The acceptance bound on a failed preflight; the checks take well under a second.
-PREFLIGHT_BOUND = 5.0
+# A failed preflight ends promptly rather than hanging: the checks take well under a second on
+# an idle machine; the bound leaves room for a machine busy with a real engine beside the tests.
+PREFLIGHT_BOUND = 15.0
 
 
 def _closed_port() -> int:
