@@ -391,6 +391,7 @@ class BaseClient:
                 f"server refused the prompt as too long for the context: {message}",
                 prompt_tokens=details.prompt_tokens,
                 context_window=details.context_window,
+                prompt_tokens_lower_bound=details.prompt_tokens_lower_bound,
                 response=response,
                 body=details.body,
                 code=details.code,

@@ -7,8 +7,10 @@ TGI, SGLang, Ollama, and our reference server (which speaks vLLM's dialect).
 - **Error answers.** Each server words the same two situations differently. "The prompt does not
   fit the context": our reference server's 413, OpenAI's and vLLM's 400 "maximum context length",
   TGI's 422 "`inputs` tokens + `max_new_tokens` must be <= N", llama.cpp's 400
-  ``exceed_context_size_error``. "Full now, come back later": 429 (TGI says "Model is
-  overloaded") and 503 (vLLM, SGLang, Ollama's "server busy", llama.cpp's "Loading model").
+  ``exceed_context_size_error``, vLLM's 400 "prompt contains at least N input tokens" (N a lower
+  bound) and, for a prompt of exactly the window, "max_tokens must be at least 1, got 0". "Full
+  now, come back later": 429 (TGI says "Model is overloaded") and 503 (vLLM, SGLang, Ollama's
+  "server busy", llama.cpp's "Loading model").
   :func:`classify_error` maps status + body to one exception class, whether a retry can help, and
   the numbers the body carries.
 - **Context-window discovery.** :func:`discover_context` is a sans-I/O driver: it yields the
@@ -69,6 +71,7 @@ __all__ = [
     "discover_budget",
     "discover_context",
     "parse_error_body",
+    "preemptions_from_vllm_metrics",
     "prometheus_samples",
     "request_spend",
     "runs_on_after_reset",
@@ -106,6 +109,9 @@ _CONTEXT_PATTERNS = (
     re.compile(r"exceeds the available context size", re.I),  # llama.cpp
     re.compile(r"context length exceeded|exceeds? the context window", re.I),
     re.compile(r"is longer than the model's context length", re.I),  # SGLang
+    # vLLM >= 0.32, a prompt of exactly the window sent without max_tokens: the room left, 0, is
+    # its default cap. (It says the same to a request that asks for 0 itself; kvclient never does.)
+    re.compile(r"max_tokens must be at least 1, got 0\b", re.I),
 )
 _QUOTA = "insufficient_quota"
 
@@ -114,6 +120,9 @@ _NUMBER_PATTERNS: tuple[tuple[re.Pattern[str], int | None, int | None], ...] = (
     # vLLM / OpenAI: "maximum context length is 8192 tokens. However, you requested 9000 tokens
     # (8000 in the messages, 1000 in the completion)"
     (re.compile(r"maximum context length is (\d+) tokens", re.I), 1, None),
+    # vLLM >= 0.32 stops tokenizing one token past the window: "However, your prompt contains at
+    # least 2049 input tokens" is a lower bound (_LOWER_BOUND below).
+    (re.compile(r"contains at least (\d+) input tokens", re.I), None, 1),
     (re.compile(r"\((\d+) in the (?:messages|prompt)", re.I), None, 1),
     # vLLM >= 0.6: "However, your request has 9000 input tokens"; "your messages resulted in N"
     (re.compile(r"request has (\d+) input tokens", re.I), None, 1),
@@ -133,6 +142,8 @@ _NUMBER_PATTERNS: tuple[tuple[re.Pattern[str], int | None, int | None], ...] = (
     (re.compile(r"input \((\d+) tokens\)", re.I), None, 1),
     (re.compile(r"context length \((\d+) tokens\)", re.I), 1, None),
 )
+#: A prompt count that is only a lower bound, when the number came from this pattern.
+_LOWER_BOUND = _NUMBER_PATTERNS[1][0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +156,8 @@ class ErrorDetails:
     prompt_tokens: int | None = None
     context_window: int | None = None
     body: Any = None
+    #: ``prompt_tokens`` is a lower bound ("at least N input tokens"), not the prompt's count.
+    prompt_tokens_lower_bound: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +225,7 @@ def parse_error_body(content: bytes | str) -> ErrorDetails:
     if message is None:
         message = text.strip() or "(empty body)"
     message = message[:_MAX_MESSAGE]
+    lower_bound = False
     for pattern, window_group, prompt_group in _NUMBER_PATTERNS:
         match = pattern.search(message)
         if match is None:
@@ -220,7 +234,8 @@ def parse_error_body(content: bytes | str) -> ErrorDetails:
             context_window = int(match.group(window_group))
         if prompt_group is not None and prompt_tokens is None:
             prompt_tokens = int(match.group(prompt_group))
-    return ErrorDetails(message, error_type, code, prompt_tokens, context_window, body)
+            lower_bound = pattern is _LOWER_BOUND
+    return ErrorDetails(message, error_type, code, prompt_tokens, context_window, body, lower_bound)
 
 
 def _is_context_error(status: int, details: ErrorDetails) -> bool:
@@ -746,6 +761,20 @@ def budget_from_vllm_metrics(text: str) -> tuple[int, int] | None:
         if _positive(size, _MAX_BLOCK) and _positive(blocks) and _positive(blocks * size):
             return blocks * size, size
     return None
+
+
+def preemptions_from_vllm_metrics(text: str) -> float | None:
+    """vLLM ``/metrics``: ``vllm:num_preemptions_total`` over all its engines, None when absent.
+
+    A preemption evicts a running request's KV cache to recompute it later: the engine admitted
+    more than its KV cache holds (no crash, but latency, and the over-admission the ledger
+    exists to prevent)."""
+    values = [
+        value
+        for _, value in prometheus_samples(text, "vllm:num_preemptions_total")
+        if math.isfinite(value) and value >= 0
+    ]
+    return sum(values) if values else None
 
 
 def budget_from_reference_metrics(text: str) -> int | None:

@@ -85,6 +85,8 @@ class PromptTooLongError(KVClientError):
 
     Raised before sending when kvclient counts the prompt itself, and also when a server answers
     with its own context-length error (then the numbers are those the server reported, if any).
+    ``prompt_tokens_lower_bound`` says that ``prompt_tokens`` is only a lower bound: vLLM stops
+    counting a prompt once it is past the window ("at least N input tokens").
     """
 
     def __init__(
@@ -93,18 +95,21 @@ class PromptTooLongError(KVClientError):
         *,
         prompt_tokens: int | None = None,
         context_window: int | None = None,
+        prompt_tokens_lower_bound: bool = False,
         response: httpx.Response | None = None,
         body: Any = None,
         code: str | None = None,
     ) -> None:
         if message is None:
+            at_least = "at least " if prompt_tokens_lower_bound else ""
             message = (
-                f"prompt of {prompt_tokens} tokens does not fit the context window of "
+                f"prompt of {at_least}{prompt_tokens} tokens does not fit the context window of "
                 f"{context_window} tokens (no room left for any output)"
             )
         super().__init__(message)
         self.message = message
         self.prompt_tokens = prompt_tokens
+        self.prompt_tokens_lower_bound = prompt_tokens_lower_bound
         self.context_window = context_window
         self.response = response
         self.status_code = response.status_code if response is not None else None

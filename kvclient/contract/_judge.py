@@ -292,10 +292,14 @@ def _codes(outcomes: Iterable[BurstOutcome]) -> str:
 
 
 def judge_saturation(
-    outcomes: Sequence[BurstOutcome], *, require_retry_after: bool = True
+    outcomes: Sequence[BurstOutcome],
+    *,
+    require_retry_after: bool = True,
+    preemptions: float | None = None,
 ) -> Verdict:
     """A saturating burst: refusals are 429/503 with a valid Retry-After, never 5xx or a dropped
-    connection, and every admitted request completes."""
+    connection, and every admitted request completes without being preempted (``preemptions``:
+    how many the server reported during the burst, None when it reports none)."""
     statuses = Counter(o.status if o.status is not None else "no answer" for o in outcomes)
     details: dict[str, Any] = {"statuses": {str(k): v for k, v in statuses.items()}}
     admitted = [o for o in outcomes if o.status is not None and 200 <= o.status < 300]
@@ -340,6 +344,13 @@ def judge_saturation(
         failures.append(f"invalid Retry-After: {invalid[0].problem}")
     if missing and require_retry_after:
         failures.append(f"{len(missing)} of {len(refused)} refusals without Retry-After")
+    if preemptions is not None:
+        details["preemptions"] = preemptions
+        if preemptions > 0:
+            failures.append(
+                f"{preemptions:g} preemptions (vllm:num_preemptions_total): admitted requests "
+                "were evicted from the KV cache to be recomputed"
+            )
     if failures:
         return Verdict(CheckStatus.FAIL, f"{summary}; " + "; ".join(failures), details)
     if not refused:

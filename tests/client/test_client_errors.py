@@ -19,6 +19,7 @@ from kvclient import (
     UnprocessableEntityError,
 )
 from kvclient._dialects import classify_error, parse_error_body
+from tests.helpers import vllm_bodies
 from tests.helpers.client import (
     make_async_client,
     make_client,
@@ -86,6 +87,22 @@ CONTEXT_ERRORS: list[tuple[str, int, Any, int | None, int | None]] = [
         },
         5000,
         4096,
+    ),
+    (
+        # vLLM 0.32 counts a prompt only to one token past the window: 2049 is a lower bound.
+        "vllm-0.32-at-least",
+        400,
+        vllm_bodies.AT_LEAST,
+        2049,
+        2048,
+    ),
+    (
+        # vLLM 0.32, a prompt of exactly the window without max_tokens: no numbers but the 0.
+        "vllm-0.32-no-room",
+        400,
+        vllm_bodies.NO_ROOM,
+        None,
+        None,
     ),
     (
         "tgi-422",
@@ -174,6 +191,28 @@ def test_context_length_errors_of_real_servers(
     assert error.context_window == context_window
     assert "too long" in str(error)
     assert error.body == body
+
+
+def test_a_lower_bound_is_said_to_be_one() -> None:
+    server = new_server()
+    server.add("/v1/completions", httpx.Response(400, json=vllm_bodies.AT_LEAST))
+    with make_client(server) as client, pytest.raises(PromptTooLongError) as info:
+        client.complete("hello")
+    assert info.value.prompt_tokens_lower_bound
+    assert (info.value.prompt_tokens, info.value.context_window) == (2049, 2048)
+    exact = PromptTooLongError(prompt_tokens=2049, context_window=2048)
+    assert not exact.prompt_tokens_lower_bound
+    assert "prompt of 2049 tokens" in str(exact)
+    bound = PromptTooLongError(
+        prompt_tokens=2049, context_window=2048, prompt_tokens_lower_bound=True
+    )
+    assert "prompt of at least 2049 tokens" in str(bound)
+
+
+def test_max_tokens_below_one_other_than_zero_is_a_plain_bad_request() -> None:
+    body = {"error": {"message": "max_tokens must be at least 1, got -3.", "code": 400}}
+    verdict = classify_error(400, json.dumps(body))
+    assert verdict.exception is BadRequestError
 
 
 # --- "full now, come back later": retried --------------------------------------------------

