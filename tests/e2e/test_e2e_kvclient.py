@@ -162,14 +162,17 @@ def _large_refused_then_small(
     return results["large"], [results[f"small{i}"] for i in range(3)], told, advice
 
 
-def test_cooldown_is_honoured_across_requests_of_one_client(server: RunningServer) -> None:
+def test_cooldown_is_honoured_across_requests_of_one_client() -> None:
     """After one 429, the client's other requests wait out the advice instead of sending.
 
     The later requests are small: the server would have admitted them at once, so a 429-free
     run with ``retry_wait > 0`` shows they were held by the client, not refused by the server.
     (Without pacing: the room the 429 advertises would let them go, as the next test shows.)
+    The holder runs 2 s here, so that the small requests start within the cooldown however
+    slowly a busy machine starts their threads.
     """
-    _, small, told, advice = _large_refused_then_small(server, RetryPolicy(pace=False))
+    with running_server(**{**CONFIG, "decode_rate": 1000.0}) as server:
+        _, small, told, advice = _large_refused_then_small(server, RetryPolicy(pace=False))
     for completion, finished in small:
         assert completion.attempts == 1
         assert completion.retry_wait > 0
