@@ -392,7 +392,7 @@ async def test_async_chaos_leaves_nothing_behind(anyio_backend: str) -> None:
     assert sum(tally.outcomes.values()) == REQUESTS
     # The chaos really happened: faults, 429s, cancellations in a retry wait, successes.
     assert metrics["kv_injected_faults_total"] >= 3
-    assert metrics["kv_rejected_total"] >= 5
+    assert metrics["kv_rejected_total"] >= 3
     assert tally.cancelled_while_waiting >= 1
     assert tally.outcomes_named("ok") >= 10
     assert non_executor_threads() == threads_before

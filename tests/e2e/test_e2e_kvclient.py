@@ -45,6 +45,14 @@ def server() -> Iterator[RunningServer]:
         yield running
 
 
+@pytest.fixture
+def slow_server() -> Iterator[RunningServer]:
+    """Decoding at 1,000 tokens/s: a holder of 2,000 tokens runs 2 s, long enough that a busy
+    machine cannot start the requests meant to meet it only after it is gone."""
+    with running_server(**{**CONFIG, "decode_rate": 1000.0}) as running:
+        yield running
+
+
 def test_prompt_over_the_context_is_refused_without_a_send(server: RunningServer) -> None:
     with Client(base_url=server.base_url, model="kvclient-sim", context_window=2048) as client:
         before = server.metrics()
@@ -106,7 +114,8 @@ def test_saturation_gives_a_429_with_a_sensible_retry_after(server: RunningServe
     holder.join(10)
 
 
-def test_retries_then_succeed(server: RunningServer) -> None:
+def test_retries_then_succeed(slow_server: RunningServer) -> None:
+    server = slow_server
     holder = hold(server, 2000)
     with Client(base_url=server.base_url, context_window=2048) as client:
         completion = client.complete("y", max_tokens=2000)
@@ -128,7 +137,7 @@ def _large_refused_then_small(
     """With 2008 tokens held by another client, one client sends a large request (1808
     tokens: refused, it fits only once the holder is done) and, once told to wait, three small
     ones (108: they fit now). Returns the large, the small, when the 429 came and its advice."""
-    holder = hold(server, 2000)  # 2008 reserved; due in ~0.5 s
+    holder = hold(server, 2000)  # 2008 reserved; due in ~2 s
     retried = threading.Event()
     events: list[RetryEvent] = []
     results: dict[str, Finished] = {}
@@ -162,27 +171,26 @@ def _large_refused_then_small(
     return results["large"], [results[f"small{i}"] for i in range(3)], told, advice
 
 
-def test_cooldown_is_honoured_across_requests_of_one_client() -> None:
+def test_cooldown_is_honoured_across_requests_of_one_client(slow_server: RunningServer) -> None:
     """After one 429, the client's other requests wait out the advice instead of sending.
 
     The later requests are small: the server would have admitted them at once, so a 429-free
     run with ``retry_wait > 0`` shows they were held by the client, not refused by the server.
     (Without pacing: the room the 429 advertises would let them go, as the next test shows.)
-    The holder runs 2 s here, so that the small requests start within the cooldown however
-    slowly a busy machine starts their threads.
     """
-    with running_server(**{**CONFIG, "decode_rate": 1000.0}) as server:
-        _, small, told, advice = _large_refused_then_small(server, RetryPolicy(pace=False))
+    _, small, told, advice = _large_refused_then_small(slow_server, RetryPolicy(pace=False))
     for completion, finished in small:
         assert completion.attempts == 1
         assert completion.retry_wait > 0
         assert finished - told >= advice * 0.9
 
 
-def test_the_room_a_429_advertises_lets_what_fits_go_at_once(server: RunningServer) -> None:
+def test_the_room_a_429_advertises_lets_what_fits_go_at_once(slow_server: RunningServer) -> None:
     """Pacing (the default): the 429 says 1678 tokens are free, so the small requests (112 in
     blocks) go at once and are admitted; the large one still waits for room."""
-    (large, large_finished), small, told, advice = _large_refused_then_small(server, RetryPolicy())
+    (large, large_finished), small, told, advice = _large_refused_then_small(
+        slow_server, RetryPolicy()
+    )
     assert large.attempts == 2
     assert large_finished - told >= advice * 0.9
     for completion, _ in small:
@@ -191,13 +199,13 @@ def test_the_room_a_429_advertises_lets_what_fits_go_at_once(server: RunningServ
 
 
 def test_paced_in_order_requests_wait_behind_an_earlier_refused_one(
-    server: RunningServer,
+    slow_server: RunningServer,
 ) -> None:
     """``pace_in_order``: held requests go in the order their calls started, as a FIFO-queued
     server admits them: the small requests would fit, but the large one refused before them
     goes first, once the holder is done. No request hears "no" twice."""
     policy = RetryPolicy(pace_in_order=True)
-    (large, large_finished), small, told, advice = _large_refused_then_small(server, policy)
+    (large, large_finished), small, told, advice = _large_refused_then_small(slow_server, policy)
     assert large.attempts == 2
     assert large_finished - told >= advice * 0.9
     for completion, finished in small:
@@ -206,16 +214,18 @@ def test_paced_in_order_requests_wait_behind_an_earlier_refused_one(
         assert finished - told >= advice * 0.9
 
 
-def test_cooldown_holds_the_large_and_lets_the_small_fill_the_room(server: RunningServer) -> None:
+def test_cooldown_holds_the_large_and_lets_the_small_fill_the_room(
+    slow_server: RunningServer,
+) -> None:
     """With ``cooldown_by_size``, after a 429 for a large request, the client's requests small
     enough to fit in what is left go at once and are admitted, while the large one waits out the
     advice.
 
     (That requests at least as large are held is checked against a scripted server in
-    test_client_sync; here the real server shows the small ones really fit.)
+    the client tests; here the real server shows the small ones really fit.)
     """
     policy = RetryPolicy(cooldown_by_size=True)
-    (large, large_finished), small, told, advice = _large_refused_then_small(server, policy)
+    (large, large_finished), small, told, advice = _large_refused_then_small(slow_server, policy)
     assert large.attempts == 2
     assert large_finished - told >= advice * 0.9
     for completion, _ in small:
