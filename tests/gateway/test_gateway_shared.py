@@ -151,8 +151,10 @@ def test_a_killed_gateways_reservations_come_back_within_its_lease(
         wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 5)
         doomed.send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 2, 3)
-        assert time.monotonic() - killed < 2.5  # the lease (1 s) and a sweep
+        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 2, 6)
+        # The lease (1 s) and the next sweep (a surviving gateway's renewal, every third of its
+        # lease): about 1.3 s; the margin is for a machine busy with five processes and the suite.
+        assert time.monotonic() - killed < 5.0
         for thread in others:
             thread.join(30)
         assert served == [200, 200]  # the others kept serving
