@@ -11,7 +11,7 @@ sent twice over the same replicas, one run after the other:
   requests assigned in turn.
 
 Measured per run: each replica's share of the admitted requests (the servers' own counters),
-p50/p99 latency, completions, errors. Goal (issue 15): kvclient sends the slow replica
+p50/p99 latency, completions, errors. Goal: kvclient sends the slow replica
 proportionally less than round-robin does, with a better p99.
 
 Then the trace goes once more through the kvclient, one request in four streamed, and one fast

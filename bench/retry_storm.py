@@ -25,7 +25,7 @@ Every request has the same deadline. Attempts are counted by the server (admitte
 429s are the server's ``kv_rejected_total``; utilisation is the time average of reserved / usable
 KV tokens from ``/metrics`` scraped every 50 ms, from the first send to the last answer.
 
-Goal for kvclient (and for the SDK through it), issue 15: at most 1.05 attempts per completed
+Goal for kvclient (and for the SDK through it): at most 1.05 attempts per completed
 request, every request completed within its deadline, a time-averaged reservation at least 95 %
 of the ceiling run's, and a p99 latency at most 1.5x the ceiling run's.
 

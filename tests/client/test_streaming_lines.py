@@ -1,5 +1,5 @@
 """SSE lines end at CR, LF or CRLF only; lines, events and streams are bounded while reading;
-streamed tool calls and other delta fields reach the completion (issues 11 and 12.9, 12.10)."""
+streamed tool calls and other delta fields reach the completion."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The client against real loopback servers that misbehave (issue 12, items 7, 8 and 11), and
+"""The client against real loopback servers that misbehave, and
 against advice that keeps being too short (12.1).
 
 Deadlines here are real time (0.6 s), since what is tested is what sockets do; every
@@ -277,7 +277,7 @@ def test_two_retry_after_headers_wait_the_larger() -> None:
 
 
 def test_advice_that_keeps_being_too_short_does_not_burn_every_attempt() -> None:
-    # A server that always says "retry in 1 ms" while it stays full (issue 12.1's client half).
+    # A server that always says "retry in 1 ms" while it stays full.
     server = new_server(default=busy("1", ms="1"))
     policy = server.clock.policy(deadline=30.0, random=lambda: 0.5)
     with make_client(server, retry=policy) as client, pytest.raises(ServerBusyError) as info:

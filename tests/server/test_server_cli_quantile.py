@@ -9,7 +9,7 @@ from reference_server.simulated.config import DEFAULT_RETRY_AFTER_QUANTILE, Serv
 
 
 def test_default_is_the_worst_case_never_a_quantile() -> None:
-    # Issue 12: by default no refused request is told less than the real wait, so the advice
+    # By default no refused request is told less than the real wait, so the advice
     # comes from every holder's cap, not from a quantile of recent outputs (a bet).
     config = config_from_args(build_parser().parse_args([]))
     assert config.retry_after_quantile is DEFAULT_RETRY_AFTER_QUANTILE is None

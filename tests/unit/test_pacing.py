@@ -311,7 +311,7 @@ def test_ratelimit_headers_from_a_snapshot() -> None:
     assert queued["RateLimit-Policy"] == '"kv";q=900;kvtok;kvqueue'
 
 
-# --- the queue of held requests, the measured lag, the paced retry (issue 15) ------------------
+# --- the queue of held requests, the measured lag, the paced retry ----------------------------
 
 
 def test_held_requests_go_in_key_order_whatever_their_size() -> None:

@@ -54,7 +54,7 @@ def http_date(offset: float) -> str:
         ({"Retry-After": "Infinity"}, None),
         ({"Retry-After": "1e3"}, None),
         ({"Retry-After": "0x10"}, None),
-        # Two headers, joined by a comma: the server's floor is the larger (issue 12.11).
+        # Two headers, joined by a comma: the server's floor is the larger.
         ({"Retry-After": "2, 3"}, 3.0),
         ({"Retry-After": "9" * 10_000}, None),
         ({"Retry-After": "1" * 1_000_000}, None),
@@ -372,7 +372,7 @@ def test_connection_errors_give_up_with_themselves() -> None:
 
 
 def test_advice_shorter_than_backoff_is_floored_from_the_second_retry_on() -> None:
-    # Issue 12.1: a server that keeps saying "1 ms" while it stays full.
+    # A server that keeps saying "1 ms" while it stays full.
     clock = FakeClock()
     policy = clock.policy(random=lambda: 0.5)
     call = RetryCall(policy, Cooldown())
