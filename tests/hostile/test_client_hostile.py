@@ -1,5 +1,5 @@
 """The client against real loopback servers that misbehave, and
-against advice that keeps being too short (12.1).
+against advice that keeps being too short.
 
 Deadlines here are real time (0.6 s), since what is tested is what sockets do; every
 hostile script would run for many seconds more, so a client that does not stop at its deadline
