@@ -59,7 +59,7 @@ class LocalLedger:
         return self.ledger.try_admit(prompt_tokens, output_cap, now=self._clock(), need=need)
 
     async def release(self, handle: Handle) -> None:
-        self.ledger.release(handle)
+        self.ledger.release(handle, self._clock())
 
     async def shrink(self, handle: Handle, prompt_tokens: int) -> int:
         return self.ledger.shrink(handle, prompt_tokens)

@@ -95,7 +95,7 @@ class AdmissionQueue:
 
     async def release(self, handle: Handle) -> None:
         """Give ``handle``'s reservation back and let the head of the queue try again."""
-        self.ledger.release(handle)
+        self.ledger.release(handle, self._clock())
         self.notify()
 
     async def acquire(

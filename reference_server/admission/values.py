@@ -40,8 +40,10 @@ class _Promise:
 class Handle:
     """One admitted request's reservation. Give it back with :meth:`KVAdmissionController.release`.
 
-    ``due_at`` is the worst-case release time: the moment the request reaches its output cap when
-    decoding at the engine's rate from admission. Retry-After estimates are built from it.
+    ``due_at`` is the worst-case release time as admission saw it: the moment the request reaches
+    its output cap when decoding at the engine's rate then. Retry-After estimates follow the
+    engine's progress instead: ``progress_at_admit`` is the ledger's decode progress (tokens one
+    sequence has generated since the ledger began) when it was admitted.
     ``writing_since`` is set by the server while a write of the answer waits on the client (the
     ledger's clock), None otherwise: one waiting longer than the release margin is a client
     that stopped reading, and the holder ends only when the server cuts it.
@@ -52,6 +54,7 @@ class Handle:
         "due_at",
         "id",
         "output_cap",
+        "progress_at_admit",
         "prompt_tokens",
         "released",
         "reserved_tokens",
@@ -67,6 +70,7 @@ class Handle:
         reserved_tokens: int,
         admitted_at: float,
         due_at: float,
+        progress_at_admit: float = 0.0,
     ) -> None:
         self.id = id
         self.prompt_tokens = prompt_tokens
@@ -74,6 +78,7 @@ class Handle:
         self.reserved_tokens = reserved_tokens
         self.admitted_at = admitted_at
         self.due_at = due_at
+        self.progress_at_admit = progress_at_admit
         self.released = False
         self.writing_since: float | None = None
 
