@@ -59,6 +59,7 @@ __all__ = [
     "UNPRICED_FIELDS",
     "Answer",
     "Budget",
+    "DecodeCounters",
     "Discovery",
     "ErrorClass",
     "ErrorDetails",
@@ -68,6 +69,7 @@ __all__ = [
     "classify_error",
     "count_by_tokenize",
     "countable_render_fields",
+    "decode_counters",
     "discover_budget",
     "discover_context",
     "parse_error_body",
@@ -775,6 +777,58 @@ def preemptions_from_vllm_metrics(text: str) -> float | None:
         if math.isfinite(value) and value >= 0
     ]
     return sum(values) if values else None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCounters:
+    """How far an engine's decoding has gone, from one ``/metrics`` scrape: two scrapes give
+    its speed (see ``reference_server.gateway.speed``)."""
+
+    #: Tokens generated so far by all its sequences (a counter).
+    generated: float
+    #: Sequences running now (a gauge), when the engine exports one.
+    running: float | None = None
+    #: Decode steps so far (a counter), when the engine exports them: then the sequences that
+    #: ran during an interval are its tokens over its steps.
+    steps: float | None = None
+
+
+#: Engines' generated-token counters updated at every decode step, and their running gauges.
+#: (TGI counts generated tokens only when a request ends, a histogram: too late for a speed.)
+_DECODE_COUNTERS = (
+    ("vllm:generation_tokens_total", "vllm:num_requests_running"),
+    ("sglang:generation_tokens_total", "sglang:num_running_reqs"),
+    ("kv_generated_tokens_total", "kv_inflight_requests"),  # ours
+)
+
+
+def _metric_sum(text: str, name: str) -> float | None:
+    """The sum of a metric's samples over its label sets (several engines, say); None when it
+    has none, or a sample is negative, infinite or not a number."""
+    values = [value for _, value in prometheus_samples(text, name)]
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
+        return None
+    return sum(values)
+
+
+def decode_counters(text: str) -> DecodeCounters | None:
+    """An engine's decode counters from its ``/metrics`` text, None when it exports none.
+
+    vLLM, SGLang and our reference server count generated tokens at every step and gauge the
+    running sequences. llama.cpp (``--metrics``) counts ``llama_decode()`` calls and exports the
+    average busy slots per call since start: their product is the slot-steps so far, one token
+    each (prompt batches included, so a little more than it generated).
+    """
+    for generated, running in _DECODE_COUNTERS:
+        total = _metric_sum(text, generated)
+        if total is not None:
+            return DecodeCounters(total, _metric_sum(text, running))
+    steps = _metric_sum(text, "llamacpp:n_decode_total")
+    busy = _metric_sum(text, "llamacpp:n_busy_slots_per_decode")
+    if steps is not None and busy is not None:
+        running = _metric_sum(text, "llamacpp:requests_processing")
+        return DecodeCounters(steps * busy, running, steps)
+    return None
 
 
 def budget_from_reference_metrics(text: str) -> int | None:

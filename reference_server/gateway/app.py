@@ -228,6 +228,8 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
             async with anyio.create_task_group() as group:
                 if state.shared is not None:
                     group.start_soon(state.shared.run)
+                for upstream in state.upstreams:
+                    group.start_soon(upstream.watch_speed)
                 yield
                 group.cancel_scope.cancel()
         finally:

@@ -60,6 +60,10 @@ class GatewayConfig:
     safety_fraction: float = DEFAULT_SAFETY_FRACTION
     max_queue_wait: float = 0.0
     decode_rate: float = DEFAULT_DECODE_RATE
+    #: Seconds between scrapes of each engine's decode counters (its ``/metrics``), from which
+    #: the ledger's decode speed is measured (see ``gateway/speed.py``); 0: never scraped,
+    #: the answers' own rates are used.
+    speed_interval: float = 1.0
     #: A local counter (a model's tokenizer); None: the upstream's /tokenize, else tiktoken.
     counter: TokenCounter | None = None
     #: The key clients must send (``Authorization: Bearer``); checked here, never forwarded.
@@ -111,6 +115,10 @@ class GatewayConfig:
             raise ValueError("--ledger must be a redis:// or rediss:// URL")
         if not 0 < self.lease_seconds < 3600:
             raise ValueError(f"--lease-seconds must be > 0 and < 3600, got {self.lease_seconds}")
+        if self.speed_interval < 0 or not math.isfinite(self.speed_interval):
+            raise ValueError(
+                f"speed_interval must be a finite number >= 0, got {self.speed_interval}"
+            )
         for name in ("decode_rate", "connect_timeout", "read_timeout", "send_timeout"):
             _positive(name, getattr(self, name))
         for name in ("max_body_bytes", "max_answer_bytes", "max_connections"):

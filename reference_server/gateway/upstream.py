@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
+import anyio
 import yarl
 
 from kvclient._dialects import (
@@ -36,6 +37,7 @@ from kvclient._dialects import (
     Discovery,
     Probe,
     count_by_tokenize,
+    decode_counters,
     discover_budget,
     discover_context,
 )
@@ -46,6 +48,7 @@ from ..admission.queue import AdmissionQueue
 from ..http.requests import GenerationRequest
 from .config import GatewayConfig, public_url
 from .sharing import SharedLedgers
+from .speed import Speed, SpeedEstimator
 
 __all__ = [
     "UPSTREAM_ERRORS",
@@ -67,6 +70,8 @@ _MAX_PROBE_BYTES = 4 * 1024 * 1024
 _MIN_RATE_TOKENS = 8
 #: Answers the decode rate is the median of.
 _RATE_WINDOW = 31
+#: Scrapes in a row without decode counters after which an engine is taken to export none.
+_SPEED_MISSES = 3
 
 
 class UpstreamUnavailable(Exception):
@@ -222,6 +227,9 @@ class Upstream:
         #: Measured per-sequence decode rate (tokens/s): the median of the recent answers'.
         self.measured_rate: float | None = None
         self._rates: deque[float] = deque(maxlen=_RATE_WINDOW)
+        #: The speed measured from the engine's own counters (:meth:`watch_speed`), when it
+        #: exports them: then the answers' rates are not used.
+        self.speed: Speed | None = None
         self.http = UpstreamHTTP(self.url, config)
         #: Set by the gateway when its ledger is shared: where reservations are kept.
         self.shared: SharedLedgers | None = None
@@ -246,7 +254,41 @@ class Upstream:
             return
         self._rates.append(tokens / seconds)
         self.measured_rate = statistics.median(self._rates)
-        self.known.ledger.decode_rate = self.measured_rate
+        if self.speed is None:
+            self.known.ledger.set_speed(self.measured_rate, None, time.monotonic())
+
+    async def watch_speed(self) -> None:
+        """Scrape the engine's decode counters every ``speed_interval`` seconds while the
+        gateway serves, and give the ledger the speed they show (see ``speed.py``): how fast
+        its holders really drain, however many share the engine. Returns for an engine that
+        exports no counters (a few scrapes in a row without them, none ever): its answers'
+        rates stand in (:meth:`observe`)."""
+        interval = self.config.speed_interval
+        if interval <= 0:
+            return
+        estimator = SpeedEstimator()
+        misses = 0
+        while misses < _SPEED_MISSES or self.speed is not None:
+            await anyio.sleep(interval)
+            known = self.known
+            if known is None:
+                continue
+            try:
+                status, _, data = await self.fetch("GET", "/metrics")
+            except UPSTREAM_ERRORS:
+                continue  # its health is the requests' business
+            text = data.decode("utf-8", "replace") if status == 200 and data else ""
+            counters = decode_counters(text)
+            if counters is None:
+                misses += 1
+                continue
+            misses = 0
+            now = time.monotonic()
+            estimator.add(now, counters)
+            speed = estimator.estimate()
+            if speed is not None:
+                self.speed = speed
+                known.ledger.set_speed(speed.decode_rate, speed.throughput, now)
 
     async def fetch(
         self,

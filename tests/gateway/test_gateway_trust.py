@@ -60,6 +60,9 @@ def test_one_lying_usage_figure_moves_the_decode_rate_little() -> None:
     class _Ledger:
         decode_rate = 50.0
 
+        def set_speed(self, decode_rate: float, throughput: float | None, now: float) -> None:
+            self.decode_rate = decode_rate
+
     class _Known:
         ledger = _Ledger()
 
