@@ -826,8 +826,8 @@ def decode_counters(text: str) -> DecodeCounters | None:
     steps = _metric_sum(text, "llamacpp:n_decode_total")
     busy = _metric_sum(text, "llamacpp:n_busy_slots_per_decode")
     if steps is not None and busy is not None:
-        running = _metric_sum(text, "llamacpp:requests_processing")
-        return DecodeCounters(steps * busy, running, steps)
+        processing = _metric_sum(text, "llamacpp:requests_processing")
+        return DecodeCounters(steps * busy, processing, steps)
     return None
 
 

@@ -95,7 +95,7 @@ def test_idle_and_partly_idle_intervals_and_restarts_are_not_points() -> None:
 @given(
     fixed=st.floats(min_value=1e-4, max_value=0.1),
     per_sequence=st.floats(min_value=0.0, max_value=0.05),
-    runs=st.lists(st.integers(min_value=1, max_value=16), min_size=4, max_size=30),
+    runs=st.lists(st.integers(min_value=1, max_value=16), min_size=8, max_size=30),
     odd=st.integers(min_value=0, max_value=3),
 )
 def test_a_few_odd_intervals_move_the_fit_little(
