@@ -781,24 +781,21 @@ def preemptions_from_vllm_metrics(text: str) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class DecodeCounters:
-    """How far an engine's decoding has gone, from one ``/metrics`` scrape: two scrapes give
-    its speed (see ``reference_server.gateway.speed``)."""
+    """How far an engine's decoding has gone, from one ``/metrics`` scrape: two scrapes and how
+    many sequences ran in between give its speed (see ``reference_server.gateway.speed``)."""
 
     #: Tokens generated so far by all its sequences (a counter).
     generated: float
-    #: Sequences running now (a gauge), when the engine exports one.
-    running: float | None = None
-    #: Decode steps so far (a counter), when the engine exports them: then the sequences that
-    #: ran during an interval are its tokens over its steps.
+    #: Decode steps so far (a counter), when the engine exports them.
     steps: float | None = None
 
 
-#: Engines' generated-token counters updated at every decode step, and their running gauges.
-#: (TGI counts generated tokens only when a request ends, a histogram: too late for a speed.)
-_DECODE_COUNTERS = (
-    ("vllm:generation_tokens_total", "vllm:num_requests_running"),
-    ("sglang:generation_tokens_total", "sglang:num_running_reqs"),
-    ("kv_generated_tokens_total", "kv_inflight_requests"),  # ours
+#: Engines' generated-token counters, updated at every decode step. (TGI counts generated
+#: tokens only when a request ends, in a histogram: too late for a speed.)
+_GENERATED_COUNTERS = (
+    "vllm:generation_tokens_total",
+    "sglang:generation_tokens_total",
+    "kv_generated_tokens_total",  # ours
 )
 
 
@@ -814,20 +811,19 @@ def _metric_sum(text: str, name: str) -> float | None:
 def decode_counters(text: str) -> DecodeCounters | None:
     """An engine's decode counters from its ``/metrics`` text, None when it exports none.
 
-    vLLM, SGLang and our reference server count generated tokens at every step and gauge the
-    running sequences. llama.cpp (``--metrics``) counts ``llama_decode()`` calls and exports the
-    average busy slots per call since start: their product is the slot-steps so far, one token
-    each (prompt batches included, so a little more than it generated).
+    vLLM, SGLang and our reference server count generated tokens at every step. llama.cpp
+    (``--metrics``) counts ``llama_decode()`` calls and exports the average busy slots per call
+    since start: their product is the slot-steps so far, one token each (prompt batches
+    included, so a little more than it generated).
     """
-    for generated, running in _DECODE_COUNTERS:
-        total = _metric_sum(text, generated)
+    for name in _GENERATED_COUNTERS:
+        total = _metric_sum(text, name)
         if total is not None:
-            return DecodeCounters(total, _metric_sum(text, running))
+            return DecodeCounters(total)
     steps = _metric_sum(text, "llamacpp:n_decode_total")
     busy = _metric_sum(text, "llamacpp:n_busy_slots_per_decode")
     if steps is not None and busy is not None:
-        processing = _metric_sum(text, "llamacpp:requests_processing")
-        return DecodeCounters(steps * busy, processing, steps)
+        return DecodeCounters(steps * busy, steps)
     return None
 
 

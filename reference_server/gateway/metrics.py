@@ -64,6 +64,14 @@ class GatewayCollector:
             "kv_upstream_out_of_service": [
                 0 if s is not None and u.health.in_service(now) else 1 for u, s in rows
             ],
+            # The speed the ledger's advice is built on (0: none known); throughput 0 also
+            # when its sequences do not measurably slow each other down.
+            "kv_upstream_decode_rate": [
+                u.known.ledger.decode_rate if u.known else 0 for u, _ in rows
+            ],
+            "kv_upstream_decode_throughput": [
+                (u.known.ledger.throughput or 0) if u.known else 0 for u, _ in rows
+            ],
         }
         counters: dict[str, list[float]] = {
             "kv_upstream_admitted": [s.admitted_total if s else 0 for _, s in rows],

@@ -59,6 +59,9 @@ __all__ = ["UpstreamBackend", "unavailable"]
 logger = logging.getLogger("kvclient.gateway")
 
 
+#: Bytes of a stream's end kept for its usage figure (one usage event is a few hundred).
+_USAGE_TAIL = 4096
+
 _LAPSED = (
     b'data: {"error": {"message": "the reservation lapsed (the gateway lost its lease on the '
     b'shared ledger)", "type": "server_error", "param": null, "code": "reservation_lapsed"}}\n\n'
@@ -385,13 +388,13 @@ class UpstreamBackend:
                 "headers": [*response_headers(response.raw_headers), *_room_headers(known)],
             }
         )
-        events = 0
+        tail = b""  # the stream's last bytes: its usage, when it has one, comes last
         try:
             async for piece in response.content.iter_any():
                 if handle.released:
                     await send({"type": "http.response.body", "body": _LAPSED, "more_body": False})
                     return
-                events += piece.count(b"data:")
+                tail = (tail + piece)[-_USAGE_TAIL:] if len(piece) < _USAGE_TAIL else piece
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
         except UPSTREAM_ERRORS:
             upstream.failure()
@@ -407,5 +410,8 @@ class UpstreamBackend:
         upstream.health.succeeded()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         upstream.relayed += 1
-        # Events less the role and [DONE]; no more than the cap, whatever the stream holds.
-        upstream.observe(min(events - 2, cap), time.monotonic() - started)
+        # Tokens by its usage (an event may carry several); no more than the cap it was sent
+        # with, whatever the stream says. A stream without usage says nothing of its speed.
+        generated = completion_tokens(tail)
+        if generated:
+            upstream.observe(min(generated, cap), time.monotonic() - started)

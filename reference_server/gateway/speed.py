@@ -1,25 +1,29 @@
 """An engine's decode speed, measured from its own counters (pure).
 
 Two scrapes of an engine's ``/metrics`` (see ``kvclient._dialects.decode_counters``) say how many
-tokens it generated in between and how many sequences were running: one point, ``n`` sequences
-and the seconds a decode step took. A step makes one token for every running sequence and takes
-longer the more there are, ``s(n) = a + b n``; the line is fitted over the last minute of points
-by Theil-Sen (the median of the slopes between points, then the median intercept), so a few odd
-intervals (a burst ending mid-interval, a pause) do not move it. The ledger then decodes one
-sequence at ``1 / (a + b)`` tokens/s and a large batch at ``1 / b`` tokens/s in all (see
+tokens it generated in between; the gateway's ledger says how many of its requests were running
+meanwhile, on average over the time any was (``KVAdmissionController.occupancy``). Together:
+one point, ``n`` sequences and the seconds a decode step took. A step makes one token for every
+running sequence and takes longer the more there are, ``s(n) = a + b n``; the line is fitted
+over the last minute of points by Theil-Sen (the median of the slopes between points, then the
+median intercept), so a few odd intervals do not move it. The ledger then decodes one sequence
+at ``1 / (a + b)`` tokens/s and a large batch at ``1 / b`` tokens/s in all (see
 ``KVAdmissionController.rate_at``).
 
-Points come only from intervals in which the engine decoded throughout (sequences running at
-both scrapes): a partly idle interval would make its steps look slow. Where the engine counts
-its steps (llama.cpp), the sequences that ran are its tokens over its steps; where it only
-gauges them, an interval counts when the gauge reads the same at both ends.
+Where the engine counts its steps (llama.cpp), the sequences that ran are its tokens over its
+steps. The gateway's own count of running requests is exact when it is the engine's only
+client; other traffic to the engine makes the engine look slower than it is per sequence, so
+the advice errs long, never short.
 
 >>> from kvclient._dialects import DecodeCounters
 >>> speed = SpeedEstimator()
->>> scrapes = [(0, 1), (91, 1), (177, 2), (331, 2), (566, 4), (801, 4), (1087, 6), (1373, 6)]
->>> for second, (tokens, running) in enumerate(scrapes):
-...     speed.add(float(second), DecodeCounters(tokens, running))
->>> estimate = speed.estimate()   # the engine: a step takes 9 ms + 2 ms per sequence
+>>> tokens = held = busy = 0.0
+>>> speed.add(DecodeCounters(tokens), held, busy)
+>>> for running in [1, 2, 4, 6]:   # an engine whose step takes 9 ms + 2 ms per sequence
+...     tokens += running / (0.009 + 0.002 * running)   # one second of decoding
+...     held, busy = held + running, busy + 1.0
+...     speed.add(DecodeCounters(tokens), held, busy)
+>>> estimate = speed.estimate()
 >>> round(estimate.decode_rate), round(estimate.throughput or 0)
 (91, 500)
 """
@@ -37,7 +41,7 @@ __all__ = ["Speed", "SpeedEstimator"]
 #: Points kept (one per scrape interval): about a minute at the gateway's one scrape a second.
 _WINDOW = 60
 #: Points needed before there is an estimate.
-_MIN_POINTS = 3
+_MIN_POINTS = 2
 #: Two points whose running sequences differ by less than this say nothing about the slope.
 _MIN_SPREAD = 0.5
 #: Bounds on what is believed (tokens per second): beyond them a counter is broken.
@@ -57,36 +61,33 @@ class SpeedEstimator:
     """Feeds on successive scrapes of one engine (:meth:`add`); :meth:`estimate` fits them."""
 
     def __init__(self, window: int = _WINDOW) -> None:
-        self._last: tuple[float, DecodeCounters] | None = None
+        self._last: tuple[DecodeCounters, float, float] | None = None
         #: (sequences running, seconds per decode step)
         self._points: deque[tuple[float, float]] = deque(maxlen=window)
 
-    def add(self, now: float, counters: DecodeCounters) -> None:
-        """One scrape at ``now`` (seconds, any monotonic clock)."""
-        last, self._last = self._last, (now, counters)
+    def add(self, counters: DecodeCounters, held_seconds: float, busy_seconds: float) -> None:
+        """One scrape, with the ledger's :meth:`~KVAdmissionController.occupancy` read with it
+        (handle-seconds and busy seconds so far)."""
+        last, self._last = self._last, (counters, held_seconds, busy_seconds)
         if last is None:
             return
-        then, before = last
-        seconds = now - then
+        before, held_before, busy_before = last
         tokens = counters.generated - before.generated
-        if seconds <= 0 or tokens <= 0:
-            return  # idle, a restarted engine (its counters began again), or a clock glitch
-        if not (before.running and counters.running):
-            return  # not decoding throughout (or no gauge): its steps would look slow
+        busy = busy_seconds - busy_before
+        held = held_seconds - held_before
+        if tokens <= 0 or busy <= 0 or held <= 0:
+            return  # idle, or a restarted engine (its counters began again)
         if counters.steps is not None and before.steps is not None:
             steps = counters.steps - before.steps
             if steps <= 0:
                 return
             running = tokens / steps
-        elif before.running == counters.running:
-            running = counters.running
-            steps = tokens / running
         else:
-            return  # sequences came or went meanwhile: how many ran, and how long, is unknown
-        rate = tokens / seconds
-        if not _SLOWEST <= rate <= _FASTEST:
+            running = held / busy
+            steps = tokens / running
+        if not _SLOWEST <= tokens / busy <= _FASTEST:
             return
-        self._points.append((max(1.0, running), seconds / steps))
+        self._points.append((max(1.0, running), busy / steps))
 
     def estimate(self) -> Speed | None:
         """The fitted speed, None until there are enough points."""

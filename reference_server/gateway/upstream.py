@@ -269,7 +269,8 @@ class Upstream:
         estimator = SpeedEstimator()
         misses = 0
         while misses < _SPEED_MISSES or self.speed is not None:
-            await anyio.sleep(interval)
+            # Quicker until there is a speed: the first answers' advice is built on it.
+            await anyio.sleep(interval if self.speed is not None else min(interval, 0.25))
             known = self.known
             if known is None:
                 continue
@@ -284,7 +285,7 @@ class Upstream:
                 continue
             misses = 0
             now = time.monotonic()
-            estimator.add(now, counters)
+            estimator.add(counters, *known.ledger.occupancy(now))
             speed = estimator.estimate()
             if speed is not None:
                 self.speed = speed

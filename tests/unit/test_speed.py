@@ -37,10 +37,10 @@ OURS = "kv_generated_tokens_total 42.0\nkv_inflight_requests 2.0\n"
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        (VLLM, DecodeCounters(1500.0, 4.0)),
-        (LLAMA_CPP, DecodeCounters(1000.0, 2.0, 400.0)),
-        (SGLANG, DecodeCounters(77.0, 5.0)),
-        (OURS, DecodeCounters(42.0, 2.0)),
+        (VLLM, DecodeCounters(1500.0)),
+        (LLAMA_CPP, DecodeCounters(1000.0, 400.0)),
+        (SGLANG, DecodeCounters(77.0)),
+        (OURS, DecodeCounters(42.0)),
         ("tgi_batch_current_size 3\n", None),
         ("vllm:generation_tokens_total NaN\n", None),
         ("vllm:generation_tokens_total -4\n", None),
@@ -51,44 +51,55 @@ def test_decode_counters_per_engine(text: str, expected: DecodeCounters | None) 
     assert decode_counters(text) == expected
 
 
-def step_engine(fixed: float, per_sequence: float, runs: list[int]) -> tuple[SpeedEstimator, float]:
-    """Scrapes of an engine whose decode step takes ``fixed + per_sequence x n`` seconds, one
-    second apart, with ``runs[i]`` sequences running for two seconds each in turn (the gauge
-    reads the same at both ends of the second one)."""
-    speed = SpeedEstimator()
-    tokens = 0.0
-    speed.add(0.0, DecodeCounters(tokens, runs[0]))
-    second = 0
+class Engine:
+    """An engine whose decode step takes ``fixed + per_sequence x n`` seconds, scraped once a
+    second alongside the gateway's occupancy (handle-seconds, busy seconds)."""
+
+    def __init__(self, fixed: float, per_sequence: float) -> None:
+        self.fixed, self.per_sequence = fixed, per_sequence
+        self.tokens = self.held = self.busy = 0.0
+        self.speed = SpeedEstimator()
+        self.speed.add(DecodeCounters(0.0), 0.0, 0.0)
+
+    def second(self, running: int, share: float = 1.0) -> None:
+        """One second in which ``running`` sequences decode for ``share`` of it (idle after)."""
+        self.tokens += share * running / (self.fixed + self.per_sequence * running)
+        self.held += share * running
+        self.busy += share
+        self.speed.add(DecodeCounters(self.tokens), self.held, self.busy)
+
+
+def step_engine(fixed: float, per_sequence: float, runs: list[int]) -> Engine:
+    engine = Engine(fixed, per_sequence)
     for n in runs:
-        for _ in range(2):
-            second += 1
-            tokens += n / (fixed + per_sequence * n)
-            speed.add(float(second), DecodeCounters(tokens, n))
-    return speed, tokens
+        engine.second(n)
+    return engine
 
 
 def test_a_step_that_lengthens_per_sequence_gives_both_figures() -> None:
-    estimate = step_engine(0.009, 0.002, [1, 2, 4, 8])[0].estimate()
+    estimate = step_engine(0.009, 0.002, [1, 2, 4, 8]).speed.estimate()
     assert estimate is not None
     assert estimate.decode_rate == pytest.approx(1 / 0.011, rel=0.02)
     assert estimate.throughput == pytest.approx(500, rel=0.02)
 
 
 def test_an_engine_whose_sequences_do_not_slow_each_other_has_no_throughput_limit() -> None:
-    estimate = step_engine(0.001, 0.0, [1, 3, 6, 2])[0].estimate()
+    estimate = step_engine(0.001, 0.0, [1, 3, 6, 2]).speed.estimate()
     assert estimate is not None
     assert estimate.decode_rate == pytest.approx(1000, rel=0.01)
     assert estimate.throughput is None
 
 
-def test_idle_and_partly_idle_intervals_and_restarts_are_not_points() -> None:
-    speed = SpeedEstimator()
-    speed.add(0.0, DecodeCounters(0, 0))
-    speed.add(1.0, DecodeCounters(50, 2))  # began decoding mid-interval: not a point
-    speed.add(2.0, DecodeCounters(150, 3))  # sequences came meanwhile: not a point
-    speed.add(3.0, DecodeCounters(150, 0))  # idle
-    speed.add(4.0, DecodeCounters(10, 1))  # restarted: counters began again
-    assert speed.estimate() is None
+def test_idle_time_is_left_out_and_restarts_are_not_points() -> None:
+    engine = Engine(0.009, 0.002)
+    for n in (2, 4, 8):
+        engine.second(n, share=0.25)  # busy a quarter of each second
+    estimate = engine.speed.estimate()
+    assert estimate is not None
+    assert estimate.decode_rate == pytest.approx(1 / 0.011, rel=0.02)
+    engine.second(0, share=0.0)  # idle: no tokens, no point
+    engine.speed.add(DecodeCounters(10.0), engine.held + 1, engine.busy + 1)  # restarted
+    assert len(engine.speed._points) == 3
 
 
 @settings(max_examples=50, deadline=None)
@@ -101,18 +112,15 @@ def test_idle_and_partly_idle_intervals_and_restarts_are_not_points() -> None:
 def test_a_few_odd_intervals_move_the_fit_little(
     fixed: float, per_sequence: float, runs: list[int], odd: int
 ) -> None:
-    speed, tokens = step_engine(fixed, per_sequence, runs)
-    t = float(2 * len(runs))
-    for _ in range(odd):  # a pause: one running sequence, a tenth of its tokens
-        t += 1.0
-        tokens += 0.1 / (fixed + per_sequence)
-        speed.add(t, DecodeCounters(tokens, 1))
+    engine = step_engine(fixed, per_sequence, runs)
+    for _ in range(odd):  # a stall: one running request that made a tenth of its tokens
+        engine.tokens += 0.1 / (fixed + per_sequence)
+        engine.held += 1
+        engine.busy += 1
+        engine.speed.add(DecodeCounters(engine.tokens), engine.held, engine.busy)
     for n in runs:  # and as many good ones again
-        for _ in range(2):
-            t += 1.0
-            tokens += n / (fixed + per_sequence * n)
-            speed.add(t, DecodeCounters(tokens, n))
-    estimate = speed.estimate()
+        engine.second(n)
+    estimate = engine.speed.estimate()
     assert estimate is not None
     for n in sorted(set(runs)):
         truth = 1 / (fixed + per_sequence * n)
