@@ -48,13 +48,17 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]
         print("| " + " | ".join(cells) + " |")
 
 
-def write_json(name: str, data: dict[str, Any]) -> Path:
-    """Write ``bench/results/NAME.json`` (or under ``$KVCLIENT_BENCH_RESULTS``, for tests)."""
+def result_path(name: str) -> Path:
+    """``bench/results/NAME.json`` (or under ``$KVCLIENT_BENCH_RESULTS``, for tests)."""
     import os
 
-    results = Path(os.environ.get("KVCLIENT_BENCH_RESULTS") or RESULTS)
-    results.mkdir(parents=True, exist_ok=True)
-    path = results / f"{name}.json"
+    return Path(os.environ.get("KVCLIENT_BENCH_RESULTS") or RESULTS) / f"{name}.json"
+
+
+def write_json(name: str, data: dict[str, Any]) -> Path:
+    """Write :func:`result_path` ``(name)``; the path written."""
+    path = result_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **data}, indent=2))
     print(f"\nwrote {path}")
     return path

@@ -45,7 +45,8 @@ figure (even nginx's moves by milliseconds between runs); there the goal is read
 states it, a tenth of LiteLLM's added p50 at 16 connections in the same run, and the 1 ms line is
 printed beside it. Without LiteLLM the 16-connection line is only the fixed 1 ms.
 
-    python bench/gateway_overhead.py [--quick]
+    python bench/gateway_overhead.py [--quick] [--plot docs/img/gateway_cost.png]
+    python bench/gateway_overhead.py --plot docs/img/gateway_cost.png --plot-only  # stored run
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -74,6 +76,7 @@ from _common import (
     print_table,
     write_json,
 )
+from _plots import add_plot_arguments, plot_gateway_cost, plot_only, plot_result
 
 GOAL_ADDED_P50_MS = 1.0
 GOAL_CPU_MS_PER_REQUEST = 0.75
@@ -538,7 +541,15 @@ def main() -> None:
         help="event loops for the gateways, comma-separated (auto, asyncio, uvloop); with more "
         "than one, the local-count gateway gets a row per loop (an A/B in one run)",
     )
+    add_plot_arguments(parser, "gateway_overhead")
     args = parser.parse_args()
+    draw = functools.partial(
+        plot_gateway_cost,
+        goal_ms_per_request=GOAL_CPU_MS_PER_REQUEST,
+        goal_us_per_event=GOAL_CPU_US_PER_EVENT,
+    )
+    if plot_only(parser, args, "gateway_overhead", draw):
+        return
     requests = args.requests or (300 if args.quick else 2000)
     rounds = args.rounds or (1 if args.quick else 3)
     streams = args.streams or (8 if args.quick else 64)
@@ -744,7 +755,7 @@ def main() -> None:
             print(f"non-200 answers through {name}: {bad}")
     for note in notes:
         print(note)
-    write_json(
+    written = write_json(
         "gateway_overhead",
         {
             "command": " ".join(["python", "bench/gateway_overhead.py", *sys.argv[1:]]),
@@ -765,6 +776,7 @@ def main() -> None:
             "notes": notes,
         },
     )
+    plot_result(args, written, draw)
 
 
 if __name__ == "__main__":

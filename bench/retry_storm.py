@@ -29,12 +29,14 @@ Goal for kvclient (and for the SDK through it): at most 1.05 attempts per comple
 request, every request completed within its deadline, a time-averaged reservation at least 95 %
 of the ceiling run's, and a p99 latency at most 1.5x the ceiling run's.
 
-    python bench/retry_storm.py [--quick]
+    python bench/retry_storm.py [--quick] [--plot docs/img/retry_storm.png]
+    python bench/retry_storm.py --plot docs/img/retry_storm.png --plot-only  # from the last run
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 import anyio
@@ -47,6 +49,7 @@ from _common import (
     reference_server_process,
     write_json,
 )
+from _plots import add_plot_arguments, plot_only, plot_result, plot_retry_storm
 
 from kvclient import AsyncClient, RetryPolicy, TiktokenCounter
 from kvclient.loadgen import (
@@ -349,7 +352,11 @@ def main() -> None:
         help="extra argument for every reference server (repeat), e.g. "
         "--server-arg=--retry-after-quantile --server-arg=0.9",
     )
+    add_plot_arguments(parser, "retry_storm")
     args = parser.parse_args()
+    draw = functools.partial(plot_retry_storm, goal_attempts=GOAL_ATTEMPTS)
+    if plot_only(parser, args, "retry_storm", draw):
+        return
     burst = args.burst or (3.0 if args.quick else 12.0)
     deadline = args.deadline or (12.0 if args.quick else 60.0)
     pinned = pin_to_cpu(0)
@@ -448,7 +455,7 @@ def main() -> None:
             f"{verdict('reservation_vs_ceiling')} ({fmt(share, '.1%')}); p99 <= "
             f"{GOAL_P99_RATIO:g}x the ceiling's: {verdict('p99_vs_ceiling')} ({fmt(ratio, '.2f')}x)"
         )
-    write_json(
+    written = write_json(
         "retry_storm",
         {
             "pinned": pinned,
@@ -464,6 +471,7 @@ def main() -> None:
             "results": results,
         },
     )
+    plot_result(args, written, draw)
 
 
 if __name__ == "__main__":

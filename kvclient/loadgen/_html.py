@@ -27,9 +27,18 @@ COLORS = {
     "refusals": "#d62728",
     "goodput": "#9467bd",
     "throughput": "#8c564b",
+    "ideal": "#bbbbbb",
 }
-_W, _H = 760, 300
-_PAD_L, _PAD_R, _PAD_T, _PAD_B = 70, 20, 16, 44
+# The charts' own coordinates (the viewBox): the page scales them to its full width, so these
+# are proportions and font sizes at a 1,200 px wide chart, not pixels on the screen.
+_W, _H = 1200, 380
+_PAD_L, _PAD_R, _PAD_R_AXIS, _PAD_B = 84, 24, 84, 58
+_FONT_TICK, _FONT_TITLE, _FONT_LEGEND = 14, 15, 14
+_LEGEND_ROW, _LEGEND_TOP = 22, 20
+_SWATCH = 26
+#: Width of a legend label in em (a generous average for sans-serif glyphs): labels must not run
+#: into each other, and a row too long wraps.
+_EM_PER_CHAR = 0.56
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +86,39 @@ def _extent(values: Sequence[float]) -> tuple[float, float]:
     return (low, high if high > low else low + 1.0)
 
 
+def _legend_rows(
+    series: Sequence[Series], left: float, right: float
+) -> list[list[tuple[float, Series]]]:
+    """Where each legend entry goes: rows of (x, series), laid out left to right above the plot
+    and wrapped where a row would pass the plot's right edge."""
+    rows: list[list[tuple[float, Series]]] = [[]]
+    x = left
+    for s in series:
+        width = _SWATCH + 8 + len(s.label) * _FONT_LEGEND * _EM_PER_CHAR
+        if rows[-1] and x + width > right:
+            rows.append([])
+            x = left
+        rows[-1].append((x, s))
+        x += width + 28
+    return rows
+
+
+def _legend(rows: Sequence[Sequence[tuple[float, Series]]]) -> str:
+    out = ['<g class="legend">']
+    for i, row in enumerate(rows):
+        y = _LEGEND_TOP + i * _LEGEND_ROW
+        for x, s in row:
+            dash = ' stroke-dasharray="7 5"' if s.dashed else ""
+            out.append(
+                f'<line x1="{x:.1f}" x2="{x + _SWATCH:.1f}" y1="{y - 4}" y2="{y - 4}" '
+                f'stroke="{s.color}" stroke-width="3"{dash}/>'
+                f'<text x="{x + _SWATCH + 8:.1f}" y="{y}" font-size="{_FONT_LEGEND}">'
+                f"{html.escape(s.label)}</text>"
+            )
+    out.append("</g>")
+    return "".join(out)
+
+
 def svg_chart(
     series: Sequence[Series],
     *,
@@ -85,58 +127,75 @@ def svg_chart(
     y2_label: str | None = None,
     marker: tuple[float, str] | None = None,
 ) -> str:
-    """A line chart as inline SVG; ``marker`` draws a labelled vertical line at an x value."""
+    """A line chart as inline SVG, as wide as the page; ``marker`` draws a labelled vertical
+    line at an x value. The legend sits above the plot area, never over a line; every axis has
+    its title (``y2_label``: the right axis, for series with ``axis="right"``)."""
     left = [s for s in series if s.axis == "left"]
     right = [s for s in series if s.axis == "right"]
     xs = [x for s in series for x, _ in s.points]
     x0, x1 = _extent(xs)
     y0, y1 = _extent([y for s in left for _, y in s.points])
     r0, r1 = _extent([y for s in right for _, y in s.points])
-    iw, ih = _W - _PAD_L - _PAD_R, _H - _PAD_T - _PAD_B
+    pad_r = _PAD_R_AXIS if right else _PAD_R
+    rows = _legend_rows(series, _PAD_L, _W - pad_r)
+    top = _LEGEND_TOP + len(rows) * _LEGEND_ROW
+    height = _H + top
+    iw, ih = _W - _PAD_L - pad_r, _H - _PAD_B
 
     def px(x: float) -> float:
         return _PAD_L + (x - x0) / (x1 - x0) * iw
 
     def py(y: float, axis: str = "left") -> float:
         lo, hi = (y0, y1) if axis == "left" else (r0, r1)
-        return _PAD_T + ih - (y - lo) / (hi - lo) * ih
+        return top + ih - (y - lo) / (hi - lo) * ih
 
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" '
-        f'viewBox="0 0 {_W} {_H}" role="img">',
-        f'<rect x="{_PAD_L}" y="{_PAD_T}" width="{iw}" height="{ih}" fill="#fff" stroke="#999"/>',
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="100%" '
+        f'viewBox="0 0 {_W} {height}" preserveAspectRatio="xMidYMid meet" role="img" '
+        f'aria-label="{html.escape(y_label)} against {html.escape(x_label)}">',
+        f'<rect class="plot-area" x="{_PAD_L}" y="{top}" width="{iw}" height="{ih}" fill="#fff" '
+        'stroke="#999"/>',
+        _legend(rows),
     ]
     for t in _ticks(x0, x1):
         out.append(
-            f'<text x="{px(t):.1f}" y="{_PAD_T + ih + 16}" font-size="11" '
+            f'<text x="{px(t):.1f}" y="{top + ih + 20}" font-size="{_FONT_TICK}" '
             f'text-anchor="middle">{_fmt(t)}</text>'
         )
     for t in _ticks(y0, y1):
         out.append(
             f'<line x1="{_PAD_L}" x2="{_PAD_L + iw}" y1="{py(t):.1f}" y2="{py(t):.1f}" '
             'stroke="#eee"/>'
-            f'<text x="{_PAD_L - 6}" y="{py(t) + 4:.1f}" font-size="11" '
+            f'<text x="{_PAD_L - 8}" y="{py(t) + 4:.1f}" font-size="{_FONT_TICK}" '
             f'text-anchor="end">{_fmt(t)}</text>'
         )
     if right:
         for t in _ticks(r0, r1):
             out.append(
-                f'<text x="{_PAD_L + iw + 4}" y="{py(t, "right") + 4:.1f}" font-size="11">'
-                f"{_fmt(t)}</text>"
+                f'<text x="{_PAD_L + iw + 8}" y="{py(t, "right") + 4:.1f}" '
+                f'font-size="{_FONT_TICK}">{_fmt(t)}</text>'
             )
-    out.append(
-        f'<text x="{_PAD_L + iw / 2}" y="{_H - 8}" font-size="12" '
-        f'text-anchor="middle">{html.escape(x_label)}</text>'
-        f'<text x="14" y="{_PAD_T + ih / 2}" font-size="12" text-anchor="middle" '
-        f'transform="rotate(-90 14 {_PAD_T + ih / 2})">{html.escape(y_label)}</text>'
-    )
+    middle = top + ih / 2
+    titles = [
+        (_PAD_L + iw / 2, height - 12, 0, x_label),
+        (20, middle, -90, y_label),
+    ]
+    if right:
+        titles.append((_W - 20, middle, 90, y2_label or ", ".join(s.label for s in right)))
+    for x, y, angle, label in titles:
+        turn = f' transform="rotate({angle} {x:.1f} {y:.1f})"' if angle else ""
+        out.append(
+            f'<text class="axis-title" x="{x:.1f}" y="{y:.1f}" font-size="{_FONT_TITLE}" '
+            f'text-anchor="middle"{turn}>{html.escape(label)}</text>'
+        )
     if marker is not None:
         mx, label = marker
         out.append(
-            f'<line x1="{px(mx):.1f}" x2="{px(mx):.1f}" y1="{_PAD_T}" y2="{_PAD_T + ih}" '
+            f'<line x1="{px(mx):.1f}" x2="{px(mx):.1f}" y1="{top}" y2="{top + ih}" '
             'stroke="#333" stroke-dasharray="4 3"/>'
-            f'<text x="{px(mx) + 4:.1f}" y="{_PAD_T + 14}" font-size="12">'
-            f"{html.escape(label)}</text>"
+            # A white halo: the label stays readable where a line passes under it.
+            f'<text x="{px(mx) + 6:.1f}" y="{top + 18}" font-size="{_FONT_TITLE}" '
+            f'stroke="#fff" stroke-width="4" paint-order="stroke">{html.escape(label)}</text>'
         )
     for s in series:
         points = list(s.points)
@@ -148,7 +207,7 @@ def svg_chart(
         coords = " ".join(f"{px(x):.1f},{py(y, s.axis):.1f}" for x, y in points)
         if s.dots:
             out += [
-                f'<circle cx="{px(x):.1f}" cy="{py(y, s.axis):.1f}" r="4" fill="{s.color}"/>'
+                f'<circle cx="{px(x):.1f}" cy="{py(y, s.axis):.1f}" r="5" fill="{s.color}"/>'
                 for x, y in points
             ]
         if len(points) > 1:
@@ -156,14 +215,6 @@ def svg_chart(
                 f'<polyline points="{coords}" fill="none" stroke="{s.color}" stroke-width="3"'
                 + (' stroke-dasharray="9 7"/>' if s.dashed else "/>")
             )
-    legend_x = _PAD_L + 10
-    for i, s in enumerate(series):
-        y = _PAD_T + 16 + i * 16
-        out.append(
-            f'<rect x="{legend_x}" y="{y - 9}" width="14" height="4" fill="{s.color}"/>'
-            f'<text x="{legend_x + 20}" y="{y - 4}" font-size="11">{html.escape(s.label)}'
-            "</text>"
-        )
     out.append("</svg>")
     return "\n".join(out)
 
@@ -227,14 +278,19 @@ def timeline_chart(records: Sequence[RequestRecord], samples: Sequence[Sample]) 
         Series(kv_label, COLORS["kv"], kv, step=True),
         Series("429s so far (right axis)", COLORS["refusals"], refused, step=True, axis="right"),
     ]
-    return svg_chart(series, x_label="seconds from the start", y_label="KV tokens", y2_label="429s")
+    return svg_chart(
+        series,
+        x_label="seconds from the start",
+        y_label="KV tokens",
+        y2_label="429s received so far",
+    )
 
 
 def sweep_chart(points: Sequence[tuple[float, float, float]], knee_rate: float | None) -> str:
     """``points``: (offered rate, completed per second, goodput per second)."""
     top = max((p[0] for p in points), default=1.0)
     series = [
-        Series("offered = served (ideal)", "#bbbbbb", [(0.0, 0.0), (top, top)]),
+        Series("offered = served (ideal)", COLORS["ideal"], [(0.0, 0.0), (top, top)]),
         Series("completed req/s", COLORS["throughput"], [(p[0], p[1]) for p in points], dots=True),
         Series(
             "goodput (within the SLOs) req/s",
@@ -248,7 +304,8 @@ def sweep_chart(points: Sequence[tuple[float, float, float]], knee_rate: float |
 
 
 _STYLE = """
-body { font-family: sans-serif; margin: 24px; color: #222; max-width: 900px; }
+body { font-family: sans-serif; margin: 24px; color: #222; }
+svg.chart { display: block; width: 100%; height: auto; margin: 8px 0 20px; }
 table { border-collapse: collapse; margin: 8px 0 16px; }
 td, th { border-bottom: 1px solid #ddd; padding: 3px 10px; text-align: left; font-size: 13px; }
 td.v { text-align: right; font-variant-numeric: tabular-nums; }
