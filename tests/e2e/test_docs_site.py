@@ -1,5 +1,5 @@
-"""The docs site: ``mkdocs build --strict`` passes, the API reference lists every public name, and
-a real browser renders its pages.
+"""The docs site: ``mkdocs build --strict`` passes, the API reference lists every public name (and
+no other), and a real browser renders its pages.
 
 The build runs as ``.ci/run`` runs it (strict: a broken link, anchor or image fails it). The
 screenshot test runs Debian's headless Chromium; locally, without it, the test skips and says
@@ -87,6 +87,10 @@ def test_the_api_reference_lists_every_public_name(site: Path, module: str) -> N
     public = importlib.import_module(module).__all__
     missing = [name for name in public if f"{module}.{name}" not in anchors]
     assert not missing, f"{module}: not in the API reference: {missing}"
+    # And nothing else at the module's level: a name it only imports is not its API.
+    shown = {a.removeprefix(f"{module}.") for a in anchors if a.startswith(f"{module}.")}
+    extra = sorted(name for name in shown if "." not in name and name not in public)
+    assert not extra, f"{module}: in the API reference but not in __all__: {extra}"
 
 
 def _pixels(png: Path) -> Counter[str]:
