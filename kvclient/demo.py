@@ -12,19 +12,18 @@ figure is their median with its range, so the run-to-run variance is in the tabl
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 
+from ._cli_options import add_json, add_log_level, setup_logging, to_stdout, write_json
 from ._help import HelpFormatter
 from ._tokens import TiktokenCounter
 from .loadgen._metrics import RequestRecord, Summary, summarize
@@ -66,16 +65,35 @@ def _parser() -> argparse.ArgumentParser:
         default="reserve",
         help="the server's admission strategy; 'prompt' shows the OOMs the seed warns about",
     )
-    p.add_argument("--requests", type=int, default=DEMO_REQUESTS, help="requests per client")
+    p.add_argument(
+        "--requests",
+        type=int,
+        metavar="N",
+        default=DEMO_REQUESTS,
+        help="requests per client",
+    )
     p.add_argument("--rate", type=float, default=DEMO_RATE, help="arrivals per second (Poisson)")
-    p.add_argument("--kv-tokens", type=int, default=DEMO_KV_TOKENS, help="server KV budget")
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        metavar="TOKENS",
+        default=DEMO_KV_TOKENS,
+        help="the server's KV pool in tokens",
+    )
     p.add_argument(
         "--decode-rate",
         type=float,
+        metavar="TOKENS_PER_S",
         default=DEMO_DECODE_RATE,
         help="simulated tokens per second per sequence",
     )
-    p.add_argument("--max-concurrency", type=int, default=8, help="for --admission concurrency")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        metavar="N",
+        default=8,
+        help="the server's request cap, for --admission concurrency",
+    )
     p.add_argument(
         "--seed",
         type=int,
@@ -89,9 +107,8 @@ def _parser() -> argparse.ArgumentParser:
         help="runs of each client; the table shows each figure's median and range "
         "(default %(default)s)",
     )
-    p.add_argument(
-        "--json", type=Path, dest="json_path", help="write both summaries here (default: none)"
-    )
+    add_json(p, "both clients' summaries")
+    add_log_level(p)
     return p
 
 
@@ -307,6 +324,7 @@ def interpret(rounds: Sequence[Sequence[DemoRun]]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    setup_logging(args.log_level)
     if args.repeat < 1:
         print("kvclient demo: --repeat must be at least 1", file=sys.stderr)
         return 2
@@ -324,10 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"adversarial mix at {args.rate:g}/s, reference server in '{args.admission}' admission, "
         f"{args.kv_tokens:,} KV tokens; {runs}"
     )
-    print_table(title, ["", *(run.name for run in rounds[0])], comparison_rows(rounds))
-    print()
-    for line in interpret(rounds):
-        print(textwrap.fill(line, width=100, initial_indent="- ", subsequent_indent="  "))
+    if not to_stdout(args.json_path):
+        print_table(title, ["", *(run.name for run in rounds[0])], comparison_rows(rounds))
+        print()
+        for line in interpret(rounds):
+            print(textwrap.fill(line, width=100, initial_indent="- ", subsequent_indent="  "))
     if args.json_path is not None:
         data: dict[str, Any] = {
             run.name: {"summary": run.summary.to_json(), "server": run.server} for run in rounds[0]
@@ -336,5 +355,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             {run.name: {"summary": run.summary.to_json(), "server": run.server} for run in r}
             for r in rounds
         ]
-        args.json_path.write_text(json.dumps(data, indent=2))
+        write_json(args.json_path, data)
     return 0
