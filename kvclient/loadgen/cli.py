@@ -34,6 +34,7 @@ from .._cli_options import (
     to_stdout,
     write_json,
 )
+from .._dialects import Answer, Budget, Probe, discover_budget
 from .._exceptions import KVClientError
 from .._help import HelpFormatter
 from .._tokens import TiktokenCounter, TokenCounter
@@ -57,6 +58,10 @@ DEFAULT_MAX_FAILURE_RATE = 0.01
 DEFAULT_SWEEP_POINTS = 6
 DEFAULT_SWEEP_SECONDS = 10.0
 DEFAULT_PROBE_CONCURRENCY = 32
+#: Without an arrival mode: the closed loop's concurrency when the KV pool is not discovered,
+#: and the most it is set to when it is.
+DEFAULT_CONCURRENCY = 8
+MAX_DEFAULT_CONCURRENCY = 64
 SAMPLE_INTERVAL = 0.25
 EXIT_FAILURES = 1
 EXIT_USAGE = 2
@@ -100,12 +105,18 @@ def _parser() -> argparse.ArgumentParser:
     add_context_window(
         p, "the model's context window (default: discovered from the server, /v1/models)"
     )
-    loop = p.add_argument_group("arrivals (one of --rate, --concurrency or --sweep)")
+    loop = p.add_argument_group(
+        "arrivals (at most one of --rate, --concurrency or --sweep)",
+        "Without any: a closed loop at the concurrency the server's KV pool holds at worst "
+        "case (its whole context windows, or llama.cpp's slots; at most "
+        f"{MAX_DEFAULT_CONCURRENCY}, {DEFAULT_CONCURRENCY} when the pool is not discovered). "
+        "A closed loop cannot outrun the server, and every request it keeps in flight fits, so "
+        "the run measures serving rather than refusals; the line it prints says what it chose.",
+    )
     loop.add_argument(
         "--rate",
         type=float,
-        help="open loop: requests per second (no default: give one of --rate, --concurrency, "
-        "--sweep)",
+        help="open loop: requests per second (default: a closed loop, see above)",
     )
     loop.add_argument(
         "--arrival",
@@ -118,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         "--concurrency",
         type=int,
         metavar="N",
-        help="closed loop: requests in flight (default: none)",
+        help="closed loop: requests in flight (default: matched to the server's KV pool)",
     )
     loop.add_argument(
         "--requests",
@@ -310,8 +321,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.url is None:
         raise UsageError(no_url_message())
     kinds = sum(x is not None for x in (args.rate, args.concurrency)) + bool(args.sweep)
-    if kinds != 1:
-        raise UsageError("give exactly one of --rate, --concurrency and --sweep")
+    if kinds > 1:
+        raise UsageError("give at most one of --rate, --concurrency and --sweep")
     if args.sweep and not (args.slo_ttft or args.slo_tpot or args.slo_latency):
         raise UsageError("--sweep needs a target: --slo-latency, --slo-ttft or --slo-tpot")
     if args.sweep and args.sweep_points < 1:
@@ -336,6 +347,52 @@ def make_counter(tokenizer: Path | None) -> TokenCounter:
         return load_tokenizer(tokenizer)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def default_concurrency(budget: Budget, context_window: int) -> tuple[int, str]:
+    """The closed loop's concurrency when no arrival mode is given, and why (pure): the requests
+    the KV pool holds when each reserves a whole context window (llama.cpp: its slots)."""
+    if budget.max_concurrency is not None:
+        n = budget.max_concurrency
+        why = f"the server's {n} slots"
+    elif budget.kv_tokens is not None and context_window > 0:
+        n = budget.kv_tokens // context_window
+        why = (
+            f"its KV pool of {budget.kv_tokens:,} tokens holds {n} whole "
+            f"{context_window:,}-token context windows"
+        )
+    else:
+        return DEFAULT_CONCURRENCY, "the server's KV pool was not discovered"
+    if n > MAX_DEFAULT_CONCURRENCY:
+        return MAX_DEFAULT_CONCURRENCY, f"{why}; at most {MAX_DEFAULT_CONCURRENCY}"
+    return max(1, n), why
+
+
+async def find_budget(url: str, api_key: str | None) -> Budget:
+    """The server's KV pool, through the engine dialects' probes; an unknown pool when it does
+    not say (or cannot be reached)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    driver = discover_budget()
+    async with httpx.AsyncClient(
+        base_url=url.rstrip("/").removesuffix("/v1"), headers=headers, timeout=10.0
+    ) as http:
+        probe: Probe = next(driver)
+        while True:
+            try:
+                response = await http.request(probe.method, probe.path, json=probe.json)
+            except httpx.HTTPError:
+                return Budget(None)
+            payload: Any = response.text
+            if probe.path != "/metrics":
+                try:
+                    payload = response.json()
+                except ValueError:
+                    payload = None
+            try:
+                probe = driver.send(Answer(response.status_code, payload))
+            except StopIteration as stop:
+                found: Budget = stop.value
+                return found
 
 
 def build_items(args: argparse.Namespace, count: int, counter: TokenCounter) -> list[WorkItem]:
@@ -717,6 +774,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 context_window=args.context_window,
             )
         )
+        if args.rate is None and args.concurrency is None and not args.sweep:
+            budget = anyio.run(find_budget, args.url, _api_key(args))
+            args.concurrency, why = default_concurrency(budget, served.context_window)
+            print(
+                f"kvclient bench: no arrival mode given: closed loop at --concurrency "
+                f"{args.concurrency} ({why})",
+                file=sys.stderr,
+            )
     except (UsageError, PreflightError, KVClientError, ValueError, OSError) as exc:
         return _fail(str(exc))
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)  # noqa: E731
