@@ -164,3 +164,38 @@ def test_demo_table_shows_median_and_range_over_repeats() -> None:
     assert lines[-1].startswith("Variance: each cell is the median of 3 runs")
     oom = demo.interpret([[_run("naive client", 5, 0, oom=1), _run("kvclient", 5, 0, oom=2)]])
     assert oom[0].startswith("The server admitted more than its KV cache holds: 3 OOM events")
+
+
+def _latency_run(name: str, http_429: int, attempts: int, p50: float) -> demo.DemoRun:
+    records = []
+    for i in range(10):
+        r = RequestRecord(index=i, planned=0.0, prompt_tokens=1, max_tokens_requested=None)
+        r.sent, r.end, r.attempts, r.ok = 0.0, p50, attempts, True
+        r.http_429 = http_429 // 10
+        records.append(r)
+    summary = summarize(records, duration=2.0, deadline=45.0)
+    return demo.DemoRun(name, summary, {"kv_oom_events_total": 0.0})
+
+
+def test_demo_closing_text_follows_the_figures() -> None:
+    """Hammering is named only when the naive client did hammer (more 429s, more attempts)."""
+    quiet = demo.interpret(
+        [[_latency_run("naive client", 0, 1, 0.5), _latency_run("kvclient", 0, 1, 0.9)]]
+    )
+    text = " ".join(quiet)
+    assert "hammering" not in text
+    assert "Neither client got a 429" in text
+    assert "not because the naive client hammered" in text
+    assert "kvclient kept the client's half" not in text
+
+    stormy = demo.interpret(
+        [[_latency_run("naive client", 300, 31, 0.5), _latency_run("kvclient", 10, 2, 0.9)]]
+    )
+    text = " ".join(stormy)
+    assert "grabs freed capacity by hammering" in text
+    assert "10 429s against 300" in text
+
+    faster = demo.interpret(
+        [[_latency_run("naive client", 300, 31, 0.9), _latency_run("kvclient", 10, 2, 0.5)]]
+    )
+    assert "hammering" not in " ".join(faster)
