@@ -265,13 +265,20 @@ def _median(runs: Sequence[DemoRun], value: Callable[[DemoRun], float | None]) -
     return statistics.median(values) if values else None
 
 
-def interpret(rounds: Sequence[Sequence[DemoRun]]) -> list[str]:
-    """What the table says, in sentences computed from it (pure)."""
+def interpret(rounds: Sequence[Sequence[DemoRun]], *, admission: str = "reserve") -> list[str]:
+    """What the table says, in sentences computed from it and the server's ``admission``
+    strategy (pure)."""
     naive = [r[0] for r in rounds]
     ours = [r[1] for r in rounds]
     lines = []
     ooms = sum(run.server.get("kv_oom_events_total", 0) for run in (*naive, *ours))
-    if ooms == 0:
+    if ooms == 0 and admission != "reserve":
+        lines.append(
+            f"No OOM event this time, but not by design: in '{admission}' admission the server "
+            "does not reserve each request's output cap, so more load (or another seed) can "
+            "overflow its KV cache; the 'reserve' default cannot."
+        )
+    elif ooms == 0:
         lines.append(
             "The server kept its half: no OOM event with either client, because it reserves "
             "prompt + output cap before admitting."
@@ -363,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not to_stdout(args.json_path):
         print_table(title, ["", *(run.name for run in rounds[0])], comparison_rows(rounds))
         print()
-        for line in interpret(rounds):
+        for line in interpret(rounds, admission=args.admission):
             print(textwrap.fill(line, width=100, initial_indent="- ", subsequent_indent="  "))
     if args.json_path is not None:
         data: dict[str, Any] = {

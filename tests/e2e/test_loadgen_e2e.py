@@ -195,6 +195,13 @@ def test_demo_closing_text_follows_the_figures() -> None:
     assert "grabs freed capacity by hammering" in text
     assert "10 429s against 300" in text
 
+    lucky = demo.interpret(
+        [[_latency_run("naive client", 0, 1, 0.5), _latency_run("kvclient", 0, 1, 0.5)]],
+        admission="prompt",
+    )
+    assert lucky[0].startswith("No OOM event this time, but not by design")
+    assert "because it reserves" not in " ".join(lucky)
+
     faster = demo.interpret(
         [[_latency_run("naive client", 300, 31, 0.9), _latency_run("kvclient", 10, 2, 0.5)]]
     )
