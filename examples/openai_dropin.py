@@ -21,6 +21,8 @@ from kvclient import RetryPolicy
 from kvclient.openai import OpenAI, Transport
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+# kvclient logs each retry at INFO: shown. httpx logs each HTTP request at INFO: hidden.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 BASE_URL = os.environ.get("KVCLIENT_BASE_URL", "http://127.0.0.1:8000") + "/v1"
 
 

@@ -14,6 +14,8 @@ import os
 from kvclient import Client, KVClientError, RetryPolicy
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+# kvclient logs each retry at INFO: shown. httpx logs each HTTP request at INFO: hidden.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 BASE_URL = os.environ.get("KVCLIENT_BASE_URL", "http://127.0.0.1:8000")
 
 

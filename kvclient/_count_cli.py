@@ -10,12 +10,22 @@ from pathlib import Path
 from typing import Any
 
 from ._accounting import effective_output_cap
+from ._cli_options import (
+    add_api_key,
+    add_context_window,
+    add_log_level,
+    add_model,
+    add_tokenizer,
+    hidden_alias,
+    load_tokenizer,
+    resolve_client,
+    setup_logging,
+)
 from ._dialects import TOKENIZE_ENGINES
 from ._exceptions import KVClientError
 from ._help import HelpFormatter
 from ._tokens import (
     DEFAULT_NON_TEXT_PART_TOKENS,
-    HuggingFaceCounter,
     TiktokenCounter,
     TokenCounter,
     count_chat_request,
@@ -30,28 +40,29 @@ def _parser() -> argparse.ArgumentParser:
         'messages, or {"messages": [...], "tools": [...]}), offline, and show the max_tokens '
         "kvclient would send.",
     )
-    parser.add_argument("text", nargs="?", help="the prompt (default: standard input)")
+    parser.add_argument(
+        "text",
+        nargs="?",
+        metavar="INPUT",
+        help="the prompt; with --chat, the chat request's JSON or a file holding it ('-': "
+        "standard input) (default: standard input)",
+    )
     parser.add_argument(
         "--chat",
-        nargs="?",
-        const="",
-        metavar="FILE",
-        help="the input is a chat request in JSON: from FILE ('-': standard input), else from "
-        "the text argument or standard input (default: the input is a prompt)",
+        action="store_true",
+        help="the input is a chat request in JSON (default: the input is a prompt)",
     )
     counters = parser.add_mutually_exclusive_group()
+    add_tokenizer(counters, "count with it", "tiktoken")
+    hidden_alias(counters, "--hf-tokenizer", dest="tokenizer", type=Path)
     counters.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="a local model directory (tokenizer.json, tokenizer_config.json, chat template): "
-        "exact counts, the chat template rendered as the server renders it (default: tiktoken)",
+        "--server",
+        metavar="URL",
+        help="ask this server's /tokenize instead, with --api-key and --model "
+        "(default: count here)",
     )
-    counters.add_argument(
-        "--hf-tokenizer", help="path to a bare Hugging Face tokenizer.json (default: tiktoken)"
-    )
-    counters.add_argument(
-        "--server", metavar="URL", help="ask the server's /tokenize instead (default: count here)"
-    )
+    add_api_key(parser)
+    add_model(parser, "with --server: the model whose tokenizer counts (default: the server's)")
     parser.add_argument(
         "--engine",
         choices=sorted(TOKENIZE_ENGINES),
@@ -69,37 +80,48 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_NON_TEXT_PART_TOKENS,
         help="tokens counted per image or audio part (default: %(default)s)",
     )
+    add_context_window(parser, "the model's context window: show the effective max_tokens too "
+                       "(default: no)")  # fmt: skip
     parser.add_argument(
-        "--context-window", type=int, help="show the effective max_tokens too (default: no)"
+        "--max-tokens", type=int, metavar="TOKENS", help="the requested cap (default: unset)"
     )
-    parser.add_argument("--max-tokens", type=int, help="the requested cap (default: unset)")
+    add_log_level(parser)
     return parser
 
 
+def _compat(argv: Sequence[str]) -> list[str]:
+    """``--chat=FILE`` (``--chat`` took a value before it became a flag) as ``--chat FILE``."""
+    out: list[str] = []
+    for arg in argv:
+        if arg.startswith("--chat="):
+            out += ["--chat", arg.removeprefix("--chat=")]
+        else:
+            out.append(arg)
+    return out
+
+
 def _read_chat(args: argparse.Namespace) -> str:
-    source: str = args.chat
-    if source == "-":
+    source: str | None = args.text
+    if source is None or source == "-":
         return sys.stdin.read()
-    # A value that is not a file is the JSON itself (``--chat '[...]'``, as before FILE existed).
-    if source and not source.lstrip().startswith(("[", "{")):
+    # A value that is not JSON is the name of a file holding it.
+    if not source.lstrip().startswith(("[", "{")):
         return Path(source).read_text(encoding="utf-8")
-    if source:
-        return source
-    return args.text if args.text is not None else sys.stdin.read()
+    return source
 
 
 def _counter(args: argparse.Namespace) -> TokenCounter:
-    if args.tokenizer:
-        return HuggingFaceCounter.from_pretrained(
-            args.tokenizer, non_text_part_tokens=args.media_tokens
-        )
-    if args.hf_tokenizer:
-        return HuggingFaceCounter(args.hf_tokenizer, non_text_part_tokens=args.media_tokens)
+    if args.tokenizer is not None:
+        return load_tokenizer(args.tokenizer, non_text_part_tokens=args.media_tokens)
     if args.server:
         from ._server_counter import ServerTokenizeCounter
 
         return ServerTokenizeCounter(
-            args.server, engine=args.engine, non_text_part_tokens=args.media_tokens
+            args.server,
+            engine=args.engine,
+            model=args.model,
+            api_key=args.api_key,
+            non_text_part_tokens=args.media_tokens,
         )
     return TiktokenCounter(
         args.encoding, path=args.tiktoken_file, non_text_part_tokens=args.media_tokens
@@ -107,14 +129,16 @@ def _counter(args: argparse.Namespace) -> TokenCounter:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_compat(sys.argv[1:] if argv is None else argv))
+    setup_logging(args.log_level)
+    resolve_client(args)
     try:
         counter = _counter(args)
-        if args.chat is not None:
+        if args.chat:
             try:
                 text = _read_chat(args)
             except OSError as exc:
-                print(f"kvclient count: cannot read --chat file: {exc}", file=sys.stderr)
+                print(f"kvclient count: cannot read the chat file: {exc}", file=sys.stderr)
                 return 2
             try:
                 request: Any = json.loads(text)

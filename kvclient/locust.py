@@ -24,12 +24,13 @@ A locustfile (``pip install 'kvclient[locust]'``)::
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from locust import User, task
+from locust import User, events, task
 
 from ._exceptions import KVClientError
 from ._models import Completion, RetryEvent
@@ -43,6 +44,20 @@ __all__ = ["KVClientUser"]
 
 _clients: dict[tuple[str, str | None, int | None, str | None], Client] = {}
 _clients_lock = threading.Lock()
+
+
+def _quiet_http_logs(environment: Any, **_kwargs: Any) -> None:
+    """Locust logs at INFO, and httpx (kvclient's client sends with it) logs a line per HTTP
+    request at INFO: thousands of lines over Locust's own. They show at ``--loglevel DEBUG``."""
+    options = getattr(environment, "parsed_options", None)
+    if str(getattr(options, "loglevel", "INFO")).upper() == "DEBUG":
+        return
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+_init: Any = events.init  # locust's hooks are untyped
+_init.add_listener(_quiet_http_logs)
 
 
 class KVClientUser(User):

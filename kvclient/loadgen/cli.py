@@ -8,7 +8,6 @@ outputs' needs are checked, each failure one line and exit status 2. After it, t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -19,6 +18,23 @@ from typing import Any
 import anyio
 import httpx
 
+from .._cli_options import (
+    add_api_key,
+    add_context_window,
+    add_json,
+    add_log_level,
+    add_model,
+    add_tokenizer,
+    add_url,
+    hidden_alias,
+    load_tokenizer,
+    no_url_message,
+    resolve_client,
+    setup_logging,
+    to_stdout,
+    write_json,
+)
+from .._dialects import Answer, Budget, Probe, discover_budget
 from .._exceptions import KVClientError
 from .._help import HelpFormatter
 from .._tokens import TiktokenCounter, TokenCounter
@@ -42,6 +58,10 @@ DEFAULT_MAX_FAILURE_RATE = 0.01
 DEFAULT_SWEEP_POINTS = 6
 DEFAULT_SWEEP_SECONDS = 10.0
 DEFAULT_PROBE_CONCURRENCY = 32
+#: Without an arrival mode: the closed loop's concurrency when the KV pool is not discovered,
+#: and the most it is set to when it is.
+DEFAULT_CONCURRENCY = 8
+MAX_DEFAULT_CONCURRENCY = 64
 SAMPLE_INTERVAL = 0.25
 EXIT_FAILURES = 1
 EXIT_USAGE = 2
@@ -79,23 +99,24 @@ def _parser() -> argparse.ArgumentParser:
         "1 when more than --max-failure-rate of the requests did not complete (or a sweep "
         "found no rate within the SLOs), 2 when the server or the arguments cannot work.",
     )
-    p.add_argument(
-        "url",
-        nargs="?",
-        help="server base URL, e.g. http://127.0.0.1:8000 (default: $KVCLIENT_BASE_URL or "
-        "$OPENAI_BASE_URL)",
+    add_url(p)
+    add_model(p, "the model to send (default: the first one /v1/models lists)")
+    add_api_key(p)
+    add_context_window(
+        p, "the model's context window (default: discovered from the server, /v1/models)"
     )
-    p.add_argument("--model", help="model name (default: the first one /v1/models lists)")
-    p.add_argument("--api-key", help="bearer token (default: $KVCLIENT_API_KEY or $OPENAI_API_KEY)")
-    p.add_argument(
-        "--context-window", type=int, help="default: discovered from the server (/v1/models)"
+    loop = p.add_argument_group(
+        "arrivals (at most one of --rate, --concurrency or --sweep)",
+        "Without any: a closed loop at the concurrency the server's KV pool holds at worst "
+        "case (its whole context windows, or llama.cpp's slots; at most "
+        f"{MAX_DEFAULT_CONCURRENCY}, {DEFAULT_CONCURRENCY} when the pool is not discovered). "
+        "A closed loop cannot outrun the server, and every request it keeps in flight fits, so "
+        "the run measures serving rather than refusals; the line it prints says what it chose.",
     )
-    loop = p.add_argument_group("arrivals (one of --rate, --concurrency or --sweep)")
     loop.add_argument(
         "--rate",
         type=float,
-        help="open loop: requests per second (no default: give one of --rate, --concurrency, "
-        "--sweep)",
+        help="open loop: requests per second (default: a closed loop, see above)",
     )
     loop.add_argument(
         "--arrival",
@@ -105,9 +126,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     loop.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
     loop.add_argument(
-        "--concurrency", type=int, help="closed loop: requests in flight (default: none)"
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help="closed loop: requests in flight (default: matched to the server's KV pool)",
     )
-    loop.add_argument("--num-requests", type=int, help=f"default {DEFAULT_NUM_REQUESTS}")
+    loop.add_argument(
+        "--requests",
+        type=int,
+        dest="num_requests",
+        metavar="N",
+        help=f"requests to send (default {DEFAULT_NUM_REQUESTS}; with --duration, until it ends)",
+    )
+    hidden_alias(loop, "--num-requests", dest="num_requests", type=int)
     loop.add_argument(
         "--duration",
         type=float,
@@ -152,29 +183,32 @@ def _parser() -> argparse.ArgumentParser:
     )
     work.add_argument(
         "--dataset",
-        "--workload-file",
         type=Path,
-        dest="dataset",
+        metavar="FILE",
         help="our JSONL (prompt or messages, max_tokens) or ShareGPT JSON (first human turn "
         "as prompt, the reply's length as max_tokens; default: a synthetic workload)",
     )
+    hidden_alias(work, "--workload-file", dest="dataset", type=Path)
     work.add_argument(
         "--prompt-tokens",
         type=_range,
-        help="synthetic prompt length MIN:MAX (default: the seed's mix)",
+        metavar="MIN:MAX",
+        help="synthetic prompts' length in tokens, drawn from MIN:MAX, or N "
+        "(default: the seed's mix)",
     )
     work.add_argument(
-        "--max-tokens",
+        "--max-tokens-range",
         type=_range,
-        help="synthetic output cap MIN:MAX (default: the seed's mix)",
+        metavar="MIN:MAX",
+        help="synthetic requests' max_tokens, drawn from MIN:MAX, or N (default: the seed's mix)",
     )
+    hidden_alias(work, "--max-tokens", dest="max_tokens_range", type=_range)
     work.add_argument("--unset-cap-share", type=float, default=0.0, help="share sent with no cap")
     work.add_argument("--chat", action="store_true", help="send prompts as chat")
-    work.add_argument(
-        "--tokenizer",
-        type=Path,
-        help="the model's tokenizer.json or model directory: counts tokens and makes synthetic "
-        "prompts of exact lengths for it (default: tiktoken cl100k_base)",
+    add_tokenizer(
+        work,
+        "counts tokens and makes synthetic prompts of exact lengths for it",
+        "tiktoken cl100k_base",
     )
     work.add_argument(
         "--seed",
@@ -202,22 +236,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--slo-latency", type=float, help="goodput: end-to-end goal in seconds (default: none)"
     )
-    p.add_argument(
-        "--json", type=Path, dest="json_path", help="write the summary here (default: none)"
-    )
+    add_json(p, "the summary")
     p.add_argument("--records", action="store_true", help="with --json: per-request records too")
     p.add_argument(
         "--plot",
+        metavar="FILE",
         type=Path,
         help="PNG of latency and rejections, or the sweep curve (default: none)",
     )
     p.add_argument(
         "--html",
+        metavar="FILE",
         type=Path,
         help="one self-contained page: summary, latency distributions, timeline of in-flight "
         "KV and refusals, sweep curve (default: none)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_log_level(p)
     return p
 
 
@@ -282,15 +317,12 @@ def _writable(path: Path, flag: str) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything that can be known wrong before the run, so no run is wasted on it."""
-    from .._client import BASE_URL_ENV, from_env
-
+    resolve_client(args)
     if args.url is None:
-        args.url = from_env(BASE_URL_ENV)
-        if args.url is None:
-            raise UsageError(f"give the server's URL, or set {' or '.join(BASE_URL_ENV)}")
+        raise UsageError(no_url_message())
     kinds = sum(x is not None for x in (args.rate, args.concurrency)) + bool(args.sweep)
-    if kinds != 1:
-        raise UsageError("give exactly one of --rate, --concurrency and --sweep")
+    if kinds > 1:
+        raise UsageError("give at most one of --rate, --concurrency and --sweep")
     if args.sweep and not (args.slo_ttft or args.slo_tpot or args.slo_latency):
         raise UsageError("--sweep needs a target: --slo-latency, --slo-ttft or --slo-tpot")
     if args.sweep and args.sweep_points < 1:
@@ -298,7 +330,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.dataset is not None and not args.dataset.is_file():
         raise UsageError(f"--dataset {args.dataset}: no such file")
     for flag, path in (("--json", args.json_path), ("--plot", args.plot), ("--html", args.html)):
-        if path is not None:
+        if path is not None and not (flag == "--json" and to_stdout(path)):
             _writable(path, flag)
     if args.plot is not None:
         try:
@@ -311,29 +343,68 @@ def make_counter(tokenizer: Path | None) -> TokenCounter:
     """The run's token counter: the model's own tokenizer when given (a file or a directory)."""
     if tokenizer is None:
         return TiktokenCounter()
-    from .._tokens import HuggingFaceCounter
+    try:
+        return load_tokenizer(tokenizer)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
-    from_pretrained = getattr(HuggingFaceCounter, "from_pretrained", None)
-    if tokenizer.is_dir():
-        if from_pretrained is not None:
-            counter: TokenCounter = from_pretrained(tokenizer)
-            return counter
-        tokenizer = tokenizer / "tokenizer.json"
-    if not tokenizer.is_file():
-        raise UsageError(f"--tokenizer: no {tokenizer}")
-    return HuggingFaceCounter(tokenizer)
+
+def default_concurrency(budget: Budget, context_window: int) -> tuple[int, str]:
+    """The closed loop's concurrency when no arrival mode is given, and why (pure): the requests
+    the KV pool holds when each reserves a whole context window (llama.cpp: its slots)."""
+    if budget.max_concurrency is not None:
+        n = budget.max_concurrency
+        why = f"the server's {n} slots"
+    elif budget.kv_tokens is not None and context_window > 0:
+        n = budget.kv_tokens // context_window
+        why = (
+            f"its KV pool of {budget.kv_tokens:,} tokens holds {n} whole "
+            f"{context_window:,}-token context windows"
+        )
+    else:
+        return DEFAULT_CONCURRENCY, "the server's KV pool was not discovered"
+    if n > MAX_DEFAULT_CONCURRENCY:
+        return MAX_DEFAULT_CONCURRENCY, f"{why}; at most {MAX_DEFAULT_CONCURRENCY}"
+    return max(1, n), why
+
+
+async def find_budget(url: str, api_key: str | None) -> Budget:
+    """The server's KV pool, through the engine dialects' probes; an unknown pool when it does
+    not say (or cannot be reached)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    driver = discover_budget()
+    async with httpx.AsyncClient(
+        base_url=url.rstrip("/").removesuffix("/v1"), headers=headers, timeout=10.0
+    ) as http:
+        probe: Probe = next(driver)
+        while True:
+            try:
+                response = await http.request(probe.method, probe.path, json=probe.json)
+            except httpx.HTTPError:
+                return Budget(None)
+            payload: Any = response.text
+            if probe.path != "/metrics":
+                try:
+                    payload = response.json()
+                except ValueError:
+                    payload = None
+            try:
+                probe = driver.send(Answer(response.status_code, payload))
+            except StopIteration as stop:
+                found: Budget = stop.value
+                return found
 
 
 def build_items(args: argparse.Namespace, count: int, counter: TokenCounter) -> list[WorkItem]:
     if args.dataset is not None:
         return list(cycle(load_dataset(args.dataset, counter, chat=args.chat), count))
-    if args.prompt_tokens is None and args.max_tokens is None:
+    if args.prompt_tokens is None and args.max_tokens_range is None:
         shapes: Sequence[Shape] = MIXED
     else:
         shapes = [
             Shape(
                 prompt_tokens=args.prompt_tokens or (100, 1000),
-                max_tokens=args.max_tokens or (50, 500),
+                max_tokens=args.max_tokens_range or (50, 500),
                 unset_cap_share=args.unset_cap_share,
             )
         ]
@@ -691,6 +762,7 @@ def _fail(message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    setup_logging(args.log_level)
     try:
         check_args(args)
         args.counter = make_counter(args.tokenizer)
@@ -702,6 +774,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 context_window=args.context_window,
             )
         )
+        if args.rate is None and args.concurrency is None and not args.sweep:
+            budget = anyio.run(find_budget, args.url, _api_key(args))
+            args.concurrency, why = default_concurrency(budget, served.context_window)
+            print(
+                f"kvclient bench: no arrival mode given: closed loop at --concurrency "
+                f"{args.concurrency} ({why})",
+                file=sys.stderr,
+            )
     except (UsageError, PreflightError, KVClientError, ValueError, OSError) as exc:
         return _fail(str(exc))
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)  # noqa: E731
@@ -716,9 +796,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report_one(args: argparse.Namespace, result: BenchResult) -> int:
-    print_result(result)
+    if not to_stdout(args.json_path):
+        print_result(result)
     if args.json_path is not None:
-        args.json_path.write_text(json.dumps(result.to_json(with_records=args.records), indent=2))
+        write_json(args.json_path, result.to_json(with_records=args.records))
     if args.plot is not None:
         _plot(result.records, args.plot)
     if args.html is not None:
@@ -756,14 +837,15 @@ def _report_sweep(args: argparse.Namespace, sweep: SweepResult) -> int:
         f"kvclient bench --sweep: {sweep.capacity:.2f} req/s flat out; a rate passes when "
         f"{args.sweep_attainment:.0%} of its requests complete within {slo}"
     )
-    print_table(title, SWEEP_HEADERS, sweep_rows(sweep))
     at_knee = sweep.at_knee()
-    if sweep.knee is None:
-        print("no rate met the SLOs")
-    else:
-        print(f"knee: {sweep.knee:.2f} req/s ({sweep.knee / sweep.capacity:.0%} of flat out)")
+    if not to_stdout(args.json_path):
+        print_table(title, SWEEP_HEADERS, sweep_rows(sweep))
+        if sweep.knee is None:
+            print("no rate met the SLOs")
+        else:
+            print(f"knee: {sweep.knee:.2f} req/s ({sweep.knee / sweep.capacity:.0%} of flat out)")
     if args.json_path is not None:
-        args.json_path.write_text(json.dumps(sweep.to_json(with_records=args.records), indent=2))
+        write_json(args.json_path, sweep.to_json(with_records=args.records))
     if args.plot is not None:
         _plot_sweep(sweep, args.plot)
     if args.html is not None:

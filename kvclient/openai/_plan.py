@@ -21,6 +21,7 @@ from .._tokens import TokenCounter
 
 __all__ = [
     "LOCAL_HEADER",
+    "LOCAL_REASON",
     "NO_RETRY_HEADER",
     "Plan",
     "base_url_of",
@@ -38,6 +39,9 @@ __all__ = [
 NO_RETRY_HEADER = "x-should-retry"
 #: Marks an answer that kvclient made up itself: no byte of the request reached the server.
 LOCAL_HEADER = "x-kvclient-local"
+#: Ends the reason phrase of such an answer. The SDK's httpx client logs every answer its
+#: transport returns as an "HTTP Request" line; ``_transport`` drops the lines of these ones.
+LOCAL_REASON = "(answered by kvclient, not sent)"
 
 _CHAT_SUFFIX = "/chat/completions"
 _TEXT_SUFFIX = "/completions"
@@ -160,8 +164,12 @@ def plan_request(client: BaseClient, kind: str, body: dict[str, Any]) -> Plan | 
 def _json_response(
     status: int, error: dict[str, Any], headers: Mapping[str, str]
 ) -> httpx.Response:
+    reason = f"{httpx.codes.get_reason_phrase(status)} {LOCAL_REASON}"
     return httpx.Response(
-        status, headers={**headers, NO_RETRY_HEADER: "false"}, json={"error": error}
+        status,
+        headers={**headers, NO_RETRY_HEADER: "false"},
+        json={"error": error},
+        extensions={"reason_phrase": reason.encode("ascii")},
     )
 
 

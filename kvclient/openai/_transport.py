@@ -14,6 +14,7 @@ What both transports do without I/O is here (``_Shared``); ``AsyncTransport`` is
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from .._exceptions import (
 )
 from .._replicas import Call, normalize_base_url
 from ._plan import (
+    LOCAL_REASON,
     InvalidCap,
     Plan,
     base_url_of,
@@ -58,6 +60,38 @@ def _parse(content: bytes) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+logger = logging.getLogger("kvclient.openai")
+
+
+class _LocalAnswers(logging.Filter):
+    """Drops httpx's "HTTP Request" record of an answer kvclient made itself (a local refusal,
+    "gave up"): httpx's client logs whatever its transport returns as a request it sent, and
+    none was. The answer is told at DEBUG under kvclient's own logger instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if (
+            isinstance(args, tuple)
+            and len(args) == 5
+            and isinstance(args[4], str)
+            and args[4].endswith(LOCAL_REASON)
+        ):
+            logger.debug("not sent, answered here: %s %s %s %s", args[0], args[1], args[3], args[4])
+            return False
+        return True
+
+
+_LOCAL_ANSWERS = _LocalAnswers()
+
+
+def _hide_local_answers() -> None:
+    """Installed on httpx's logger when a transport is made (never on import); it only ever
+    drops records of kvclient's own answers."""
+    httpx_logger = logging.getLogger("httpx")
+    if _LOCAL_ANSWERS not in httpx_logger.filters:
+        httpx_logger.addFilter(_LOCAL_ANSWERS)
+
+
 class _Shared:
     """What both transports do without I/O, around a kvclient client ``self._kv``."""
 
@@ -66,6 +100,7 @@ class _Shared:
     def _setup(self, base_url: str | Sequence[str] | None) -> None:
         self._base_url_known = base_url is not None
         self._learn_lock = threading.Lock()
+        _hide_local_answers()
 
     @property
     def context_window(self) -> int | None:

@@ -9,10 +9,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvclient._cli_options import TOKENIZER_HELP, add_log_level, setup_logging
 from kvclient._help import HelpFormatter
 
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION
-from ..http.serving import LOG_LEVELS, configure, load_tokenizer, serve, serve_workers
+from ..http.serving import configure, load_tokenizer, serve, serve_workers
 from .config import DEFAULT_DECODE_RATE, DEFAULT_LEASE_SECONDS, DEFAULT_SEND_TIMEOUT, GatewayConfig
 
 __all__ = ["build_parser", "config_from_args", "main"]
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="an engine's base URL, e.g. http://127.0.0.1:8000 (repeat for several)",
     )  # fmt: skip
     parser.add_argument(
-        "--kv-tokens", action="append", type=int, default=[], metavar="N",
+        "--kv-tokens", action="append", type=int, default=[], metavar="TOKENS",
         help="the KV budget of the upstream at the same position (default: discovered)",
     )  # fmt: skip
     add = parser.add_argument
@@ -72,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(a client that stopped reading), releasing its reservation (default: %(default)s)",
     )  # fmt: skip
     add(
-        "--tokenizer", type=Path, metavar="DIR",
-        help="count with this local model directory (tokenizer.json, tokenizer_config.json, "
-        "its chat template) instead of the upstream's /tokenize (default: the upstream's)",
+        "--tokenizer", type=Path, metavar="PATH",
+        help=f"{TOKENIZER_HELP}; counts instead of the upstream's /tokenize "
+        "(default: the upstream's)",
     )  # fmt: skip
     add(
         "--api-key", default=os.environ.get("KVCLIENT_GATEWAY_API_KEY"), metavar="KEY",
@@ -122,10 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the event loop: auto is uvloop when it is installed (pip install "
         "'kvclient[gateway]'), else asyncio (default: %(default)s)",
     )  # fmt: skip
-    add(
-        "--log-level", default="info", choices=LOG_LEVELS,
-        help="(default: %(default)s)",
-    )  # fmt: skip
+    add_log_level(parser, default="info")
     return parser
 
 
@@ -159,12 +157,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, config = configure(build_parser(), argv, config_from_args)
-    import logging
-
     from .app import create_gateway_app
     from .config import public_url
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
+    setup_logging(args.log_level)
     names = ", ".join(public_url(url) for url in config.upstreams)
     print(
         f"kvclient gateway in front of {names} (discovered on the first request)", file=sys.stderr

@@ -273,13 +273,14 @@ def serve_workers(
     return status
 
 
-def load_tokenizer(directory: Any) -> Any:
-    """A counter from a local model directory (``--tokenizer DIR``); a ValueError that says why
-    when it cannot be read."""
-    from kvclient import HuggingFaceCounter, KVClientError
+def load_tokenizer(path: Any) -> Any:
+    """A counter from ``--tokenizer PATH``, a local model directory or a bare tokenizer.json,
+    as every ``kvclient`` command takes it; a ValueError that says why when it cannot be read."""
+    from kvclient import KVClientError
+    from kvclient._cli_options import load_tokenizer as load
 
     try:
-        return HuggingFaceCounter.from_pretrained(directory)
+        return load(path)
     except KVClientError as exc:
         raise ValueError(f"--tokenizer: {exc}") from None
 

@@ -8,10 +8,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvclient import ModelProfile
+from kvclient._cli_options import (
+    add_context_window,
+    add_log_level,
+    add_model,
+    add_tokenizer,
+    setup_logging,
+)
 from kvclient._help import HelpFormatter
 
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION, STRATEGIES
-from ..http.serving import LOG_LEVELS, configure, load_tokenizer, serve
+from ..http.serving import configure, load_tokenizer, serve
 from .config import (
     DEFAULT_CONTEXT_WINDOW,
     DEFAULT_DECODE_RATE,
@@ -64,17 +71,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--port", type=int, default=DEFAULT_PORT, help="port on 127.0.0.1 (0: any free port)")
-    add("--model", default=DEFAULT_MODEL_ID, help="model id served (default: %(default)s)")
-    add("--context-window", type=int, default=DEFAULT_CONTEXT_WINDOW, help="max_model_len")
+    add_model(parser, "the model id served (default: %(default)s)")
+    parser.set_defaults(model=DEFAULT_MODEL_ID)
+    add_context_window(
+        parser,
+        "the model's context window, reported as max_model_len",
+        default=DEFAULT_CONTEXT_WINDOW,
+    )
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument(
         "--kv-tokens",
         type=int,
+        metavar="TOKENS",
         help=f"physical KV pool size in tokens (default: {DEFAULT_KV_TOKENS})",
     )
     budget.add_argument(
         "--kv-bytes",
         type=int,
+        metavar="BYTES",
         help="physical KV pool size in bytes, with --model-preset (default: --kv-tokens's)",
     )
     add(
@@ -83,12 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_PROFILE.name,
         help="per-token KV bytes of this model (for --kv-bytes and the byte metrics)",
     )
-    add("--safety-fraction", type=float, default=DEFAULT_SAFETY_FRACTION, help="usable share")
+    add(
+        "--safety-fraction",
+        type=float,
+        default=DEFAULT_SAFETY_FRACTION,
+        metavar="F",
+        help="share of the KV pool that is admitted (usable)",
+    )
     add("--block-size", type=int, default=16, help="KV block size in tokens")
     add(
         "--decode-rate",
         type=float,
         default=DEFAULT_DECODE_RATE,
+        metavar="TOKENS_PER_S",
         help="simulated tokens per second per sequence (default: %(default)s)",
     )
     add(
@@ -101,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--max-concurrency",
         type=int,
+        metavar="N",
         help="request cap, the whole rule in concurrency mode (default: none; "
         "16 in concurrency mode)",
     )
@@ -108,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue-wait",
         type=float,
         default=0.0,
+        metavar="S",
         help="seconds a request may wait in FIFO order for budget before the 429 (0: at once)",
     )
     add(
@@ -126,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--api-key",
+        metavar="KEY",
         help="require 'Authorization: Bearer KEY', except on /health and /metrics "
         "(default: no key)",
     )
@@ -139,12 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(chaos testing; default: %(default)s)",
     )
     add("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body limit")
-    add(
-        "--tokenizer",
-        metavar="PATH",
-        help="count like a real model: a local model directory (tokenizer.json, "
-        "tokenizer_config.json, its chat template) for admission, /tokenize and usage "
-        "(default: tiktoken cl100k_base and OpenAI's chat formula)",
+    add_tokenizer(
+        parser,
+        "counts for admission, /tokenize and usage, like a real model",
+        "tiktoken cl100k_base and OpenAI's chat formula",
     )
     add(
         "--send-timeout",
@@ -167,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="append every admission, release and 429 (with its advice) to PATH as JSON lines, "
         "for bench/soak.py's Retry-After check (default: none)",
     )
-    add("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
+    add_log_level(parser, default="info")
     return parser
 
 
@@ -203,6 +225,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, config = configure(build_parser(), argv, config_from_args)
+    setup_logging(args.log_level)
     from .app import create_app
 
     app = create_app(config)

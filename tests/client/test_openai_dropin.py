@@ -500,3 +500,28 @@ async def test_async_stream_is_retried_before_its_first_byte(mock: respx.Router)
     assert parts == ["x", "y"]
     assert route.call_count == 2
     assert window.requests == 0
+
+
+# --- logging ---------------------------------------------------------------------------------
+
+
+def test_an_answer_made_locally_is_not_logged_as_an_http_request(
+    mock: respx.Router, caplog: pytest.LogCaptureFixture
+) -> None:
+    """httpx logs every answer its transport returns as "HTTP Request: ..."; a request refused
+    locally was never sent, so it gets no such line (only a DEBUG one under kvclient's logger)."""
+    mock.post("/chat/completions").mock(return_value=chat_ok())
+    long = [{"role": "user", "content": "word " * 1200}]
+    caplog.set_level("INFO", logger="httpx")  # as an application logging at INFO has it
+    caplog.set_level("DEBUG")  # second: the capturing handler takes the last level set
+    with sdk(FakeClock()) as client:
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=long, max_tokens=10)
+        client.chat.completions.create(model=MODEL, messages=HI)
+    requests = [r.getMessage() for r in caplog.records if r.name == "httpx"]
+    assert requests, "the request that was sent is still logged by httpx"
+    assert all("200 OK" in line for line in requests), requests
+    ours = [r for r in caplog.records if r.name == "kvclient.openai"]
+    assert len(ours) == 1, [(r.name, r.levelname, r.getMessage()[:80]) for r in caplog.records]
+    assert ours[0].levelname == "DEBUG"
+    assert "not sent" in ours[0].getMessage()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from kvclient import AsyncClient, RetryPolicy, TiktokenCounter
+from kvclient._dialects import Budget
 from kvclient.loadgen import SLO, Shape, SyntheticWorkload, cli, run_load, summarize
 from kvclient.loadgen._kvsender import KVClientSender
 from reference_server import RunningServer, running_server
@@ -25,6 +29,7 @@ from reference_server.testing import serve_in_thread
 # A failed preflight ends promptly rather than hanging: the checks take well under a second on
 # an idle machine; the bound leaves room for a machine busy with a real engine beside the tests.
 PREFLIGHT_BOUND = 15.0
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _closed_port() -> int:
@@ -288,3 +293,55 @@ def test_sweep_table_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     cli._plot_sweep(sweep, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sweep.to_json()["sweep"]["knee_rate"] == 9.0
+
+
+# --- no arrival mode: a closed loop the server's KV pool holds ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("budget", "window", "expected"),
+    [
+        (Budget(8192), 2048, 4),
+        (Budget(1000), 2048, 1),  # less than one window: still one request at a time
+        (Budget(10**9), 2048, cli.MAX_DEFAULT_CONCURRENCY),
+        (Budget(2048, max_concurrency=3, engine="llama.cpp"), 2048, 3),  # its slots
+        (Budget(None), 2048, cli.DEFAULT_CONCURRENCY),
+    ],
+)
+def test_default_concurrency(budget: Budget, window: int, expected: int) -> None:
+    n, why = cli.default_concurrency(budget, window)
+    assert n == expected
+    assert why
+
+
+def _bench(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvclient", "bench", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, **env},
+    )
+
+
+def test_bench_without_an_arrival_mode_runs_a_closed_loop_the_pool_holds() -> None:
+    """``kvclient bench`` with only a URL (here from $KVCLIENT_BASE_URL): a closed loop at the
+    concurrency the KV pool holds, said in one line; httpx's request lines are not shown."""
+    with running_server(
+        kv_tokens=4096, context_window=1024, decode_rate=5000, mean_output_tokens=20
+    ) as server:
+        env = {"KVCLIENT_BASE_URL": server.base_url, "OPENAI_BASE_URL": ""}
+        small = ("--requests", "5", "--prompt-tokens", "20", "--max-tokens-range", "20")
+        out = _bench(*small, "--no-progress", env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        chosen = [line for line in out.stderr.splitlines() if "no arrival mode" in line]
+        assert len(chosen) == 1, out.stderr
+        assert "closed loop at --concurrency 4" in chosen[0]
+        assert "4,096 tokens holds 4 whole 1,024-token context windows" in chosen[0]
+        assert "HTTP Request:" not in out.stderr
+        assert server.metrics()["kv_admitted_total"] >= 5
+        # Asked for, they are there.
+        loud = _bench(*small, "--concurrency", "1", "--log-level", "debug", env=env)
+        assert loud.returncode == 0, loud.stderr[-2000:]
+        assert "HTTP Request:" in loud.stderr

@@ -94,9 +94,10 @@ def test_bench_plot_without_matplotlib_fails_before_the_run(
     assert not png.exists()
 
 
-def test_bench_needs_one_loop_kind(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["http://127.0.0.1:9", "--num-requests", "1"]) == 2
-    assert "exactly one of --rate, --concurrency and --sweep" in capsys.readouterr().err
+def test_bench_takes_at_most_one_loop_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["http://127.0.0.1:9", "--requests", "1", "--rate", "1", "--concurrency", "1"]
+    assert cli.main(argv) == 2
+    assert "at most one of --rate, --concurrency and --sweep" in capsys.readouterr().err
 
 
 def test_demo_shows_the_contract(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -163,3 +164,45 @@ def test_demo_table_shows_median_and_range_over_repeats() -> None:
     assert lines[-1].startswith("Variance: each cell is the median of 3 runs")
     oom = demo.interpret([[_run("naive client", 5, 0, oom=1), _run("kvclient", 5, 0, oom=2)]])
     assert oom[0].startswith("The server admitted more than its KV cache holds: 3 OOM events")
+
+
+def _latency_run(name: str, http_429: int, attempts: int, p50: float) -> demo.DemoRun:
+    records = []
+    for i in range(10):
+        r = RequestRecord(index=i, planned=0.0, prompt_tokens=1, max_tokens_requested=None)
+        r.sent, r.end, r.attempts, r.ok = 0.0, p50, attempts, True
+        r.http_429 = http_429 // 10
+        records.append(r)
+    summary = summarize(records, duration=2.0, deadline=45.0)
+    return demo.DemoRun(name, summary, {"kv_oom_events_total": 0.0})
+
+
+def test_demo_closing_text_follows_the_figures() -> None:
+    """Hammering is named only when the naive client did hammer (more 429s, more attempts)."""
+    quiet = demo.interpret(
+        [[_latency_run("naive client", 0, 1, 0.5), _latency_run("kvclient", 0, 1, 0.9)]]
+    )
+    text = " ".join(quiet)
+    assert "hammering" not in text
+    assert "Neither client got a 429" in text
+    assert "not because the naive client hammered" in text
+    assert "kvclient kept the client's half" not in text
+
+    stormy = demo.interpret(
+        [[_latency_run("naive client", 300, 31, 0.5), _latency_run("kvclient", 10, 2, 0.9)]]
+    )
+    text = " ".join(stormy)
+    assert "grabs freed capacity by hammering" in text
+    assert "10 429s against 300" in text
+
+    lucky = demo.interpret(
+        [[_latency_run("naive client", 0, 1, 0.5), _latency_run("kvclient", 0, 1, 0.5)]],
+        admission="prompt",
+    )
+    assert lucky[0].startswith("No OOM event this time, but not by design")
+    assert "because it reserves" not in " ".join(lucky)
+
+    faster = demo.interpret(
+        [[_latency_run("naive client", 300, 31, 0.9), _latency_run("kvclient", 10, 2, 0.5)]]
+    )
+    assert "hammering" not in " ".join(faster)

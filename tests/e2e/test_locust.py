@@ -33,6 +33,8 @@ def test_locust_reports_requests_rejections_and_ttft(tmp_path: Path) -> None:
         )  # fmt: skip
         metrics = server.metrics()
     assert out.returncode == 0, out.stderr[-2000:]
+    # Locust logs at INFO; httpx's line per request stays out of it unless --loglevel DEBUG.
+    assert "HTTP Request:" not in out.stderr
     with open(f"{prefix}_stats.csv", newline="") as f:
         rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
     calls = sum(

@@ -4,8 +4,12 @@ and async (asyncio and trio), plain and streamed. Attempts are counted by the se
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -168,3 +172,21 @@ async def test_async_plain_and_streamed(server: RunningServer) -> None:
             break
         await anyio.sleep(0.01)
     assert at_zero(server)
+
+
+def test_the_dropin_example_logs_no_http_request_lines() -> None:
+    """examples/openai_dropin.py: its local refusal appears as the SDK's BadRequestError and in
+    no "HTTP Request:" log line (nothing was sent), and neither do the requests that were."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "openai_dropin.py"
+    with running_server(decode_rate=5000.0, mean_output_tokens=20) as server:
+        out = subprocess.run(
+            [sys.executable, str(example)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=example.parents[1],
+            env={**os.environ, "KVCLIENT_BASE_URL": server.base_url},
+        )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused: context_length_exceeded" in out.stdout
+    assert "HTTP Request:" not in out.stderr

@@ -104,6 +104,9 @@ def test_server_flag_loads_the_model_directory(tmp_path: Path) -> None:
     assert config.tokenizer.count("") == 1  # Llama 3.1's BOS
     with pytest.raises(ValueError, match="--tokenizer: no model directory"):
         config_from_args(build_parser().parse_args(["--tokenizer", str(tmp_path / "none")]))
+    # A bare tokenizer.json, as every command's --tokenizer takes it: no BOS added to prompts.
+    bare = build_parser().parse_args(["--tokenizer", str(model_dir("llama3_1") / "tokenizer.json")])
+    assert config_from_args(bare).tokenizer.count("") == 0
 
 
 def test_tokenize_endpoint_and_server_counter_agree_with_the_local_count() -> None:
