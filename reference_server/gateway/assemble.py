@@ -22,7 +22,8 @@ between any two answers anyway (``id``, ``created``, ``timings``, ``cached_token
 An ``error`` event (llama.cpp sends ``{"error": {"code", "message", "type"}}`` mid-stream and
 ends it) is the error the plain request would have been answered with: :class:`EngineError`,
 its status the event's ``code`` (an HTTP error status; else 500). A stream that is not SSE of
-JSON objects, or ends before ``[DONE]`` with a choice unfinished, is :class:`BrokenStream`.
+JSON objects, has no choice, or ends before ``[DONE]`` with a choice unfinished, is
+:class:`BrokenStream`.
 
 >>> assembler = Assembler(chat=False)
 >>> assembler.feed(b'data: {"id": "c", "choices": [{"index": 0, "text": "Hi"}]}\\n\\n')
@@ -144,12 +145,10 @@ class Assembler:
         if event is not None:
             self._event(event)
         choices = self._choices
-        if not self._done and (
-            not choices or any(c.finish_reason is None for c in choices.values())
-        ):
-            raise BrokenStream(
-                f"the stream ended without [DONE] with {len(choices)} choices, not all finished"
-            )
+        if not choices:
+            raise BrokenStream("the stream ended without any choice")
+        if not self._done and any(c.finish_reason is None for c in choices.values()):
+            raise BrokenStream("the stream ended without [DONE] before every choice finished")
         answer: dict[str, Any] = {"id": self._head.get("id")}
         answer["object"] = _OBJECTS[self.chat]
         for key in _HEAD[1:]:

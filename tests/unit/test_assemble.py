@@ -216,6 +216,7 @@ def test_what_follows_done_is_not_read() -> None:
     [
         pytest.param(b"", id="empty"),
         pytest.param(b'data: {"choices": []}\n\n', id="no-choice"),
+        pytest.param(b'data: {"choices": []}\n\ndata: [DONE]\n\n', id="done-without-choice"),
         pytest.param(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n', id="cut-off"),
         pytest.param(b"data: {not json\n\n", id="not-json"),
         pytest.param(b"data: [1, 2]\n\n", id="not-an-object"),
