@@ -3,6 +3,7 @@
 - :mod:`.config`: what it is told, checked at start;
 - :mod:`.upstream`: one engine: its pooled client, discovery, ledger and health;
 - :mod:`.rewrite`: what changes on the way (the cap, the headers), pure;
+- :mod:`.assemble`: a plain answer assembled from the stream it was asked upstream as, pure;
 - :mod:`.relay`: the backend of the generation endpoint: count, route, forward, relay;
 - :mod:`.metrics`, :mod:`.app`, :mod:`.cli`.
 

@@ -5,9 +5,11 @@ one, else the configured counter; a rendering it cannot count is refused), price
 field that spends KV (output caps under any engine's name, several sequences), routed to the
 upstream where it fits best, and forwarded with every output cap set to the one reserved. The
 answer is relayed as it comes; a stream piece by piece. When the client goes away the request is
-cancelled and the unfinished upstream answer reset, which engines take as an abort; where an
-engine runs a request on regardless (llama.cpp, a plain request), the reservation is held until
-its answer is in.
+cancelled and the unfinished upstream answer reset, which engines take as an abort, and the
+reservation released. An engine that runs a plain request on regardless but stops a stream
+(llama.cpp) is sent a plain request as a stream, and the client the plain answer assembled
+from it (:mod:`.assemble`; an error event mid-stream answered as the error status the engine
+would have sent); where neither works, the reservation is held until the answer is in.
 
 Fail-over: a request goes to another upstream only when the first could not be reached or broke
 before any byte of an answer; an answer that has started is never retried elsewhere.
@@ -41,7 +43,15 @@ from ..http.answers import admissible_cap, retry_after_header, room, send_whole
 from ..http.errors import APIError
 from ..http.generation import Plan, Target
 from ..http.requests import THREAD_TOKENIZE_CHARS, GenerationRequest, count_prompt
-from .rewrite import completion_tokens, request_headers, response_headers, with_cap
+from .assemble import Assembler, BrokenStream, EngineError
+from .rewrite import (
+    as_stream,
+    assembled_headers,
+    completion_tokens,
+    request_headers,
+    response_headers,
+    with_cap,
+)
 from .upstream import (
     UPSTREAM_ERRORS,
     Known,
@@ -86,15 +96,17 @@ def _room_headers(known: Known, releasing: Handle | None = None) -> list[tuple[b
 
 
 def _upstream_error(
-    upstream: Upstream, response: aiohttp.ClientResponse, content: bytes
+    upstream: Upstream,
+    response: aiohttp.ClientResponse,
+    status: int,
+    headers: list[tuple[bytes, bytes]],
+    content: bytes,
 ) -> Response:
     """An upstream's error answer: 4xx and 429/503 pass through as the engine sent them, a 429's
     or 503's advice rewritten in the syntax RFC 9110 allows (the gateway's own, one second, when
     the engine gave none it could read); any other 5xx becomes our shape, same status."""
-    status = response.status
     if status < 500 or status == 503:
         passed = Response(content, status_code=status)
-        headers = response_headers(response.raw_headers)
         if status in (429, 503):
             advice = parse_retry_after(response.headers)
             seconds, millis = retry_after_header(1.0 if advice is None else advice)
@@ -126,6 +138,18 @@ def _refuse_uncounted(field: str | None) -> None:
             param=field,
             code="uncountable_field",
         )
+
+
+#: The paths whose plain answers can be assembled from a stream, and whether they chat.
+_ASSEMBLED = {"/v1/chat/completions": True, "/v1/completions": False}
+
+
+@dataclass(frozen=True, slots=True)
+class _Assembled:
+    """A plain answer assembled from a stream: the engine's answer (200) or its error."""
+
+    status: int
+    content: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,14 +291,27 @@ class UpstreamBackend:
         upstream.health.begin(started)
         forward = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in plan.extra.headers]
         # An engine that runs a request on after its connection is reset holds its KV until it
-        # finishes: then so does the reservation. A client that leaves meanwhile is let go
-        # once the engine's answer is in (and thrown away), not before.
+        # finishes: then so does the reservation. A plain request is asked as a stream where
+        # the engine stops streams; else a client that leaves meanwhile is let go once the
+        # engine's answer is in (and thrown away), not before.
         stream = plan.request.stream
-        holds = runs_on_after_reset(upstream.engine, stream=stream)
+        content = plan.extra.content
+        chat = _ASSEMBLED.get(self.path)
+        engine = upstream.engine
+        assembled = (
+            not stream
+            and chat is not None
+            and runs_on_after_reset(engine, stream=False)
+            and not runs_on_after_reset(engine, stream=True)
+        )
+        if assembled:
+            content = as_stream(content)
+        holds = not assembled and runs_on_after_reset(engine, stream=stream)
+        data: bytes | _Assembled | BaseException | None
         with anyio.CancelScope(shield=holds):
             try:
                 response = await upstream.http.request(
-                    "POST", self.path, content=plan.extra.content, headers=forward
+                    "POST", self.path, content=content, headers=forward
                 )
             except UPSTREAM_ERRORS as exc:
                 upstream.failure()
@@ -291,7 +328,9 @@ class UpstreamBackend:
         # engines abort a request whose connection is reset.
         try:
             if response.status >= 400 or not stream:
-                if not holds:
+                if assembled and response.status < 400:
+                    data = await self._read_assembled(response, chat is True)
+                elif not holds:
                     data = await self._read_whole(response, upstream)
                 return await self._whole(target, handle, response, data, send, started)
             await self._stream(target, response, send, started, handle)
@@ -308,16 +347,40 @@ class UpstreamBackend:
         except UPSTREAM_ERRORS as exc:
             return exc
 
+    async def _read_assembled(
+        self, response: aiohttp.ClientResponse, chat: bool
+    ) -> _Assembled | BaseException | None:
+        """The plain answer of a stream read to its end (None past the answer limit), or the
+        error that broke it."""
+        assembler = Assembler(chat=chat)
+        limit = self.state.config.max_answer_bytes
+        total = 0
+        try:
+            async for piece in response.content.iter_any():
+                total += len(piece)
+                if total > limit:
+                    return None
+                assembler.feed(piece)
+            answer = assembler.end()
+        except EngineError as error:
+            return _Assembled(error.status, json.dumps(error.body).encode())
+        except UPSTREAM_ERRORS as exc:
+            return exc
+        except BrokenStream as exc:
+            return exc
+        return _Assembled(200, json.dumps(answer).encode())
+
     async def _whole(
         self,
         known: Known,
         handle: Handle,
         response: aiohttp.ClientResponse,
-        data: bytes | BaseException | None,
+        data: bytes | _Assembled | BaseException | None,
         send: Send,
         started: float,
     ) -> bool:
-        """An answer read whole (bounded), then sent: an error, or a non-streamed completion."""
+        """An answer read whole (bounded), then sent: an error, or a non-streamed completion
+        (read as such, or assembled from a stream)."""
         upstream = known.upstream
         if isinstance(data, BaseException):
             # The engine had started answering: it did the work, so it is not sent elsewhere.
@@ -331,6 +394,9 @@ class UpstreamBackend:
             await send_whole(broken.response(), send)
             return True
         status = response.status
+        headers = response_headers(response.raw_headers)
+        if isinstance(data, _Assembled):
+            status, headers, data = data.status, assembled_headers(headers), data.content
         if data is None:
             too_large = APIError(
                 502,
@@ -347,7 +413,7 @@ class UpstreamBackend:
             upstream.health.succeeded()
             if status >= 500 and status != 503:
                 upstream.errors += 1  # an engine failure: answered, never retried elsewhere
-            await send_whole(_upstream_error(upstream, response, data), send)
+            await send_whole(_upstream_error(upstream, response, status, headers, data), send)
             return True
         upstream.health.succeeded()
         # No more than the cap it was sent with, whatever the answer claims.
@@ -358,7 +424,7 @@ class UpstreamBackend:
                 "type": "http.response.start",
                 "status": status,
                 "headers": [
-                    *response_headers(response.raw_headers),
+                    *headers,
                     (b"content-length", str(len(data)).encode()),
                     *_room_headers(known, handle),
                 ],

@@ -1,9 +1,10 @@
 """What the gateway changes in what passes through it: pure functions, no I/O.
 
-The body goes upstream with its output cap made explicit and clamped to what was reserved; the
-headers lose what belongs to one hop, what the HTTP client sets itself, and the gateway's own
-credentials; an answer's headers lose the same, and the upstream's RateLimit fields (the
-gateway's ledger says what the gateway will admit).
+The body goes upstream with its output cap made explicit and clamped to what was reserved (and,
+for an engine that only stops a stream when its client leaves, a plain request asked as a
+stream); the headers lose what belongs to one hop, what the HTTP client sets itself, and the
+gateway's own credentials; an answer's headers lose the same, and the upstream's RateLimit
+fields (the gateway's ledger says what the gateway will admit).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 from kvclient._dialects import LENGTH_FIELDS
 
 __all__ = [
+    "as_stream",
+    "assembled_headers",
     "completion_tokens",
     "request_headers",
     "response_headers",
@@ -101,6 +104,31 @@ def with_cap(raw: bytes, body: dict[str, Any], cap: int) -> bytes:
     for name in given or ["max_tokens"]:
         capped[name] = cap
     return json.dumps(capped).encode()
+
+
+def as_stream(content: bytes) -> bytes:
+    """A plain request's body (as :func:`with_cap` made it) asked as a stream, with its usage
+    in the last chunk: ``"stream": true``, ``"stream_options": {"include_usage": true}`` (the
+    client's other stream options kept). Re-encoded, so the engine reads what was parsed here."""
+    body = json.loads(content)
+    options = body.get("stream_options")
+    body["stream"] = True
+    body["stream_options"] = {
+        **(options if isinstance(options, dict) else {}),
+        "include_usage": True,
+    }
+    return json.dumps(body).encode()
+
+
+#: A stream's headers that do not describe the plain answer assembled from it.
+_STREAM_ONLY = frozenset({b"content-type", b"x-accel-buffering", b"cache-control"})
+
+
+def assembled_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers of a plain answer assembled from a stream (those of :func:`response_headers`):
+    JSON instead of the event stream."""
+    kept = [(name, value) for name, value in headers if name not in _STREAM_ONLY]
+    return [*kept, (b"content-type", b"application/json")]
 
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,12})\b')
