@@ -50,6 +50,7 @@ __all__ = [
     "CONTEXT_PROBES",
     "LENGTH_FIELDS",
     "METRICS",
+    "MIN_LENGTH_FIELDS",
     "PROMPT_SHARING_ENGINES",
     "RENDER_FIELDS",
     "RETRYABLE_STATUSES",
@@ -593,6 +594,10 @@ def count_by_tokenize(
 #: ``n_predict`` (it wins over ``max_tokens`` there; ``-1`` or ``0``: until the context is full)
 #: and TGI's ``max_new_tokens``. An engine obeys one of them; which one differs, so all are set.
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict", "max_new_tokens")
+#: Fields that set how many tokens a sequence must generate at least (vLLM's and SGLang's
+#: ``min_tokens``): above the output cap the engine refuses the request (400), so a cap lowered
+#: to what can be reserved lowers them too.
+MIN_LENGTH_FIELDS = ("min_tokens",)
 #: Fields whose non-positive value means "no limit" rather than an error.
 UNLIMITED_WHEN_NOT_POSITIVE = frozenset({"n_predict"})
 #: Fields that set how many sequences one request generates: ``n`` (OpenAI, vLLM, llama.cpp),

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from kvclient._dialects import LENGTH_FIELDS
+from kvclient._dialects import LENGTH_FIELDS, MIN_LENGTH_FIELDS
 
 __all__ = [
     "as_stream",
@@ -83,10 +83,20 @@ def with_cap(raw: bytes, body: dict[str, Any], cap: int) -> bytes:
     - ``max_tokens`` alone, already the cap, written once and without escapes: the bytes
       unchanged (a key spelled with ``\\u`` escapes or given twice could be read otherwise by
       another parser);
-    - anything else: the parsed body re-encoded with each length field given set to the cap.
+    - anything else: the parsed body re-encoded with each length field given set to the cap
+      (and a minimum length above the cap, :data:`~kvclient._dialects.MIN_LENGTH_FIELDS`,
+      lowered to it).
     """
     given = [name for name in LENGTH_FIELDS if name in body]
-    if not given:
+    # A minimum length above the cap: the engine would refuse the request; it is the cap.
+    floors = [
+        name
+        for name in MIN_LENGTH_FIELDS
+        if isinstance(body.get(name), int) and not isinstance(body[name], bool) and body[name] > cap
+    ]
+    if floors:
+        pass  # re-encoded below
+    elif not given:
         end = raw.rstrip()
         if end.endswith(b"}"):
             inner = end[:-1].rstrip()
@@ -101,7 +111,7 @@ def with_cap(raw: bytes, body: dict[str, Any], cap: int) -> bytes:
     ):
         return raw
     capped = dict(body)
-    for name in given or ["max_tokens"]:
+    for name in [*(given or ["max_tokens"]), *floors]:
         capped[name] = cap
     return json.dumps(capped).encode()
 

@@ -358,4 +358,4 @@ def test_count_cli_with_a_model_directory_and_a_chat_file(
     assert main(["--tokenizer", str(tmp_path / "missing"), "x"]) == 2
     assert "no model directory" in capsys.readouterr().err
     assert main(["--chat", str(tmp_path / "absent.json")]) == 2
-    assert "cannot read --chat file" in capsys.readouterr().err
+    assert "cannot read the chat file" in capsys.readouterr().err

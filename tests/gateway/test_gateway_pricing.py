@@ -3,6 +3,7 @@ and the prompt as the engine renders it (or the request is refused)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -156,3 +157,14 @@ def test_beam_search_is_refused_by_name() -> None:
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "use_beam_search"
     assert forwarded == []
+
+
+def test_a_minimum_length_above_the_cap_is_lowered_to_it() -> None:
+    from reference_server.gateway.rewrite import with_cap
+
+    body = {"prompt": "x", "max_tokens": 900, "min_tokens": 900}
+    sent = json.loads(with_cap(json.dumps(body).encode(), body, 500))
+    assert (sent["max_tokens"], sent["min_tokens"]) == (500, 500)
+    body = {"prompt": "x", "max_tokens": 500, "min_tokens": 20}
+    raw = json.dumps(body).encode()
+    assert with_cap(raw, body, 500) == raw  # already within: the client's bytes unchanged

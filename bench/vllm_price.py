@@ -1,0 +1,216 @@
+"""The gateway's price in throughput, on a real vLLM: the same overload direct and through it.
+
+A burst of long generations (``--requests`` 32, caps drawn from 400-800, sent at once) to the
+real vLLM the tests use (``scripts/vllm_engine.py``: a tiny random-weight Llama on CPU, a 2,048
+window over 3,072 KV tokens, 8 sequences at most), through ``kvclient.AsyncClient``:
+
+- **direct**: vLLM admits everything its scheduler can fit and preempts sequences when their KV
+  outgrows the pool (recomputing them later);
+- **gateway**: ``kvclient gateway`` in front of the same vLLM, its defaults (429 + Retry-After
+  when the budget is reserved; the client paces from the RateLimit room);
+- **gateway, queue**: the same with ``--max-queue-wait`` (the gateway holds what does not fit in
+  a FIFO line; clients that wait anyway wait there, in order, admitted the moment a release
+  lands).
+
+Reported side by side: completed requests, output tokens per second (completion tokens over the
+burst's wall time), p50/p99 latency, attempts per completed request (every POST the client's
+transport sent), 429s, and vLLM's preemptions during the run (``vllm:num_preemptions_total``).
+
+    python bench/vllm_price.py [--requests 32] [--runs direct,gateway,queue]
+
+About 10 minutes on 2 cores (vLLM's start-up included). Needs vLLM installed by
+``python scripts/test_setup.py`` (or ``python scripts/vllm_engine.py ensure``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+from _common import machine, print_table, write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import vllm_engine
+
+from kvclient import AsyncClient, HuggingFaceCounter, RetryPolicy
+from kvclient._dialects import preemptions_from_vllm_metrics
+from kvclient.loadgen import percentile
+from reference_server.gateway import GatewayConfig
+from reference_server.testing import running_gateway
+
+SEED = 7
+DEADLINE = 900.0
+LABELS = {
+    "direct": "direct to vLLM",
+    "gateway": "through kvclient gateway (429 + Retry-After)",
+    "queue": "through kvclient gateway --max-queue-wait 600",
+}
+
+
+def workload(requests: int, low: int, high: int) -> list[tuple[str, int]]:
+    """Seeded prompts (a few words each) and caps drawn uniformly from ``low``-``high``."""
+    rng = random.Random(SEED)
+    words = "story river mountain lamp garden engine winter market letter harbor".split()
+    return [
+        (f"Tell a long story about {' and '.join(rng.sample(words, 3))}.", rng.randint(low, high))
+        for _ in range(requests)
+    ]
+
+
+def preemptions(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return preemptions_from_vllm_metrics(text) or 0.0
+
+
+async def burst(
+    url: str, items: list[tuple[str, int]], counter: HuggingFaceCounter
+) -> dict[str, Any]:
+    """Send every item at once through one AsyncClient; what came back, and how."""
+    posts = 0
+    rejected = 0
+
+    async def on_response(response: httpx.Response) -> None:
+        nonlocal posts, rejected
+        if response.request.method == "POST":
+            posts += 1
+            rejected += response.status_code == 429
+
+    http = httpx.AsyncClient(
+        timeout=DEADLINE,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        event_hooks={"response": [on_response]},
+    )
+    latencies: list[float] = []
+    tokens = 0
+    failures: dict[str, int] = {}
+    async with (
+        http,
+        AsyncClient(
+            base_url=url,
+            counter=counter,
+            http_client=http,
+            retry=RetryPolicy(deadline=DEADLINE, max_attempts=50),
+        ) as client,
+    ):
+
+        async def one(prompt: str, cap: int) -> None:
+            nonlocal tokens
+            started = time.monotonic()
+            try:
+                result = await client.complete(prompt, max_tokens=cap)
+            except Exception as exc:
+                failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
+                return
+            latencies.append(time.monotonic() - started)
+            tokens += result.usage.completion_tokens if result.usage else 0
+
+        started = time.monotonic()
+        async with anyio.create_task_group() as group:
+            for prompt, cap in items:
+                group.start_soon(one, prompt, cap)
+        wall = time.monotonic() - started
+    completed = len(latencies)
+    return {
+        "requests": len(items),
+        "completed": completed,
+        "failures": failures,
+        "wall_seconds": wall,
+        "completion_tokens": tokens,
+        "tokens_per_second": tokens / wall if wall else 0.0,
+        "latency_p50": percentile(latencies, 50),
+        "latency_p99": percentile(latencies, 99),
+        "attempts": posts,
+        "attempts_per_completed": posts / completed if completed else None,
+        "http_429": rejected,
+    }
+
+
+def run(name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]]) -> dict[str, Any]:
+    counter = HuggingFaceCounter.from_pretrained(str(engine.model))
+    before = preemptions(engine.url)
+    if name == "direct":
+        result = anyio.run(burst, engine.url, items, counter)
+    else:
+        config = GatewayConfig(
+            upstreams=(engine.url,), max_queue_wait=600.0 if name == "queue" else 0.0
+        )
+        with running_gateway(config) as gateway:
+            result = anyio.run(burst, gateway.base_url, items, counter)
+            upstream = gateway.gateway.upstreams[0]
+            speed = upstream.speed
+            result["measured_speed"] = (
+                None
+                if speed is None
+                else {"decode_rate": speed.decode_rate, "throughput": speed.throughput}
+            )
+    result["preemptions"] = preemptions(engine.url) - before
+    result["run"] = name
+    return result
+
+
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=32, help="requests in the burst")
+    parser.add_argument("--low", type=int, default=400, help="smallest max_tokens")
+    parser.add_argument("--high", type=int, default=800, help="largest max_tokens")
+    parser.add_argument(
+        "--runs", default="direct,gateway,queue", help="comma-separated: direct, gateway, queue"
+    )
+    args = parser.parse_args()
+    names = [n.strip() for n in args.runs.split(",") if n.strip()]
+    items = workload(args.requests, args.low, args.high)
+    print("… starting vLLM (a minute or two)", flush=True)
+    results = []
+    with vllm_engine.VllmServer() as engine:
+        for name in names:
+            print(f"… {LABELS[name]}", flush=True)
+            results.append(run(name, engine, items))
+            print(f"  {results[-1]}", flush=True)
+    rows = [
+        [
+            LABELS[r["run"]],
+            f"{r['completed']}/{r['requests']}",
+            f"{r['tokens_per_second']:.1f}",
+            fmt(r["latency_p50"], ".0f", " s"),
+            fmt(r["latency_p99"], ".0f", " s"),
+            fmt(r["attempts_per_completed"], ".2f"),
+            str(r["http_429"]),
+            f"{r['preemptions']:.0f}",
+        ]
+        for r in results
+    ]
+    print_table(
+        f"{args.requests} requests with max_tokens {args.low}-{args.high} sent at once, real vLLM "
+        f"{vllm_engine.VLLM_VERSION} on CPU (3,072 KV tokens, window 2,048, 8 sequences at most)",
+        [
+            "run",
+            "completed",
+            "output tokens/s",
+            "p50",
+            "p99",
+            "attempts / completed",
+            "429s",
+            "preemptions",
+        ],
+        rows,
+    )
+    write_json(
+        "vllm_price",
+        {"machine": machine(), "requests": args.requests, "caps": [args.low, args.high],
+         "results": results},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
