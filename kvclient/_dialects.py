@@ -26,7 +26,7 @@ import json
 import math
 import re
 from collections.abc import Generator, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._exceptions import (
@@ -824,12 +824,13 @@ class KVLosses:
     #: What that did to the requests, for messages.
     meaning: str = ""
 
-    def since(self, before: KVLosses | None) -> float | None:
-        """How many since ``before``, the same counter read earlier; None when ``before`` is
-        unknown or another counter (a restarted engine counts from 0 again: never negative)."""
+    def since(self, before: KVLosses | None) -> KVLosses | None:
+        """The losses since ``before``, the same counter read earlier (``total`` the difference);
+        None when ``before`` is unknown or another counter. A restarted engine counts from 0
+        again: never negative."""
         if before is None or before.metric != self.metric:
             return None
-        return max(0.0, self.total - before.total)
+        return replace(self, total=max(0.0, self.total - before.total))
 
 
 @dataclass(frozen=True, slots=True)

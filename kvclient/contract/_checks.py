@@ -701,10 +701,10 @@ async def check_explicit_max_tokens(s: Session) -> Verdict:
 
 
 def _losses(before: KVLosses | None, after: KVLosses | None) -> EngineLosses | None:
-    count = after.since(before) if after is not None else None
-    if after is None or count is None:
+    during = after.since(before) if after is not None else None
+    if during is None:
         return None
-    return EngineLosses(count, after.kind, after.metric, after.meaning)
+    return EngineLosses(during.total, during.kind, during.metric, during.meaning)
 
 
 async def check_saturation(s: Session) -> Verdict:

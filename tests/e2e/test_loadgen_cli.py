@@ -288,3 +288,42 @@ def test_sweep_table_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     cli._plot_sweep(sweep, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sweep.to_json()["sweep"]["knee_rate"] == 9.0
+
+
+# --- the server's KV losses beside the client's failures ------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(("admission", "oom"), [("prompt", True), ("reserve", False)])
+def test_bench_reports_the_servers_ooms_streamed_or_not(
+    admission: str, oom: bool, stream: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 16 requests at once of 50 prompt + 800 output tokens that all run to their caps (for 0.8 s
+    # each, so that they overlap however the machine staggers them): 13,600 tokens against a
+    # 4,096-token pool. Admitted by prompt alone, the pool overflows mid-decode.
+    out = tmp_path / "bench.json"
+    argv = ["--concurrency", "16", "--num-requests", "16", "--prompt-tokens", "50"]
+    argv += ["--max-tokens", "800", "--no-progress", "--json", str(out)]
+    argv += [] if stream else ["--no-stream"]
+    with running_server(
+        admission=admission,
+        kv_tokens=4096,
+        context_window=1024,
+        decode_rate=1000.0,
+        mean_output_tokens=1e6,
+    ) as server:
+        cli.main([server.base_url, *argv])
+        lost = server.engine.stats().oom_failed_sequences_total
+    table = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    losses = data["server_kv_losses"]
+    assert losses["metric"] == "kv_oom_failed_requests_total"
+    assert losses["count"] == lost
+    assert "requests lost to KV OOM" in table
+    ooms = data["summary"]["failed_by_cause"].get("oom", 0)
+    if oom:
+        assert lost > 0
+        assert ooms > 0  # a stream cut by an error event is an OOM too, not a bad answer
+        assert "bad_response" not in data["summary"]["failed_by_cause"]
+    else:
+        assert (lost, ooms) == (0, 0)

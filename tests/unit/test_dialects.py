@@ -474,9 +474,13 @@ def test_a_non_finite_count_is_dropped() -> None:
 def test_kv_losses_since_an_earlier_reading() -> None:
     before = KVLosses(3.0, "vllm", "vllm:num_preemptions_total", "preemptions")
     after = KVLosses(5.0, "vllm", "vllm:num_preemptions_total", "preemptions")
-    assert after.since(before) == 2.0
+    during = after.since(before)
+    assert during is not None
+    assert (during.total, during.metric) == (2.0, "vllm:num_preemptions_total")
     assert after.since(None) is None
-    assert before.since(after) == 0.0  # a restarted engine counts from 0 again
+    restarted = before.since(after)  # a restarted engine counts from 0 again
+    assert restarted is not None
+    assert restarted.total == 0.0
     other = KVLosses(9.0, "kvclient", "kv_oom_failed_requests_total", "requests lost to KV OOM")
     assert other.since(before) is None
 
