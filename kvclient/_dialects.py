@@ -26,7 +26,7 @@ import json
 import math
 import re
 from collections.abc import Generator, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._exceptions import (
@@ -64,6 +64,7 @@ __all__ = [
     "Discovery",
     "ErrorClass",
     "ErrorDetails",
+    "KVLosses",
     "Probe",
     "Spend",
     "SpendError",
@@ -73,10 +74,13 @@ __all__ = [
     "decode_counters",
     "discover_budget",
     "discover_context",
+    "is_kv_exhaustion",
+    "kv_losses_from_metrics",
     "parse_error_body",
     "preemptions_from_vllm_metrics",
     "prometheus_samples",
     "request_spend",
+    "run_to_cap_fields",
     "runs_on_after_reset",
 ]
 
@@ -626,6 +630,32 @@ _COUNTED_RENDER_FIELDS: dict[str, frozenset[str]] = {
 }
 
 
+#: Fields that make each engine generate up to the cap instead of stopping at its end-of-sequence
+#: token: vLLM's and SGLang's ``ignore_eos`` and ``min_tokens``, llama.cpp's ``ignore_eos`` (its
+#: length field ``n_predict`` follows ``max_tokens`` when unset). TGI's and Ollama's HTTP APIs
+#: have none (TGI's ``ignore_eos_token`` is internal to its shards).
+_RUN_TO_CAP_FIELDS: dict[str, tuple[str, ...]] = {
+    "vllm": ("ignore_eos", "min_tokens"),
+    "sglang": ("ignore_eos", "min_tokens"),
+    "llama.cpp": ("ignore_eos",),
+    "tgi": (),
+    "ollama": (),
+}
+
+
+def run_to_cap_fields(engine: str | None, cap: int) -> dict[str, Any]:
+    """Body fields that make ``engine`` generate all of ``cap`` tokens, however early its model
+    would stop: for load that must really fill a KV cache. An engine not known here gets vLLM's
+    (the dialect our servers speak too); other engines ignore fields they do not know.
+
+    >>> run_to_cap_fields("vllm", 64)
+    {'ignore_eos': True, 'min_tokens': 64}
+    """
+    names = _RUN_TO_CAP_FIELDS.get(engine or "vllm", _RUN_TO_CAP_FIELDS["vllm"])
+    values: dict[str, Any] = {"ignore_eos": True, "min_tokens": cap}
+    return {name: values[name] for name in names}
+
+
 #: Engines that go on generating a request whose connection was reset, as measured: llama.cpp
 #: stops a stream at its next token, but runs a plain (non-streamed) request to its end.
 _RUNS_ON_AFTER_RESET: dict[str, frozenset[bool]] = {"llama.cpp": frozenset({False})}
@@ -784,6 +814,7 @@ def preemptions_from_vllm_metrics(text: str) -> float | None:
     return sum(values) if values else None
 
 
+<<<<<<< HEAD
 @dataclass(frozen=True, slots=True)
 class DecodeCounters:
     """How far an engine's decoding has gone, from one ``/metrics`` scrape: two scrapes and how
@@ -832,6 +863,125 @@ def decode_counters(text: str) -> DecodeCounters | None:
     return None
 
 
+=======
+# --- what an engine lost for lack of KV ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KVLosses:
+    """Requests an engine has preempted, retracted or failed for lack of KV cache so far, as its
+    ``/metrics`` counts them: ``total`` of the counter ``metric``, summed over its samples."""
+
+    total: float
+    engine: str
+    #: The counter read, as the server names it: ``"vllm:num_preemptions_total"``.
+    metric: str
+    #: What it counts, for messages: ``"preemptions"``, ``"requests lost to KV OOM"``, ...
+    kind: str
+    #: What that did to the requests, for messages.
+    meaning: str = ""
+
+    def since(self, before: KVLosses | None) -> KVLosses | None:
+        """The losses since ``before``, the same counter read earlier (``total`` the difference);
+        None when ``before`` is unknown or another counter. A restarted engine counts from 0
+        again: never negative."""
+        if before is None or before.metric != self.metric:
+            return None
+        return replace(self, total=max(0.0, self.total - before.total))
+
+
+@dataclass(frozen=True, slots=True)
+class _LossCounter:
+    metric: str
+    engine: str
+    kind: str
+    meaning: str
+    #: Only samples whose label has one of these values count (None: every sample).
+    only: tuple[str, frozenset[str]] | None = None
+    #: A metric prefix that shows this engine is talking even before the counter exists (counters
+    #: with labels, or in Rust's ``metrics``, appear at their first increment): then 0.
+    speaks: str | None = None
+
+
+#: Where each engine counts what it lost for lack of KV, first match wins. llama.cpp has no such
+#: counter: its ``/metrics`` (``llamacpp:*``) counts tokens and decode calls only; with a unified
+#: KV cache a full pool fails the live requests ("Context size has been exceeded", an error
+#: event or a 500) without counting them. Ollama has no ``/metrics``.
+_LOSS_COUNTERS = (
+    # vLLM: a running request's KV blocks taken back when the pool runs out, to be recomputed.
+    _LossCounter(
+        "vllm:num_preemptions_total",
+        "vllm",
+        "preemptions",
+        "admitted requests were evicted from the KV cache to be recomputed",
+        speaks="vllm:",
+    ),
+    # SGLang's preemption is a retraction: the request goes back to the queue, its KV freed.
+    _LossCounter(
+        "sglang:num_retracted_requests_total",
+        "sglang",
+        "retractions",
+        "admitted requests were sent back to the queue, their KV cache freed",
+        speaks="sglang:",
+    ),
+    # TGI: a batch that fails in the shards (a CUDA OOM among others) fails every request in it;
+    # "incomplete": a stream that ended without its last token.
+    _LossCounter(
+        "tgi_request_failure",
+        "tgi",
+        "failed generations",
+        "admitted requests failed in the middle of generating",
+        only=("err", frozenset({"generation", "incomplete"})),
+        speaks="tgi_",
+    ),
+    # Ours: every in-flight request of a simulated KV OOM.
+    _LossCounter(
+        "kv_oom_failed_requests_total",
+        "kvclient",
+        "requests lost to KV OOM",
+        "admitted requests died mid-decode when the KV pool overflowed",
+    ),
+)
+
+
+def _speaks(text: str, prefix: str) -> bool:
+    return any(line.startswith(prefix) for line in text.splitlines())
+
+
+def kv_losses_from_metrics(text: str) -> KVLosses | None:
+    """What the engine behind a ``/metrics`` text lost for lack of KV cache so far: vLLM's
+    preemptions, SGLang's retractions, TGI's failed generations, our server's OOM-failed
+    requests. None when the text shows no such counter (llama.cpp, a gateway, another server).
+
+    >>> kv_losses_from_metrics('vllm:num_preemptions_total{engine="0"} 2.0').total
+    2.0
+    """
+    for counter in _LOSS_COUNTERS:
+        samples = prometheus_samples(text, counter.metric)
+        if counter.only is not None:
+            label, wanted = counter.only
+            samples = [(labels, v) for labels, v in samples if labels.get(label) in wanted]
+        counts = [v for _, v in samples if math.isfinite(v) and v >= 0]
+        if counts or (counter.speaks is not None and _speaks(text, counter.speaks)):
+            total = sum(counts, 0.0)
+            return KVLosses(total, counter.engine, counter.metric, counter.kind, counter.meaning)
+    return None
+
+
+#: Error codes and messages that say a request died because the KV cache ran out: our server's
+#: ``kv_cache_oom``, llama.cpp's unified cache overflowing mid-decode, a CUDA OOM relayed by TGI.
+_KV_EXHAUSTION_CODES = frozenset({"kv_cache_oom"})
+_KV_EXHAUSTION_MESSAGES = re.compile(r"out of memory|context size has been exceeded", re.I)
+
+
+def is_kv_exhaustion(code: str | None, message: str | None) -> bool:
+    """Whether an error (its code, its message) says the engine ran out of KV cache."""
+    if code is not None and code in _KV_EXHAUSTION_CODES:
+        return True
+    return message is not None and _KV_EXHAUSTION_MESSAGES.search(message) is not None
+
+
+>>>>>>> contract
 def budget_from_reference_metrics(text: str) -> int | None:
     """Our reference server's ``/metrics``: ``kv_physical_capacity_tokens`` (its KV blocks are
     16 tokens)."""

@@ -24,17 +24,26 @@ import anyio
 import httpx
 
 from .._dialects import Answer as DialectAnswer
-from .._dialects import Discovery, discover_context, preemptions_from_vllm_metrics
+from .._dialects import (
+    Discovery,
+    KVLosses,
+    discover_budget,
+    discover_context,
+    kv_losses_from_metrics,
+    run_to_cap_fields,
+)
 from .._exceptions import APIResponseError
 from .._streaming import AsyncLines
 from ._judge import (
     BurstOutcome,
+    EngineLosses,
     ErrorBody,
     Verdict,
     classify_error_body,
     describe_counts,
     judge_bad_input,
     judge_completion_tokens,
+    judge_holders,
     judge_overlong_prompt,
     judge_retry_after,
     judge_saturation,
@@ -62,6 +71,14 @@ POLL_INTERVAL = 0.25
 HOLDERS_ANSWER_WAIT = 10.0
 #: How long /metrics is polled for kv_reserved_tokens to reach 0.
 METRICS_WAIT = 2.0
+#: A saturating burst asks, all requests together, for this many times the engine's KV pool (when
+#: the pool is known): enough that no admission rule can fit it even when the burst's arrivals
+#: spread over as long as one sequence lives (then only about half of it is live at once), yet
+#: each request stays short, so that sequences made to run to their caps end in seconds on a fast
+#: server.
+OVERSUBSCRIPTION = 4.0
+#: The least max_tokens a saturating request asks for, however large the burst.
+MIN_BURST_CAP = 16
 
 _Unset = object()
 
@@ -104,6 +121,9 @@ class Session:
         self.deadline = math.inf
         self._counts: dict[str, tuple[int, str]] = {}
         self._tokenize_works: bool | None = None
+        #: The engine whose dialect discovery heard (``"vllm"`` for ours too), when known.
+        self.engine: str | None = None
+        self._pool: tuple[int | None, str] | None = None
         self.chat = options.api == "chat"
         #: Where generation requests go.
         self.path = ENDPOINTS[options.api]
@@ -116,8 +136,17 @@ class Session:
     # --- requests -----------------------------------------------------------------------------
 
     def body(
-        self, prompt: Any, *, max_tokens: Any = _Unset, stream: bool = False
+        self,
+        prompt: Any,
+        *,
+        max_tokens: Any = _Unset,
+        stream: bool = False,
+        run_to_cap: bool = False,
     ) -> dict[str, Any]:
+        """A generation request's body; ``run_to_cap``: with the fields that make the engine
+        generate all of ``max_tokens`` (``ignore_eos``, ``min_tokens``: see
+        :func:`~kvclient._dialects.run_to_cap_fields`), so that admitted requests really hold
+        their KV to the end."""
         body: dict[str, Any] = {}
         if self.model is not None:
             body["model"] = self.model
@@ -129,6 +158,8 @@ class Session:
             body["max_tokens"] = max_tokens
         if stream:
             body["stream"] = True
+        if run_to_cap and isinstance(max_tokens, int):
+            body.update(run_to_cap_fields(self.engine, max_tokens))
         return body
 
     async def request(
@@ -215,12 +246,61 @@ class Session:
         self._tokenize_works = count is not None
         return (count, "/tokenize") if count is not None else None
 
-    def burst_cap(self, prompt_tokens: int) -> int:
-        """The burst's max_tokens: the whole remaining context unless the options lower it."""
+    async def burst_cap(self, prompt_tokens: int) -> tuple[int, str]:
+        """The burst's max_tokens and why: ``--burst-max-tokens`` when given; else sized so that
+        the burst asks for :data:`OVERSUBSCRIPTION` times the engine's KV pool (each request at
+        least :data:`MIN_BURST_CAP`); else, the pool unknown, the whole remaining context.
+        Never more than the room the context leaves."""
         assert self.context_window is not None
         room = max(1, self.context_window - prompt_tokens)
         cap = self.options.burst_max_tokens
-        return room if cap is None else min(cap, room)
+        if cap is not None:
+            return min(cap, room), "--burst-max-tokens"
+        pool, source = await self.kv_pool()
+        if pool is None:
+            return room, "the whole context (KV pool unknown)"
+        each = math.ceil(OVERSUBSCRIPTION * pool / self.options.burst) - prompt_tokens
+        sized = min(room, max(MIN_BURST_CAP, each))
+        burst = self.options.burst
+        return (
+            sized,
+            f"{burst} x {sized + prompt_tokens} ~ {OVERSUBSCRIPTION:g} x {pool} ({source})",
+        )
+
+    async def kv_pool(self) -> tuple[int | None, str]:
+        """The engine's KV pool in tokens as its dialect tells it (``/metrics``, ``/props``,
+        ``/get_server_info``), else a gateway's usable budget (``kv_usable_tokens``); with where
+        it came from. Asked once."""
+        if self._pool is not None:
+            return self._pool
+        driver = discover_budget()
+        probe = next(driver)
+        metrics_text: str | None = None
+        while True:
+            answer = await self.request(probe.method, probe.path)
+            if probe.path == "/metrics":
+                text = answer.content.decode("utf-8", "replace") if answer.status == 200 else None
+                metrics_text = text
+                payload: Any = text
+            else:
+                payload = answer.json() if answer.status == 200 else None
+            try:
+                probe = driver.send(DialectAnswer(answer.status or 0, payload))
+            except StopIteration as stop:
+                budget = stop.value
+                break
+        pool: int | None = budget.kv_tokens
+        source = budget.source or ""
+        if pool is not None and budget.max_concurrency is not None:
+            # llama.cpp: one window per slot unless unified; the burst must outgrow them all.
+            pool *= budget.max_concurrency
+            source += " x slots"
+        if pool is None and metrics_text is not None:
+            usable = prometheus_value(metrics_text, "kv_usable_tokens")
+            if usable is not None and usable >= 1:
+                pool, source = int(usable), "/metrics kv_usable_tokens"
+        self._pool = (pool, source)
+        return self._pool
 
     # --- bursts -------------------------------------------------------------------------------
 
@@ -252,7 +332,10 @@ class Session:
                     elif drop_after_first:
                         await _first_event(r)
                     else:
-                        outcome.completed, outcome.problem, outcome.error_code = await _consume(r)
+                        outcome.completed, outcome.problem, error = await _consume(r)
+                        if error is not None:
+                            outcome.error_code = error.code or error.type or "error"
+                            outcome.error_message = error.message
             else:
                 response = await self.http.post(self.path, json=body)
                 outcome.status = response.status_code
@@ -260,6 +343,9 @@ class Session:
                     self._refusal(outcome, response.status_code, response.headers, response.content)
                 else:
                     outcome.completed, outcome.problem = _complete_body(response.content)
+                    if not outcome.completed:
+                        error = classify_error_body(response.content)
+                        outcome.error_code, outcome.error_message = error.code, error.message
         except httpx.TransportError as exc:
             outcome.transport_error = type(exc).__name__
             if outcome.status is not None:  # the answer began, then the connection broke
@@ -271,7 +357,8 @@ class Session:
     def _refusal(
         self, outcome: BurstOutcome, status: int, headers: httpx.Headers, content: bytes
     ) -> None:
-        outcome.error_code = classify_error_body(content).code
+        error = classify_error_body(content)
+        outcome.error_code, outcome.error_message = error.code, error.message
         if status in (429, 503):
             outcome.retry_after = judge_retry_after(
                 headers.get("retry-after"), millis=headers.get("retry-after-ms"), now=_unix_now()
@@ -327,12 +414,13 @@ class Session:
                 return False, tries, waited, statuses
             await anyio.sleep(wait)
 
-    async def preemptions(self) -> float | None:
-        """vLLM's preemptions so far, from ``/metrics``; None when the server reports none."""
+    async def kv_losses(self) -> KVLosses | None:
+        """The engine's count so far of requests preempted, retracted or failed for lack of KV
+        (``/metrics``, in its dialect); None when it exposes none."""
         answer = await self.request("GET", "/metrics")
         if answer.status != 200:
             return None
-        return preemptions_from_vllm_metrics(answer.content.decode("utf-8", "replace"))
+        return kv_losses_from_metrics(answer.content.decode("utf-8", "replace"))
 
     async def reserved_tokens(self) -> float | None:
         """``kv_reserved_tokens`` from ``/metrics`` after it settles, None when not exposed."""
@@ -406,10 +494,10 @@ async def _abandon(response: httpx.Response, body: AsyncIterator[bytes]) -> None
             pass
 
 
-async def _consume(response: httpx.Response) -> tuple[bool, str | None, str | None]:
-    """Read an SSE completion stream to its end: ``(completed, problem, error code)``."""
+async def _consume(response: httpx.Response) -> tuple[bool, str | None, ErrorBody | None]:
+    """Read an SSE completion stream to its end: ``(completed, problem, the error event)``."""
     finished = False
-    verdict: tuple[bool, str | None, str | None] | None = None
+    verdict: tuple[bool, str | None, ErrorBody | None] | None = None
     chunks = response.aiter_bytes()
     lines = AsyncLines(chunks)
     while verdict is None:
@@ -433,8 +521,7 @@ async def _consume(response: httpx.Response) -> tuple[bool, str | None, str | No
             verdict = (False, "unreadable stream event", None)
             break
         if isinstance(event, dict) and event.get("error") is not None:
-            body = classify_error_body(data.encode())
-            verdict = (False, "error event mid-stream", body.code or body.type or "error")
+            verdict = (False, "error event mid-stream", classify_error_body(data.encode()))
             break
         choices = event.get("choices") if isinstance(event, dict) else None
         if isinstance(choices, list):
@@ -454,6 +541,8 @@ def _complete_body(content: bytes) -> tuple[bool, str | None]:
         data = json.loads(content)
     except (ValueError, UnicodeDecodeError):
         return False, "unreadable body"
+    if isinstance(data, dict) and data.get("error") is not None:
+        return False, "an error body in a 2xx answer"
     if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
         return False, "no choices in the body"
     return True, None
@@ -485,6 +574,7 @@ async def check_context_window(s: Session) -> Verdict:
             found: Discovery = stop.value
             break
     s.model = s.options.model or found.model
+    s.engine = found.engine
     if found.problem is not None:
         return Verdict(CheckStatus.FAIL, found.problem)
     length = found.context_window
@@ -610,29 +700,46 @@ async def check_explicit_max_tokens(s: Session) -> Verdict:
     return Verdict(CheckStatus.PASS, evidence)
 
 
+def _losses(before: KVLosses | None, after: KVLosses | None) -> EngineLosses | None:
+    during = after.since(before) if after is not None else None
+    if during is None:
+        return None
+    return EngineLosses(during.total, during.kind, during.metric, during.meaning)
+
+
 async def check_saturation(s: Session) -> Verdict:
+    # Each request asks for its sequence to run to its cap (ignore_eos, min_tokens): a model that
+    # stops early would never fill the pool, and an over-admitting server would pass.
     prompt_tokens, _ = await s.count_prompt(SHORT_PROMPT)
-    cap = s.burst_cap(prompt_tokens)
-    before = await s.preemptions()
+    cap, sized = await s.burst_cap(prompt_tokens)
+    before = await s.kv_losses()
     outcomes = await s.burst(
-        s.body(SHORT_PROMPT, max_tokens=cap), s.options.burst, budget=s.remaining() - 0.5
+        s.body(SHORT_PROMPT, max_tokens=cap, run_to_cap=True),
+        s.options.burst,
+        budget=s.remaining() - 0.5,
     )
-    after = await s.preemptions() if before is not None else None
+    losses = _losses(before, await s.kv_losses() if before is not None else None)
     verdict = judge_saturation(
-        outcomes,
-        require_retry_after=s.options.require_retry_after,
-        preemptions=after - before if before is not None and after is not None else None,
+        outcomes, require_retry_after=s.options.require_retry_after, losses=losses
     )
-    details = {**verdict.details, "max_tokens": cap, "prompt_tokens": prompt_tokens}
-    return Verdict(verdict.status, f"max_tokens {cap}; {verdict.evidence}", details)
+    details = {
+        **verdict.details,
+        "max_tokens": cap,
+        "prompt_tokens": prompt_tokens,
+        "sized_by": sized,
+    }
+    return Verdict(
+        verdict.status, f"max_tokens {cap} to the cap [{sized}]; {verdict.evidence}", details
+    )
 
 
 async def check_retry_after_honest(s: Session) -> Verdict:
     # Holders ask for long answers so that they are still generating when the probe comes.
     prompt_tokens, _ = await s.count_prompt(LONG_OUTPUT_PROMPT)
-    cap = s.burst_cap(prompt_tokens)
-    body = s.body(LONG_OUTPUT_PROMPT, max_tokens=cap)
+    cap, _ = await s.burst_cap(prompt_tokens)
+    body = s.body(LONG_OUTPUT_PROMPT, max_tokens=cap, run_to_cap=True)
     holders = [BurstOutcome(streamed=True) for _ in range(s.options.burst)]
+    before = await s.kv_losses()
     full = anyio.Event()  # set at the first refusal, or once every holder has its answer
 
     def on_answer() -> None:
@@ -654,6 +761,13 @@ async def check_retry_after_honest(s: Session) -> Verdict:
         else:
             verdict = await _probe_retry_after(s, body)
         group.cancel_scope.cancel()
+    # Holders that died on the way (cancelled ones are unfinished, not dead) fail the check too.
+    losses = _losses(before, await s.kv_losses() if before is not None else None)
+    problem = judge_holders(holders, losses)
+    if problem is not None:
+        return Verdict(
+            CheckStatus.FAIL, f"{problem}; while {verdict.evidence}", dict(verdict.details)
+        )
     return verdict
 
 
@@ -728,9 +842,9 @@ async def check_capacity_returns(s: Session) -> Verdict:
             f"before any stream was dropped, a full-context request ({size}) was still "
             f"refused after {before[2]:.1f} s ({describe_counts(before[3])})",
         )
-    cap = s.burst_cap(prompt_tokens)
+    cap, _ = await s.burst_cap(prompt_tokens)
     outcomes = await s.burst(
-        s.body(prompt, max_tokens=cap),
+        s.body(prompt, max_tokens=cap, run_to_cap=True),
         s.options.burst,
         budget=min(s.remaining() / 3, s.options.timeout / 3),
         drop_after_first=True,

@@ -23,11 +23,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._dialects import is_kv_exhaustion
 from ._results import CheckStatus
 
 __all__ = [
     "MAX_PLAUSIBLE_RETRY_AFTER",
     "BurstOutcome",
+    "EngineLosses",
     "ErrorBody",
     "RetryAfterAdvice",
     "Verdict",
@@ -35,6 +37,7 @@ __all__ = [
     "describe_counts",
     "judge_bad_input",
     "judge_completion_tokens",
+    "judge_holders",
     "judge_overlong_prompt",
     "judge_retry_after",
     "judge_saturation",
@@ -276,8 +279,44 @@ class BurstOutcome:
     unfinished: bool = False
     retry_after: RetryAfterAdvice | None = None
     error_code: str | None = None
+    #: The error's own words (an error status's body, an error event mid-stream).
+    error_message: str | None = None
     completed: bool = False
     problem: str | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    @property
+    def out_of_kv(self) -> bool:
+        """Whether its error says the engine ran out of KV cache."""
+        return is_kv_exhaustion(self.error_code, self.error_message)
+
+    @property
+    def died(self) -> bool:
+        """Admitted, then lost before its end: an error event or a cut stream, a broken body, or
+        an error status that says the KV cache ran out (only a running request meets that)."""
+        if self.unfinished:
+            return False
+        if self.admitted:
+            return not self.completed
+        return self.status is not None and self.status >= 500 and self.out_of_kv
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLosses:
+    """What the engine's own ``/metrics`` counted while the checks ran: ``count`` of ``kind``
+    (``metric``), which ``meaning`` explains."""
+
+    count: float
+    kind: str
+    metric: str
+    meaning: str = ""
+
+    def describe(self) -> str:
+        what = f"{self.count:g} {self.kind} ({self.metric})"
+        return f"{what}: {self.meaning}" if self.meaning else what
 
 
 def describe_counts(counter: Mapping[Any, int]) -> str:
@@ -291,25 +330,53 @@ def _codes(outcomes: Iterable[BurstOutcome]) -> str:
     return f" ({describe_counts(codes)})" if codes else ""
 
 
+def describe_deaths(died: Sequence[BurstOutcome], admitted: int) -> str:
+    """``"5 admitted requests died mid-decode, 5 of them out of KV memory (OOM): error event
+    mid-stream x3, 500 x2 (kv_cache_oom x5)"``."""
+    how = Counter(o.problem or f"{o.status}" for o in died)
+    oom = sum(o.out_of_kv for o in died)
+    of = f" of {admitted}" if admitted > len(died) else ""
+    plural = "" if max(admitted, len(died)) == 1 else "s"
+    kv = f", {oom} of them out of KV memory (OOM)" if oom else ""
+    return (
+        f"{len(died)}{of} admitted request{plural} died mid-decode{kv}: "
+        f"{describe_counts(how)}{_codes(died)}"
+    )
+
+
+def judge_holders(holders: Sequence[BurstOutcome], losses: EngineLosses | None) -> str | None:
+    """The problem when requests held open by a check died, or the engine counted losses while
+    they ran; None when neither."""
+    died = [o for o in holders if o.died]
+    admitted = sum(o.admitted for o in holders)
+    problems = [describe_deaths(died, admitted)] if died else []
+    if losses is not None and losses.count > 0:
+        problems.append(losses.describe())
+    return "; ".join(problems) or None
+
+
 def judge_saturation(
     outcomes: Sequence[BurstOutcome],
     *,
     require_retry_after: bool = True,
-    preemptions: float | None = None,
+    losses: EngineLosses | None = None,
 ) -> Verdict:
     """A saturating burst: refusals are 429/503 with a valid Retry-After, never 5xx or a dropped
-    connection, and every admitted request completes without being preempted (``preemptions``:
-    how many the server reported during the burst, None when it reports none)."""
+    connection, and every admitted request completes: none dies mid-decode (an error event, a
+    stream cut short, an error status that says the KV cache ran out) and the engine's own
+    counter of preemptions or OOM losses (``losses``, None when it exposes none) did not move."""
     statuses = Counter(o.status if o.status is not None else "no answer" for o in outcomes)
     details: dict[str, Any] = {"statuses": {str(k): v for k, v in statuses.items()}}
     admitted = [o for o in outcomes if o.status is not None and 200 <= o.status < 300]
     refused = [o for o in outcomes if o.status in (429, 503)]
+    died = [o for o in outcomes if o.died]
     server_errors = [
-        o for o in outcomes if o.status is not None and o.status >= 500 and o.status != 503
+        o
+        for o in outcomes
+        if o.status is not None and o.status >= 500 and o.status != 503 and not o.died
     ]
     dropped = [o for o in outcomes if o.status is None and not o.unfinished]
     unfinished = [o for o in outcomes if o.unfinished]
-    broken = [o for o in admitted if not o.completed and not o.unfinished]
     other = [
         o for o in outcomes if o.status is not None and 300 <= o.status < 500 and o.status != 429
     ]
@@ -320,6 +387,8 @@ def judge_saturation(
     details.update(
         admitted=len(admitted),
         completed=sum(o.completed for o in admitted),
+        died=len(died),
+        died_out_of_kv=sum(o.out_of_kv for o in died),
         refused=len(refused),
         retry_after_missing=len(missing),
         retry_after_invalid=sorted({a.problem or "" for a in invalid}),
@@ -328,14 +397,13 @@ def judge_saturation(
 
     summary = f"{len(outcomes)} sent: {describe_counts(statuses)}"
     failures: list[str] = []
+    if died:
+        failures.append(describe_deaths(died, len(admitted) + sum(not o.admitted for o in died)))
     if server_errors:
         failures.append(f"{len(server_errors)} server errors{_codes(server_errors)}")
     if dropped:
         kinds = Counter(o.transport_error or "?" for o in dropped)
         failures.append(f"{len(dropped)} dropped connections ({describe_counts(kinds)})")
-    if broken:
-        problems = describe_counts(Counter(o.problem or "incomplete" for o in broken))
-        failures.append(f"{len(broken)} of {len(admitted)} admitted did not complete ({problems})")
     if unfinished:
         failures.append(f"{len(unfinished)} unfinished at the deadline (raise --timeout)")
     if other:
@@ -344,13 +412,14 @@ def judge_saturation(
         failures.append(f"invalid Retry-After: {invalid[0].problem}")
     if missing and require_retry_after:
         failures.append(f"{len(missing)} of {len(refused)} refusals without Retry-After")
-    if preemptions is not None:
-        details["preemptions"] = preemptions
-        if preemptions > 0:
-            failures.append(
-                f"{preemptions:g} preemptions (vllm:num_preemptions_total): admitted requests "
-                "were evicted from the KV cache to be recomputed"
-            )
+    if losses is not None:
+        details["engine_losses"] = {
+            "count": losses.count,
+            "kind": losses.kind,
+            "metric": losses.metric,
+        }
+        if losses.count > 0:
+            failures.append(losses.describe())
     if failures:
         return Verdict(CheckStatus.FAIL, f"{summary}; " + "; ".join(failures), details)
     if not refused:

@@ -69,10 +69,12 @@ class ContractOptions:
     """How to run the suite. Every field has a default that works against a local server.
 
     ``context_window`` and ``model`` override what ``/v1/models`` says (or stand in when it says
-    nothing). ``burst_max_tokens`` caps the burst's requests (default: the whole context, the
-    largest promise); lower it for slow real models. ``require_retry_after=False`` reports a 429
-    without Retry-After as unsupported instead of failed (TGI, llama.cpp). ``api="chat"`` sends
-    ``/v1/chat/completions`` requests instead of ``/v1/completions``.
+    nothing). ``burst_max_tokens`` sets the burst's max_tokens, each request sent so that
+    it runs to it (``ignore_eos``, ``min_tokens``); by default the burst asks for four times the
+    server's KV pool (the whole context when the pool is unknown); lower it for slow real
+    models. ``require_retry_after=False`` reports a 429 without Retry-After as unsupported
+    instead of failed (TGI, llama.cpp). ``api="chat"`` sends ``/v1/chat/completions`` requests
+    instead of ``/v1/completions``.
     """
 
     model: str | None = None

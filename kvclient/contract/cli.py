@@ -82,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
         "--burst-max-tokens",
         type=int,
         metavar="TOKENS",
-        help="max_tokens of burst requests (default: the whole context, the largest promise)",
+        help="max_tokens of burst requests, each run to its cap (default: the burst asks for "
+        "4x the server's KV pool, or the whole context when the pool is unknown)",
     )
     parser.add_argument(
         "--timeout",

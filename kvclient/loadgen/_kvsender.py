@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._async_client import AsyncClient
+from .._dialects import is_kv_exhaustion
 from .._exceptions import (
     APIConnectionError,
     APIResponseError,
@@ -31,15 +32,20 @@ def _count_statuses(record: RequestRecord, history: Sequence[RetryEvent]) -> Non
 
 
 def failure_cause(error: KVClientError) -> str:
-    """A short, stable name for why a request failed (the keys of ``failed_by_cause``)."""
+    """A short, stable name for why a request failed (the keys of ``failed_by_cause``).
+
+    ``oom``: the engine ran out of KV cache, whether an error status said so or, streamed, an
+    error event mid-stream (the stream's 200 had gone out before the pool overflowed)."""
     if isinstance(error, PromptTooLongError):
         return "prompt_too_long"
     if isinstance(error, ServerBusyError):
         return "server_busy"
     if isinstance(error, APIStatusError):
-        if error.code == "kv_cache_oom":
+        if is_kv_exhaustion(error.code, error.message):
             return "oom"
         return f"http_{error.status_code}" + (f":{error.code}" if error.code else "")
+    if isinstance(error, APIResponseError) and is_kv_exhaustion(None, error.message):
+        return "oom"
     if isinstance(error, APITimeoutError):
         return "timeout"
     if isinstance(error, APIConnectionError):

@@ -13,6 +13,7 @@ import anyio
 import anyio.lowlevel
 import httpx
 
+from .._dialects import is_kv_exhaustion
 from ._metrics import RecordTimer
 from ._workload import WorkItem
 
@@ -106,9 +107,11 @@ def _cause(response: httpx.Response) -> str:
     try:
         error = response.json().get("error")
         code = error.get("code") if isinstance(error, dict) else None
+        text = error.get("message") if isinstance(error, dict) else None
     except (ValueError, AttributeError):
-        code = None
-    if code == "kv_cache_oom":
+        code = text = None
+    code = None if code is None else str(code)
+    if is_kv_exhaustion(code, text if isinstance(text, str) else None):
         return "oom"
     return f"http_{response.status_code}" + (f":{code}" if code else "")
 

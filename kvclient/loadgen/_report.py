@@ -11,11 +11,13 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+from .._dialects import KVLosses, kv_losses_from_metrics
 from ._metrics import Distribution, Summary
 
 __all__ = [
     "format_count",
     "format_seconds",
+    "kv_losses_during",
     "parse_prometheus_text",
     "print_table",
     "summary_rows",
@@ -160,3 +162,12 @@ def metric_delta(
     if name not in after:
         return None
     return after[name] - before.get(name, 0.0)
+
+
+def kv_losses_during(before: str | None, after: str | None) -> KVLosses | None:
+    """What the engine lost for lack of KV between two ``/metrics`` texts, in its own dialect
+    (:func:`~kvclient._dialects.kv_losses_from_metrics`); None when either is unknown."""
+    if before is None or after is None:
+        return None
+    now = kv_losses_from_metrics(after)
+    return None if now is None else now.since(kv_losses_from_metrics(before))

@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import httpx
 
+<<<<<<< HEAD
 from .._cli_options import (
     add_api_key,
     add_context_window,
@@ -35,6 +36,9 @@ from .._cli_options import (
     write_json,
 )
 from .._dialects import Answer, Budget, Probe, discover_budget
+=======
+from .._dialects import KVLosses
+>>>>>>> contract
 from .._exceptions import KVClientError
 from .._help import HelpFormatter
 from .._tokens import TiktokenCounter, TokenCounter
@@ -44,6 +48,7 @@ from ._preflight import PreflightError, Served, preflight
 from ._report import (
     format_count,
     format_seconds,
+    kv_losses_during,
     metric_delta,
     parse_prometheus_text,
     print_table,
@@ -262,10 +267,21 @@ class BenchResult:
     records: list[RequestRecord]
     server_metrics: dict[str, float | None]
     samples: list[Sample] = field(default_factory=list)
+    #: What the engine's own /metrics counted lost for lack of KV during the run (vLLM's
+    #: preemptions, our OOM-failed requests, ...); None when it exposes no such counter.
+    server_losses: KVLosses | None = None
 
     def to_json(self, *, with_records: bool = False) -> dict[str, Any]:
         data: dict[str, Any] = {"summary": self.summary.to_json()}
         data["server"] = self.server_metrics
+        if self.server_losses is not None:
+            losses = self.server_losses
+            data["server_kv_losses"] = {
+                "count": losses.total,
+                "kind": losses.kind,
+                "metric": losses.metric,
+                "engine": losses.engine,
+            }
         if with_records:
             data["records"] = [r.to_json() for r in self.records]
         return data
@@ -414,14 +430,17 @@ def build_items(args: argparse.Namespace, count: int, counter: TokenCounter) -> 
 # --- running ----------------------------------------------------------------------------------
 
 
-async def _scrape(http: httpx.AsyncClient) -> dict[str, float]:
+async def _scrape_text(http: httpx.AsyncClient) -> str | None:
     try:
         response = await http.get("/metrics", timeout=5.0)
     except httpx.HTTPError:
-        return {}
-    if response.status_code != 200:
-        return {}
-    return parse_prometheus_text(response.text)
+        return None
+    return response.text if response.status_code == 200 else None
+
+
+async def _scrape(http: httpx.AsyncClient) -> dict[str, float]:
+    text = await _scrape_text(http)
+    return {} if text is None else parse_prometheus_text(text)
 
 
 SERVER_COUNTERS = ("kv_rejected_total", "kv_admitted_total", "kv_oom_events_total")
@@ -494,7 +513,8 @@ async def run_bench(
         limits=limits,
         timeout=timeout,
     ) as http:
-        before = await _scrape(http)
+        before_text = await _scrape_text(http)
+        before = parse_prometheus_text(before_text or "")
         sender: Any
         if args.naive:
             sender = NaiveSender(
@@ -530,10 +550,12 @@ async def run_bench(
                     on_done=bar.advance,
                 )
             tg.cancel_scope.cancel()
-        after = await _scrape(http)
+        after_text = await _scrape_text(http)
+    after = parse_prometheus_text(after_text or "")
     server = {name: metric_delta(before, after, name) for name in SERVER_COUNTERS}
     summary = summarize(records, duration=wall, slo=_slo(args), deadline=args.request_deadline)
-    return BenchResult(summary, records, server, sampler.samples)
+    losses = kv_losses_during(before_text, after_text)
+    return BenchResult(summary, records, server, sampler.samples, losses)
 
 
 def _schedule(args: argparse.Namespace, rate: float, duration: float | None) -> list[float]:
@@ -715,6 +737,9 @@ def result_rows(result: BenchResult) -> list[tuple[str, str]]:
     for name, value in result.server_metrics.items():
         if value is not None:
             rows.append((f"server: {name} (this run)", f"{value:,.0f}"))
+    losses = result.server_losses
+    if losses is not None:
+        rows.append((f"server: {losses.kind} ({losses.metric}, this run)", f"{losses.total:,.0f}"))
     return rows
 
 

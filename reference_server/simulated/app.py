@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Set
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -81,6 +82,45 @@ def _engine_failure(error: EngineOOMError | EngineFaultError) -> tuple[str, str]
     return str(error), _OOM_CODE
 
 
+@dataclass(frozen=True, slots=True)
+class Stopping:
+    """vLLM's sampling parameters that hold a sequence's end back: ``ignore_eos`` (run to the
+    cap) and ``min_tokens`` (no end before that many tokens)."""
+
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+
+def _stopping(payload: dict[str, Any], cap: int) -> Stopping:
+    """The request's :class:`Stopping`, refused with vLLM's 400s when malformed."""
+    ignore_eos = payload.get("ignore_eos", False)
+    if ignore_eos is None:
+        ignore_eos = False
+    if not isinstance(ignore_eos, bool):
+        raise bad_request("ignore_eos must be a boolean", param="ignore_eos")
+    min_tokens = payload.get("min_tokens", 0)
+    if min_tokens is None:
+        min_tokens = 0
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int):
+        raise bad_request("min_tokens must be an integer", param="min_tokens")
+    if min_tokens < 0:
+        raise bad_request(
+            f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
+            param="min_tokens",
+        )
+    if min_tokens > cap:
+        raise bad_request(
+            f"min_tokens must be less than or equal to max_tokens={cap}, got {min_tokens}.",
+            param="min_tokens",
+        )
+    return Stopping(min_tokens=min_tokens, ignore_eos=ignore_eos)
+
+
+def _stopping_of(plan: Plan) -> dict[str, Any]:
+    stopping = plan.extra if isinstance(plan.extra, Stopping) else Stopping()
+    return {"min_tokens": stopping.min_tokens, "ignore_eos": stopping.ignore_eos}
+
+
 class SimulatedBackend:
     """The simulated engine behind the generation endpoint: one ledger, one queue, one engine."""
 
@@ -118,7 +158,15 @@ class SimulatedBackend:
             context_window=state.config.context_window,
             param="messages" if request.messages is not None else "prompt",
         )
-        return Plan(request=request, payload=payload, raw=raw, prompt_tokens=prompt_tokens, cap=cap)
+        stopping = _stopping(payload, cap)
+        return Plan(
+            request=request,
+            payload=payload,
+            raw=raw,
+            prompt_tokens=prompt_tokens,
+            cap=cap,
+            extra=stopping,
+        )
 
     def route(self, plan: Plan, tried: Set[int]) -> Target:
         return self.state
@@ -136,7 +184,9 @@ class SimulatedBackend:
     async def _complete(self, plan: Plan, handle: Handle, send: Send) -> None:
         state = self.state
         try:
-            completion = await state.engine.generate(plan.prompt_tokens, plan.cap)
+            completion = await state.engine.generate(
+                plan.prompt_tokens, plan.cap, **_stopping_of(plan)
+            )
         except (EngineOOMError, EngineFaultError) as failure:
             message, code = _engine_failure(failure)
             response: Response = APIError(
@@ -243,7 +293,9 @@ class SimulatedBackend:
             await body(chunk(text, None))
 
         try:
-            completion = await state.engine.generate(prompt_tokens, cap, on_text)
+            completion = await state.engine.generate(
+                prompt_tokens, cap, on_text, **_stopping_of(plan)
+            )
         except (EngineOOMError, EngineFaultError) as failure:
             # Headers are gone already: the error travels in the stream, as vLLM does.
             message, code = _engine_failure(failure)

@@ -6,6 +6,10 @@ pool holds, per live sequence, its prompt plus what it has generated so far, in 
 that ever exceeds the pool's capacity, every live sequence fails with :class:`EngineOOMError` and
 the pool is emptied: the mid-decode crash that reserving only for the prompt leads to.
 
+A sequence stops by itself at a natural length drawn for it (its end-of-sequence token), unless
+the request says ``ignore_eos`` or ``min_tokens``, as vLLM's sampling parameters do: load that
+must fill the pool (the contract suite's bursts) runs to its cap.
+
 With ``fault_rate`` > 0 the engine also fails that share of sequences on purpose, at a random
 token (:class:`EngineFaultError`), so tests and the soak can check that every failure path gives
 the reservation back.
@@ -240,9 +244,20 @@ class SimulatedEngine:
     # --- generation ----------------------------------------------------------------------------
 
     async def generate(
-        self, prompt_tokens: int, max_tokens: int, on_text: OnText | None = None
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        on_text: OnText | None = None,
+        *,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
     ) -> Completion:
         """Decode up to ``max_tokens`` tokens after a prompt of ``prompt_tokens`` tokens.
+
+        A sequence stops by itself at its natural length, as vLLM's does at its end-of-sequence
+        token, unless ``ignore_eos`` (it runs to ``max_tokens``, finish reason ``length``) or
+        ``min_tokens`` (no stop before that many tokens) say otherwise; neither changes the
+        random draws, so other sequences' outputs stay as they were.
 
         ``on_text`` receives each tick's new text as it is produced (for streaming). Raises
         :class:`EngineOOMError` when the pool overflows while this sequence is live, and
@@ -256,7 +271,9 @@ class SimulatedEngine:
             seq = _Sequence(next(self._ids), prompt_tokens)
             self._running[seq.id] = seq
             self._started += 1
-        target = min(natural, max_tokens)
+        # Where the end-of-sequence token would come, once it is allowed.
+        stop_at = max_tokens + 1 if ignore_eos else max(natural, min_tokens)
+        target = min(stop_at, max_tokens)
         fault_at: int | None = None
         if self.fault_rate > 0:
             with self._lock:
@@ -296,5 +313,13 @@ class SimulatedEngine:
         return Completion(
             text="".join(pieces),
             completion_tokens=seq.generated,
-            finish_reason="stop" if natural <= max_tokens else "length",
+            finish_reason=_finish_reason(natural, stop_at, max_tokens),
         )
+
+
+def _finish_reason(natural: int, stop_at: int, max_tokens: int) -> FinishReason:
+    """``stop`` when the sequence ended by itself within its cap, ``length`` when the cap cut it
+    (or when ``min_tokens`` held its end back to exactly the cap)."""
+    if stop_at == natural:
+        return "stop" if natural <= max_tokens else "length"
+    return "stop" if stop_at < max_tokens else "length"

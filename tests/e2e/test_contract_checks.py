@@ -25,9 +25,11 @@ from kvclient.contract import (
 from kvclient.contract._checks import _has_text
 from kvclient.contract._judge import (
     BurstOutcome,
+    EngineLosses,
     classify_error_body,
     judge_bad_input,
     judge_completion_tokens,
+    judge_holders,
     judge_overlong_prompt,
     judge_retry_after,
     judge_saturation,
@@ -189,9 +191,37 @@ def test_saturation_pass() -> None:
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
-        (BurstOutcome(status=500, error_code="kv_cache_oom"), "kv_cache_oom"),
+        (
+            BurstOutcome(status=500, error_code="kv_cache_oom"),
+            "1 of 2 admitted requests died mid-decode, 1 of them out of KV memory (OOM): 500 x1 "
+            "(kv_cache_oom x1)",
+        ),
+        (BurstOutcome(status=500, error_code="internal_error"), "1 server errors (internal_error"),
         (BurstOutcome(transport_error="RemoteProtocolError"), "dropped connections"),
-        (BurstOutcome(status=200, problem="error event mid-stream"), "did not complete"),
+        (
+            BurstOutcome(status=200, problem="error event mid-stream"),
+            "1 of 2 admitted requests died mid-decode: error event mid-stream x1",
+        ),
+        (
+            # llama.cpp's unified KV cache, full mid-decode: an error event with this message.
+            BurstOutcome(
+                status=200,
+                streamed=True,
+                problem="error event mid-stream",
+                error_code="500",
+                error_message="Context size has been exceeded.",
+            ),
+            "died mid-decode, 1 of them out of KV memory (OOM)",
+        ),
+        (
+            BurstOutcome(status=200, problem="stream ended without [DONE] or finish_reason"),
+            "died mid-decode: stream ended without [DONE]",
+        ),
+        (
+            BurstOutcome(status=200, problem="connection broke mid-answer (RemoteProtocolError)"),
+            "died mid-decode: connection broke mid-answer",
+        ),
+        (BurstOutcome(status=200, problem="an error body in a 2xx answer"), "died mid-decode"),
         (BurstOutcome(status=200, unfinished=True), "unfinished at the deadline"),
         (BurstOutcome(status=400, error_code="kv_budget_exceeded"), "unexpected 3xx/4xx"),
         (_refused("soon"), "invalid Retry-After"),
@@ -215,18 +245,30 @@ def test_saturation_without_refusals_or_retry_after_is_unsupported() -> None:
     assert strict.status is CheckStatus.FAIL
 
 
-def test_saturation_with_preemptions_fails_even_when_never_refused() -> None:
+def test_saturation_with_engine_losses_fails_even_when_never_refused() -> None:
     # vLLM admits what its KV cache cannot hold and preempts: the seed's failure in another form.
-    queued = judge_saturation([_ok(), _ok(True)], preemptions=3)
+    preempted = EngineLosses(3, "preemptions", "vllm:num_preemptions_total", "evicted")
+    queued = judge_saturation([_ok(), _ok(True)], losses=preempted)
     assert queued.status is CheckStatus.FAIL
-    assert "3 preemptions (vllm:num_preemptions_total)" in queued.evidence
-    assert queued.details["preemptions"] == 3
-    clean = judge_saturation([_ok(), _refused("1")], preemptions=0)
+    assert "3 preemptions (vllm:num_preemptions_total): evicted" in queued.evidence
+    assert queued.details["engine_losses"]["count"] == 3
+    none = EngineLosses(0, "preemptions", "vllm:num_preemptions_total")
+    clean = judge_saturation([_ok(), _refused("1")], losses=none)
     assert clean.status is CheckStatus.PASS
-    assert clean.details["preemptions"] == 0
+    assert clean.details["engine_losses"]["count"] == 0
     unknown = judge_saturation([_ok(), _refused("1")])
     assert unknown.status is CheckStatus.PASS
-    assert "preemptions" not in unknown.details
+    assert "engine_losses" not in unknown.details
+
+
+def test_holders_that_died_or_were_counted_lost() -> None:
+    cancelled = BurstOutcome(streamed=True, status=200, unfinished=True)
+    died = BurstOutcome(streamed=True, status=200, problem="error event mid-stream")
+    assert judge_holders([cancelled, _ok(True), _refused("1")], None) is None
+    problem = judge_holders([cancelled, died], None)
+    assert problem == "1 of 2 admitted requests died mid-decode: error event mid-stream x1"
+    lost = EngineLosses(2, "retractions", "sglang:num_retracted_requests_total")
+    assert judge_holders([cancelled], lost) == "2 retractions (sglang:num_retracted_requests_total)"
 
 
 # --- options and reports --------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from kvclient.contract import CHECK_NAMES, CheckStatus, ContractReport, arun_con
 
 reference_server = pytest.importorskip("reference_server")
 from reference_server import ServerConfig, create_app, serve_in_thread  # noqa: E402
+from reference_server.gateway import GatewayConfig  # noqa: E402
+from reference_server.testing import running_gateway, running_server  # noqa: E402
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -34,6 +36,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 FAST = ServerConfig(context_window=1024, kv_tokens=4096, decode_rate=2000.0, mean_output_tokens=1e6)
+#: Outputs that end by themselves long before their caps, as real models' do.
+EARLY = dataclasses.replace(FAST, mean_output_tokens=20.0)
 OPTIONS: dict[str, Any] = {"burst": 8, "timeout": 15.0, "capacity_wait": 2.0}
 
 
@@ -288,6 +292,68 @@ def test_prompt_only_admission_ooms_under_saturation() -> None:
         ooms = state(app).engine.stats().oom_events_total
     assert_caught(report, "saturation", "kv_cache_oom")
     assert ooms >= 1
+
+
+# --- saturation makes admitted sequences run to their caps ----------------------------------------
+
+
+def test_prompt_admission_fails_even_when_outputs_end_early() -> None:
+    # Without ignore_eos the burst's outputs would end after ~20 tokens and never fill the pool.
+    with serve(dataclasses.replace(EARLY, admission="prompt")) as (url, app):
+        report = run_contract(url, **OPTIONS)
+        lost = state(app).engine.stats().oom_failed_sequences_total
+    assert_caught(
+        report,
+        "saturation",
+        "admitted requests died mid-decode",
+        "of them out of KV memory (OOM)",
+        "requests lost to KV OOM (kv_oom_failed_requests_total)",
+    )
+    assert report["saturation"].details["died"] >= 1
+    assert report["saturation"].details["engine_losses"]["count"] >= 1
+    assert lost >= 1
+
+
+def test_reserve_mode_passes_when_outputs_end_early() -> None:
+    with serve(EARLY) as (url, app):
+        report = run_contract(url, **OPTIONS)
+        stats = state(app).engine.stats()
+    failed = {r.name: r.evidence for r in report.results if r.status is not CheckStatus.PASS}
+    assert not failed, failed
+    assert report["saturation"].details["engine_losses"]["count"] == 0
+    assert "kv_physical_capacity_tokens" in report["saturation"].details["sized_by"]
+    assert stats.oom_events_total == 0
+
+
+def test_the_gateway_in_front_of_the_reference_server_passes() -> None:
+    with serve(EARLY) as (upstream, app):
+        config = GatewayConfig(upstreams=(upstream,), decode_rate=EARLY.decode_rate)
+        with running_gateway(config) as gateway:
+            report = run_contract(gateway.base_url, **OPTIONS)
+        stats = state(app).engine.stats()
+    failed = {r.name: r.evidence for r in report.results if r.status is not CheckStatus.PASS}
+    assert not failed, failed
+    assert "kv_usable_tokens" in report["saturation"].details["sized_by"]
+    assert stats.oom_events_total == 0
+
+
+@pytest.mark.parametrize(("admission", "code"), [("prompt", 1), ("reserve", 0)])
+def test_cli_with_its_defaults_against_kvclient_serve_with_its_defaults(
+    admission: str, code: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The commands as a user types them: `kvclient serve [--admission prompt]`, then
+    # `kvclient contract URL`; the burst is sized from the server's /metrics KV pool.
+    with running_server(admission=admission) as server:
+        assert kvclient_main(["contract", server.base_url, "--plain"]) == code
+        stats = server.engine.stats()
+    table = capsys.readouterr().out
+    if code:
+        assert "FAILED" in table
+        assert "died mid-decode" in table
+        assert stats.oom_failed_sequences_total >= 1
+    else:
+        assert "PASSED: 8 pass" in table
+        assert stats.oom_events_total == 0
 
 
 def test_429_without_retry_after() -> None:

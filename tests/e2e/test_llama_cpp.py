@@ -321,8 +321,8 @@ def test_bench_reads_nel_streams_intact(
 ) -> None:
     out = tmp_path / "bench.json"
     argv = [
-        *(nel_llama.url, "--num-requests", "12", "--concurrency", "4", "--seed", "1"),
-        *("--prompt-tokens", "8:40", "--max-tokens", "8:32"),
+        *(nel_llama.url, "--requests", "12", "--concurrency", "4", "--seed", "1"),
+        *("--prompt-tokens", "8:40", "--max-tokens-range", "8:32"),
         *("--json", str(out), "--no-progress"),
     ]
     assert bench_cli.main(argv) == 0

@@ -60,7 +60,7 @@ def no_window() -> Iterator[str]:
 
 def _preflight_fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     start = time.monotonic()
-    code = cli.main([*argv, "--concurrency", "1", "--num-requests", "1"])
+    code = cli.main([*argv, "--concurrency", "1", "--requests", "1"])
     elapsed = time.monotonic() - start
     err = capsys.readouterr().err
     assert code == 2, err
@@ -97,8 +97,8 @@ def test_preflight_api_key_from_the_environment(
 ) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", "k")
     monkeypatch.setenv("KVCLIENT_BASE_URL", server.base_url)
-    argv = ["--concurrency", "2", "--num-requests", "4", "--prompt-tokens", "20"]
-    assert cli.main([*argv, "--max-tokens", "20", "--no-progress"]) == 0
+    argv = ["--concurrency", "2", "--requests", "4", "--prompt-tokens", "20"]
+    assert cli.main([*argv, "--max-tokens-range", "20", "--no-progress"]) == 0
 
 
 @pytest.mark.parametrize("window", [None, "2048"], ids=["discovered", "given"])
@@ -155,7 +155,7 @@ def test_max_failure_rate_sets_the_exit_status(
     path = tmp_path / "w.jsonl"
     lines = [{"prompt": " the" * 30, "max_tokens": 20}] * 8 + [{"prompt": " the" * 3000}] * 2
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    code, data = _run(server, tmp_path, "--dataset", str(path), "--num-requests", "10")
+    code, data = _run(server, tmp_path, "--dataset", str(path), "--requests", "10")
     err = capsys.readouterr().err
     assert code == 1
     assert "2 of 10 requests (20.0%) did not complete" in err
@@ -168,7 +168,7 @@ def test_max_failure_rate_sets_the_exit_status(
     assert group["cause"] == "prompt_too_long"
     assert "leaves no room for output" in group["messages"][0][0]  # the message, in full
     code, _ = _run(
-        server, tmp_path, "--dataset", str(path), "--num-requests", "10", "--max-failure-rate", ".2"
+        server, tmp_path, "--dataset", str(path), "--requests", "10", "--max-failure-rate", ".2"
     )
     assert code == 0
 
@@ -180,11 +180,11 @@ def test_failures_keep_their_message_in_the_table(
     code, data = _run(
         server,
         tmp_path,
-        "--num-requests",
+        "--requests",
         "2",
         "--prompt-tokens",
         "1000",
-        "--max-tokens",
+        "--max-tokens-range",
         "1000",
         "--context-window",
         "4096",
@@ -244,7 +244,7 @@ def test_sweep_finds_the_knee_near_the_measured_capacity(
                 "--probe-requests", "24",
                 "--arrival", "constant",
                 "--prompt-tokens", str(KNEE_PROMPT),
-                "--max-tokens", str(KNEE_CAP),
+                "--max-tokens-range", str(KNEE_CAP),
                 "--no-stream",
                 "--slo-latency", "1.0",  # about 3.3x the service time of one request
                 "--sweep-attainment", "0.85",  # room for a stall of a loaded machine
@@ -345,3 +345,42 @@ def test_bench_without_an_arrival_mode_runs_a_closed_loop_the_pool_holds() -> No
         loud = _bench(*small, "--concurrency", "1", "--log-level", "debug", env=env)
         assert loud.returncode == 0, loud.stderr[-2000:]
         assert "HTTP Request:" in loud.stderr
+
+
+# --- the server's KV losses beside the client's failures ------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(("admission", "oom"), [("prompt", True), ("reserve", False)])
+def test_bench_reports_the_servers_ooms_streamed_or_not(
+    admission: str, oom: bool, stream: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 16 requests at once of 50 prompt + 800 output tokens that all run to their caps (for 0.8 s
+    # each, so that they overlap however the machine staggers them): 13,600 tokens against a
+    # 4,096-token pool. Admitted by prompt alone, the pool overflows mid-decode.
+    out = tmp_path / "bench.json"
+    argv = ["--concurrency", "16", "--requests", "16", "--prompt-tokens", "50"]
+    argv += ["--max-tokens-range", "800", "--no-progress", "--json", str(out)]
+    argv += [] if stream else ["--no-stream"]
+    with running_server(
+        admission=admission,
+        kv_tokens=4096,
+        context_window=1024,
+        decode_rate=1000.0,
+        mean_output_tokens=1e6,
+    ) as server:
+        cli.main([server.base_url, *argv])
+        lost = server.engine.stats().oom_failed_sequences_total
+    table = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    losses = data["server_kv_losses"]
+    assert losses["metric"] == "kv_oom_failed_requests_total"
+    assert losses["count"] == lost
+    assert "requests lost to KV OOM" in table
+    ooms = data["summary"]["failed_by_cause"].get("oom", 0)
+    if oom:
+        assert lost > 0
+        assert ooms > 0  # a stream cut by an error event is an OOM too, not a bad answer
+        assert "bad_response" not in data["summary"]["failed_by_cause"]
+    else:
+        assert (lost, ooms) == (0, 0)

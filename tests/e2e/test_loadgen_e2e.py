@@ -16,7 +16,7 @@ from reference_server import running_server
 
 def _bench(url: str, tmp_path: Path, *extra: str) -> dict[str, object]:
     out = tmp_path / "summary.json"
-    argv = [url, "--num-requests", "40", "--seed", "3", "--json", str(out), "--records", *extra]
+    argv = [url, "--requests", "40", "--seed", "3", "--json", str(out), "--records", *extra]
     assert cli.main(argv) == 0
     data: dict[str, object] = json.loads(out.read_text())
     return data
@@ -30,7 +30,7 @@ def test_bench_counts_add_up_and_match_the_server(tmp_path: Path, stream: bool) 
             "60",
             "--prompt-tokens",
             "50:400",
-            "--max-tokens",
+            "--max-tokens-range",
             "500:3000",
             "--unset-cap-share",
             "0.3",

@@ -60,8 +60,8 @@ def bench_page(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Req
     page = tmp_path / "report.html"
     out = tmp_path / "run.json"
     with running_server(kv_tokens=4096, decode_rate=4000, mean_output_tokens=400, seed=2) as s:
-        argv = [s.base_url, "--rate", "60", "--num-requests", "40", "--seed", "2"]
-        argv += ["--prompt-tokens", "50:300", "--max-tokens", "300:1500", "--no-progress"]
+        argv = [s.base_url, "--rate", "60", "--requests", "40", "--seed", "2"]
+        argv += ["--prompt-tokens", "50:300", "--max-tokens-range", "300:1500", "--no-progress"]
         argv += ["--html", str(page), "--json", str(out), "--records", "--max-failure-rate", "1"]
         assert cli.main(argv) == 0
     data = json.loads(out.read_text())

@@ -218,10 +218,12 @@ def test_contract_passes_through_the_gateway_in_front_of_vllm(
 def test_contract_fails_vllm_alone_for_preempting_what_it_admitted(
     vllm: vllm_engine.VllmServer,
 ) -> None:
-    # 8 x (prompt + 640) outgrow the 3,072 KV tokens by two thirds: vLLM admits them all, then
-    # preempts (even when a loaded machine staggers their start).
+    # 8 x (prompt + 640) outgrow the 3,072 KV tokens by two thirds, each sent with ignore_eos and
+    # min_tokens so that it runs to its cap: vLLM admits them all, then preempts (even when a
+    # loaded machine staggers their start).
     report = run_contract(vllm.url, burst=8, burst_max_tokens=640, timeout=90, only=("saturation",))
     [saturation] = report.results
     assert saturation.status is CheckStatus.FAIL, saturation.evidence
+    assert "to the cap" in saturation.evidence
     assert "preemptions (vllm:num_preemptions_total)" in saturation.evidence
-    assert saturation.details["preemptions"] > 0
+    assert saturation.details["engine_losses"]["count"] > 0

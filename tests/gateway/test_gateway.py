@@ -178,7 +178,7 @@ def test_prompt_admission_ooms_directly_and_never_through_the_gateway(tmp_path: 
         "mean_output_tokens": 1500.0,
         "admission": "prompt",
     }
-    load = ("--num-requests", "80", "--rate", "70")
+    load = ("--requests", "80", "--rate", "70")
     with running_server(**server_config) as direct:
         before = _bench(direct.base_url, tmp_path, *load)["summary"]
         direct_ooms = direct.metrics()["kv_oom_events_total"]

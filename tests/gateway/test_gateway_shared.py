@@ -76,7 +76,7 @@ def _overload(urls: list[str], tmp_path: Path) -> list[dict[str, Any]]:
 
     def one(url: str) -> None:
         results.append(
-            bench_summary_run(url, tmp_path, "--num-requests", "30", "--rate", rate)["summary"]
+            bench_summary_run(url, tmp_path, "--requests", "30", "--rate", rate)["summary"]
         )
 
     threads = [threading.Thread(target=one, args=(url,)) for url in urls]

@@ -182,6 +182,47 @@ async def test_finish_reasons_stop_and_length() -> None:
     assert long["usage"]["completion_tokens"] == 10
 
 
+async def test_ignore_eos_and_min_tokens_as_vllm_reads_them() -> None:
+    async with client_for(app_with(mean_output_tokens=5.0)) as client:
+        ignored = await client.post(
+            "/v1/completions", json={"prompt": "a", "max_tokens": 300, "ignore_eos": True}
+        )
+        held = await client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "a"}],
+                "max_tokens": 300,
+                "min_tokens": 120,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    assert ignored.json()["usage"]["completion_tokens"] == 300
+    assert ignored.json()["choices"][0]["finish_reason"] == "length"
+    usage = json.loads(sse_events(held.text)[-2])["usage"]
+    assert usage["completion_tokens"] >= 120
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"ignore_eos": "yes"}, "ignore_eos must be a boolean"),
+        ({"min_tokens": 1.5}, "min_tokens must be an integer"),
+        ({"min_tokens": -1}, "min_tokens must be greater than or equal to 0, got -1"),
+        ({"min_tokens": 11}, "min_tokens must be less than or equal to max_tokens=10, got 11"),
+    ],
+)
+async def test_bad_ignore_eos_and_min_tokens_are_400(fields: dict[str, Any], needle: str) -> None:
+    app = app_with()
+    async with client_for(app) as client:
+        answer = await client.post(
+            "/v1/completions", json={"prompt": "a", "max_tokens": 10, **fields}
+        )
+    assert answer.status_code == 400
+    assert needle in error_of(answer)["message"]
+    assert_ledger_at_zero(app)
+
+
 def sse_events(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
 

@@ -370,3 +370,138 @@ vllm:num_preemptions_created{engine="0",model_name="/m/tiny"} 1.7961827e+09
     assert preemptions_from_vllm_metrics(text) == 5.0
     assert preemptions_from_vllm_metrics(VLLM_METRICS) is None  # no such metric: not known
     assert preemptions_from_vllm_metrics('vllm:num_preemptions_total{engine="0"} NaN') is None
+
+
+# --- what an engine lost for lack of KV -------------------------------------------------------
+
+from kvclient._dialects import (  # noqa: E402
+    KVLosses,
+    is_kv_exhaustion,
+    kv_losses_from_metrics,
+    run_to_cap_fields,
+)
+
+#: vLLM 0.32 (recorded lines).
+VLLM_PREEMPTED = """# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="/m/tiny"} 3.0
+# HELP vllm:num_preemptions_created Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_created gauge
+vllm:num_preemptions_created{engine="0",model_name="/m/tiny"} 1.7961827e+09
+"""  # noqa: E501
+#: SGLang (prometheus_client; the counter appears at the first retraction, the gauge always).
+SGLANG_RETRACTED = """# HELP sglang:num_retracted_reqs The number of retracted requests.
+# TYPE sglang:num_retracted_reqs gauge
+sglang:num_retracted_reqs{engine_type="unified",model_name="Qwen/Qwen3-0.6B",pp_rank="0",tp_rank="0"} 0.0
+# HELP sglang:num_retracted_requests_total Total number of retracted requests.
+# TYPE sglang:num_retracted_requests_total counter
+sglang:num_retracted_requests_total{engine_type="unified",model_name="Qwen/Qwen3-0.6B",pp_rank="0",tp_rank="0"} 4.0
+# HELP sglang:num_retracted_requests_created Total number of retracted requests.
+# TYPE sglang:num_retracted_requests_created gauge
+sglang:num_retracted_requests_created{engine_type="unified",model_name="Qwen/Qwen3-0.6B",pp_rank="0",tp_rank="0"} 1.75e+09
+"""  # noqa: E501
+SGLANG_NOTHING_YET = SGLANG_RETRACTED.split("# HELP sglang:num_retracted_requests_total")[0]
+#: TGI (Rust's metrics exporter: a counter per label set, created at its first increment).
+TGI_FAILED = """# TYPE tgi_request_failure counter
+tgi_request_failure{err="overloaded"} 7
+tgi_request_failure{err="generation"} 2
+tgi_request_failure{err="incomplete"} 1
+tgi_request_failure{err="validation"} 3
+
+# TYPE tgi_batch_max_total_tokens gauge
+tgi_batch_max_total_tokens 163840
+"""
+#: llama.cpp's /metrics as server-task.cpp renders it: tokens and decode calls, no failures.
+LLAMA_CPP_ALL = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 4096
+# HELP llamacpp:n_decode_total Total number of llama_decode() calls
+# TYPE llamacpp:n_decode_total counter
+llamacpp:n_decode_total 310
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 0
+"""  # noqa: E501
+OURS_OOM = """# HELP kv_oom_failed_requests_total Requests failed by KV cache OOM events.
+# TYPE kv_oom_failed_requests_total counter
+kv_oom_failed_requests_total 64.0
+# HELP kv_oom_events_total Times the physical KV pool overflowed (every in-flight request lost).
+# TYPE kv_oom_events_total counter
+kv_oom_events_total 1.0
+"""
+GATEWAY = """# HELP kv_usable_tokens kv_usable_tokens summed over upstreams
+# TYPE kv_usable_tokens gauge
+kv_usable_tokens 29491.0
+# TYPE kv_admitted_total counter
+kv_admitted_total 12.0
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "total", "engine", "metric"),
+    [
+        (VLLM_PREEMPTED, 3.0, "vllm", "vllm:num_preemptions_total"),
+        (VLLM_METRICS, 0.0, "vllm", "vllm:num_preemptions_total"),  # vLLM without the counter
+        (SGLANG_RETRACTED, 4.0, "sglang", "sglang:num_retracted_requests_total"),
+        (SGLANG_NOTHING_YET, 0.0, "sglang", "sglang:num_retracted_requests_total"),
+        (TGI_FAILED, 3.0, "tgi", "tgi_request_failure"),  # generation + incomplete only
+        (TGI_METRICS, 0.0, "tgi", "tgi_request_failure"),  # no failure counted yet
+        (OURS_OOM, 64.0, "kvclient", "kv_oom_failed_requests_total"),
+    ],
+)
+def test_kv_losses_in_each_engines_metrics(
+    text: str, total: float, engine: str, metric: str
+) -> None:
+    losses = kv_losses_from_metrics(text)
+    assert losses is not None
+    assert (losses.total, losses.engine, losses.metric) == (total, engine, metric)
+    assert losses.kind
+    assert losses.meaning
+
+
+@pytest.mark.parametrize("text", [LLAMA_CPP_ALL, GATEWAY, ""])
+def test_no_kv_loss_counter_is_none_not_zero(text: str) -> None:
+    # llama.cpp counts no failures; a gateway relays none: unknown, not "nothing lost".
+    assert kv_losses_from_metrics(text) is None
+
+
+def test_a_non_finite_count_is_dropped() -> None:
+    losses = kv_losses_from_metrics('vllm:num_preemptions_total{engine="0"} NaN')
+    assert losses is not None
+    assert losses.total == 0.0
+
+
+def test_kv_losses_since_an_earlier_reading() -> None:
+    before = KVLosses(3.0, "vllm", "vllm:num_preemptions_total", "preemptions")
+    after = KVLosses(5.0, "vllm", "vllm:num_preemptions_total", "preemptions")
+    during = after.since(before)
+    assert during is not None
+    assert (during.total, during.metric) == (2.0, "vllm:num_preemptions_total")
+    assert after.since(None) is None
+    restarted = before.since(after)  # a restarted engine counts from 0 again
+    assert restarted is not None
+    assert restarted.total == 0.0
+    other = KVLosses(9.0, "kvclient", "kv_oom_failed_requests_total", "requests lost to KV OOM")
+    assert other.since(before) is None
+
+
+def test_run_to_cap_fields_per_engine() -> None:
+    assert run_to_cap_fields("vllm", 100) == {"ignore_eos": True, "min_tokens": 100}
+    assert run_to_cap_fields("sglang", 100) == {"ignore_eos": True, "min_tokens": 100}
+    assert run_to_cap_fields("llama.cpp", 100) == {"ignore_eos": True}
+    assert run_to_cap_fields("tgi", 100) == {}
+    assert run_to_cap_fields(None, 5) == {"ignore_eos": True, "min_tokens": 5}
+
+
+@pytest.mark.parametrize(
+    ("code", "message", "expected"),
+    [
+        ("kv_cache_oom", "KV cache out of memory: 4112 tokens in use exceed ...", True),
+        ("500", "Context size has been exceeded.", True),  # llama.cpp, unified KV
+        (None, "CUDA out of memory. Tried to allocate 20.00 MiB", True),  # via TGI
+        ("internal_error", "The server had an internal error.", False),
+        (None, None, False),
+    ],
+)
+def test_kv_exhaustion_errors(code: str | None, message: str | None, expected: bool) -> None:
+    assert is_kv_exhaustion(code, message) is expected

@@ -337,3 +337,15 @@ def test_html_page_is_self_contained_with_every_part() -> None:
     assert "KV &lt;cache&gt; &amp; OOM" in page  # failure messages, escaped, in full
     assert "warning:" in page
     assert not re.search(r"<script|\bsrc=|\bhref=|url\(|@import", page)
+
+
+def test_a_stream_cut_by_a_kv_oom_event_is_an_oom() -> None:
+    from kvclient._exceptions import APIResponseError
+    from kvclient.loadgen._kvsender import failure_cause
+
+    oom = "server reported an error mid-stream: KV cache out of memory: 4112 tokens in use ..."
+    assert failure_cause(APIResponseError(oom)) == "oom"
+    llama = "server reported an error mid-stream: Context size has been exceeded."
+    assert failure_cause(APIResponseError(llama)) == "oom"
+    other = "server reported an error mid-stream: injected fault"
+    assert failure_cause(APIResponseError(other)) == "bad_response"

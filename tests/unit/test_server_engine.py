@@ -61,6 +61,28 @@ async def test_cap_stops_with_length() -> None:
     assert completion.completion_tokens == 7
 
 
+async def test_ignore_eos_runs_to_the_cap_as_vllm_does() -> None:
+    engine = make(mean_output_tokens=5.0, seed=1)
+    completions = [await engine.generate(1, 60, ignore_eos=True) for _ in range(5)]
+    assert {(c.completion_tokens, c.finish_reason) for c in completions} == {(60, "length")}
+
+
+async def test_min_tokens_holds_the_end_back() -> None:
+    engine = make(mean_output_tokens=5.0, seed=1)
+    early = [await engine.generate(1, 100, min_tokens=40) for _ in range(5)]
+    assert all(c.completion_tokens >= 40 for c in early)
+    assert {c.finish_reason for c in early} == {"stop"}
+    at_cap = await engine.generate(1, 40, min_tokens=40)
+    assert (at_cap.completion_tokens, at_cap.finish_reason) == (40, "length")
+
+
+async def test_holding_the_end_back_changes_no_other_output() -> None:
+    plain, held = make(seed=3), make(seed=3)
+    expected = [await plain.generate(1, 500) for _ in range(3)]
+    await held.generate(1, 500, ignore_eos=True)
+    assert [await held.generate(1, 500) for _ in range(2)] == expected[1:]
+
+
 async def test_same_seed_same_outputs() -> None:
     first = [(await make(seed=42).generate(3, 500)).text for _ in range(1)]
     again = [(await make(seed=42).generate(3, 500)).text for _ in range(1)]
