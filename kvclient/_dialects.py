@@ -814,7 +814,6 @@ def preemptions_from_vllm_metrics(text: str) -> float | None:
     return sum(values) if values else None
 
 
-<<<<<<< HEAD
 @dataclass(frozen=True, slots=True)
 class DecodeCounters:
     """How far an engine's decoding has gone, from one ``/metrics`` scrape: two scrapes and how
@@ -863,7 +862,6 @@ def decode_counters(text: str) -> DecodeCounters | None:
     return None
 
 
-=======
 # --- what an engine lost for lack of KV ----------------------------------------------------------
 
 
@@ -981,7 +979,6 @@ def is_kv_exhaustion(code: str | None, message: str | None) -> bool:
     return message is not None and _KV_EXHAUSTION_MESSAGES.search(message) is not None
 
 
->>>>>>> contract
 def budget_from_reference_metrics(text: str) -> int | None:
     """Our reference server's ``/metrics``: ``kv_physical_capacity_tokens`` (its KV blocks are
     16 tokens)."""

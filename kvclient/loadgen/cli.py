@@ -18,7 +18,6 @@ from typing import Any
 import anyio
 import httpx
 
-<<<<<<< HEAD
 from .._cli_options import (
     add_api_key,
     add_context_window,
@@ -35,10 +34,7 @@ from .._cli_options import (
     to_stdout,
     write_json,
 )
-from .._dialects import Answer, Budget, Probe, discover_budget
-=======
-from .._dialects import KVLosses
->>>>>>> contract
+from .._dialects import Answer, Budget, KVLosses, Probe, discover_budget
 from .._exceptions import KVClientError
 from .._help import HelpFormatter
 from .._tokens import TiktokenCounter, TokenCounter
