@@ -60,6 +60,10 @@ DEFAULT_SAFETY_MARGIN: float = 0.0
 USER_AGENT = f"kvclient/{__version__}"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 RETRY_COUNT_HEADER = "X-Retry-Count"
+#: RFC 7240's request header; ``wait=N``: how long this attempt will wait for an answer.
+PREFER_HEADER = "Prefer"
+#: Seconds ``Prefer: wait`` leaves between the server's answer and the attempt's timeout.
+PREFER_WAIT_MARGIN = 1.0
 #: Read when ``base_url`` / ``api_key`` are not passed; the first one set wins.
 BASE_URL_ENV = ("KVCLIENT_BASE_URL", "OPENAI_BASE_URL")
 API_KEY_ENV = ("KVCLIENT_API_KEY", "OPENAI_API_KEY")
@@ -258,6 +262,10 @@ class BaseClient:
         }
         if request.method == "POST":
             request.headers.setdefault(IDEMPOTENCY_HEADER, call.idempotency_key)
+            # RFC 7240: a server that queues (kvclient gateway) answers 429 before this attempt
+            # would time out waiting for it, rather than keep it in line for nobody.
+            patience = math.floor(min(left, capped["read"]) - PREFER_WAIT_MARGIN)
+            request.headers.setdefault(PREFER_HEADER, f"wait={max(0, patience)}")
         request.headers[RETRY_COUNT_HEADER] = str(call.attempts - 1)
         if isinstance(request.stream, httpx.ByteStream):
             request.stream = Body(request.content)

@@ -99,12 +99,20 @@ class AdmissionQueue:
         self.notify()
 
     async def acquire(
-        self, prompt_tokens: int, output_cap: int, *, client: Hashable | None = None
+        self,
+        prompt_tokens: int,
+        output_cap: int,
+        *,
+        client: Hashable | None = None,
+        max_wait: float | None = None,
     ) -> Handle:
         """A handle for the request, or :class:`Rejected` after at most ``max_wait`` seconds.
 
         ``client`` identifies the caller for staggered advice (its connection's address).
+        ``max_wait`` shortens the queue's own wait for this request (the client's ``Prefer:
+        wait``); it never lengthens it.
         """
+        limit = self.max_wait if max_wait is None else min(self.max_wait, max(0.0, max_wait))
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
         if not self._waiters:
             handle = self.ledger.try_admit(
@@ -112,7 +120,7 @@ class AdmissionQueue:
             )
             if handle is not None:
                 return handle
-        if self.max_wait <= 0:
+        if limit <= 0:
             raise self._reject(
                 need, output_cap, len(self._waiters), sum(w.need for w in self._waiters), client
             )
@@ -120,7 +128,7 @@ class AdmissionQueue:
         waiter = _Waiter(need)
         self._waiters.append(waiter)
         try:
-            with anyio.move_on_after(self.max_wait):
+            with anyio.move_on_after(limit):
                 while True:
                     if self._waiters[0] is waiter:
                         handle = self.ledger.try_admit(

@@ -80,14 +80,20 @@ class SharedQueue(AdmissionQueue):
         self.notify()
 
     async def acquire(
-        self, prompt_tokens: int, output_cap: int, *, client: Hashable | None = None
+        self,
+        prompt_tokens: int,
+        output_cap: int,
+        *,
+        client: Hashable | None = None,
+        max_wait: float | None = None,
     ) -> Handle:
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
         ticket = self.shared.ticket(need)
         wake = _Wake()
         self._wakes.append(wake)
+        limit = self.max_wait if max_wait is None else min(self.max_wait, max(0.0, max_wait))
         try:
-            return await self._acquire(prompt_tokens, output_cap, need, ticket, wake)
+            return await self._acquire(prompt_tokens, output_cap, need, ticket, wake, limit)
         except LedgerUnavailable:
             if self._on_refused is not None:
                 self._on_refused()
@@ -97,11 +103,17 @@ class SharedQueue(AdmissionQueue):
             self.notify()
 
     async def _acquire(
-        self, prompt_tokens: int, output_cap: int, need: int, ticket: str, wake: _Wake
+        self,
+        prompt_tokens: int,
+        output_cap: int,
+        need: int,
+        ticket: str,
+        wake: _Wake,
+        limit: float,
     ) -> Handle:
         shared = self.shared
-        enqueue = self.max_wait > 0
-        deadline = self._clock() + self.max_wait
+        enqueue = limit > 0
+        deadline = self._clock() + limit
         queued = False
         try:
             while True:

@@ -14,7 +14,13 @@ from kvclient._help import HelpFormatter
 
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION
 from ..http.serving import configure, load_tokenizer, serve, serve_workers
-from .config import DEFAULT_DECODE_RATE, DEFAULT_LEASE_SECONDS, DEFAULT_SEND_TIMEOUT, GatewayConfig
+from .config import (
+    DEFAULT_DECODE_RATE,
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_MAX_QUEUE_WAIT,
+    DEFAULT_SEND_TIMEOUT,
+    GatewayConfig,
+)
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -58,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of each upstream's KV budget that is admitted (default: %(default)s)",
     )  # fmt: skip
     add(
-        "--max-queue-wait", type=float, default=0.0, metavar="S",
-        help="wait up to S seconds in FIFO order for budget before answering 429 "
-        "(default: %(default)s, refuse at once)",
+        "--max-queue-wait", type=float, default=DEFAULT_MAX_QUEUE_WAIT, metavar="S",
+        help="a request that does not fit waits up to S seconds in FIFO order for budget before "
+        "a 429, admitted the moment a release makes room; a client's 'Prefer: wait=N' "
+        "shortens it; 0 refuses at once (default: %(default)s)",
     )  # fmt: skip
     add(
         "--decode-rate", type=float, default=DEFAULT_DECODE_RATE, metavar="TOKENS_PER_S",

@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "DEFAULT_MAX_ANSWER_BYTES",
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_QUEUE_WAIT",
     "DEFAULT_SEND_TIMEOUT",
     "GatewayConfig",
     "public_url",
@@ -26,6 +27,10 @@ __all__ = [
 
 #: Per-sequence decode rate assumed for Retry-After estimates until the gateway has measured one.
 DEFAULT_DECODE_RATE = 50.0
+#: Seconds a request waits in the FIFO queue for budget before a 429: what does not fit waits
+#: its turn, as in the engine's own queue, and is admitted the moment a release makes room. A
+#: client's ``Prefer: wait=N`` (RFC 7240; kvclient sends it) shortens it.
+DEFAULT_MAX_QUEUE_WAIT = 300.0
 DEFAULT_FAILURE_THRESHOLD = 3
 DEFAULT_OUT_OF_SERVICE_SECONDS = 2.0
 #: A whole (not streamed) upstream answer larger than this is refused (502), not buffered.
@@ -58,7 +63,7 @@ class GatewayConfig:
     kv_tokens: tuple[int | None, ...] = ()
     context_window: int | None = None
     safety_fraction: float = DEFAULT_SAFETY_FRACTION
-    max_queue_wait: float = 0.0
+    max_queue_wait: float = DEFAULT_MAX_QUEUE_WAIT
     decode_rate: float = DEFAULT_DECODE_RATE
     #: Seconds between scrapes of each engine's decode counters (its ``/metrics``), from which
     #: the ledger's decode speed is measured (see ``gateway/speed.py``); 0: never scraped,

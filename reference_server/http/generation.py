@@ -39,6 +39,7 @@ from .requests import (
     check_content_type,
     parse_generation,
     parse_json_object,
+    preferred_wait,
     read_body,
     scope_header,
 )
@@ -212,6 +213,7 @@ class GenerationEndpoint:
         backend = self.backend
         peer = scope.get("client")  # (host, port): staggered advice per connection
         client = tuple(peer) if peer else None
+        wait = preferred_wait(scope)  # the client's patience bounds its time in the queue
         tried: set[int] = set()
         while True:
             try:
@@ -222,7 +224,7 @@ class GenerationEndpoint:
             ledger, queue = target.ledger, target.queue
             try:
                 handle = await queue.acquire(
-                    plan.reserved_prompt, plan.reserved_output, client=client
+                    plan.reserved_prompt, plan.reserved_output, client=client, max_wait=wait
                 )
             except Rejected as rejected:
                 busy = too_busy(ledger, rejected, plan.reserved_prompt, plan.reserved_output, queue)

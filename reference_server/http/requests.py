@@ -8,6 +8,7 @@ ignored, as OpenAI does. Only :func:`read_body` does I/O (ASGI ``receive``); the
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -32,6 +33,7 @@ __all__ = [
     "count_prompt",
     "parse_generation",
     "parse_json_object",
+    "preferred_wait",
     "read_body",
     "scope_header",
 ]
@@ -57,6 +59,24 @@ def scope_header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return str(value.decode("latin-1"))
     return None
+
+
+_WAIT_PREFERENCE = re.compile(r'^\s*wait\s*=\s*"?(\d{1,9})"?\s*(?:;.*)?$', re.I)
+
+
+def preferred_wait(scope: Scope) -> float | None:
+    """The seconds the client says it will wait (RFC 7240 ``Prefer: wait=N``), None when it says
+    nothing: a request waits in the admission queue no longer than that. ``wait=0`` asks for
+    an answer at once (a 429 when there is no room). Several ``wait`` preferences: the
+    shortest; one that is not a whole number of seconds is ignored, as RFC 7240 asks."""
+    waits = [
+        int(found.group(1))
+        for key, value in scope["headers"]
+        if key == b"prefer"
+        for preference in value.decode("latin-1").split(",")
+        if (found := _WAIT_PREFERENCE.match(preference))
+    ]
+    return float(min(waits)) if waits else None
 
 
 def too_large(limit: int) -> APIError:

@@ -193,7 +193,7 @@ def test_prompt_admission_ooms_directly_and_never_through_the_gateway(tmp_path: 
             wait_for(lambda: gateway_at_zero(gateway) and at_zero(upstream))
         metrics = upstream.metrics()
     assert direct_ooms > 0
-    assert before["failed_by_cause"].get("bad_response", 0) > 0  # killed mid-decode
+    assert before["failed_by_cause"].get("oom", 0) > 0  # killed mid-decode
     assert metrics["kv_oom_events_total"] == 0
     # Every request completed but those the client refused locally (prompts over the window).
     refused = summary["failed_by_cause"].get("prompt_too_long", 0)
@@ -454,7 +454,11 @@ def test_a_burst_that_dies_mid_decode_directly_completes_through_the_gateway(
     assert [r.usage.completion_tokens for r in results] == [200] * 4
     assert upstream.errors == 0
     assert upstream.known is not None
-    assert upstream.known.ledger.stats().rejected_total >= 1  # refused with 429 instead of dying
+    # What did not fit waited in the gateway's queue instead of dying: the peak never outgrew
+    # the pool, and only one or two requests were admitted at a time.
+    stats = upstream.known.ledger.stats()
+    assert stats.peak_reserved_tokens <= stats.usable_tokens
+    assert stats.peak_inflight < 4
 
 
 @pytest.mark.llama_cpp

@@ -293,6 +293,19 @@ def test_headers_user_agent_auth_extra_idempotency_and_retry_count(
     assert [h["x-retry-count"] for h in (first, second, third)] == ["0", "1", "2"]
 
 
+def test_each_attempt_says_how_long_it_will_wait_for_an_answer(server: FakeServer) -> None:
+    # RFC 7240 Prefer: wait=N, N under the attempt's read timeout and the call's time left: a
+    # server that queues answers 429 before the attempt would give up on it.
+    server.add("/v1/completions", ok_completion(), ok_completion())
+    with make_client(server, timeout=30.0) as client:
+        client.complete(PROMPT)
+    with make_client(server, headers={"Prefer": "wait=3"}) as client:
+        client.complete(PROMPT)
+    mine, theirs = (s.headers for s in server.posts)
+    assert mine["prefer"] == "wait=29"
+    assert theirs["prefer"] == "wait=3"  # the caller's own preference is kept
+
+
 def test_an_injected_http_client_sends_the_same_headers(server: FakeServer) -> None:
     # An httpx client kvclient creates carries the constant headers as its defaults; one passed
     # in gets them with every request. The server must not see the difference.
@@ -313,6 +326,7 @@ def test_an_injected_http_client_sends_the_same_headers(server: FakeServer) -> N
     def seen(index: int) -> dict[str, str]:
         headers = dict(server.posts[index].headers)
         assert headers.pop("idempotency-key")
+        assert headers.pop("prefer").startswith("wait=")  # each client's own read timeout
         return headers
 
     owned_plain, owned_stream, injected_plain, injected_stream = map(seen, range(4))
