@@ -6,17 +6,17 @@ window over 3,072 KV tokens, 8 sequences at most), through ``kvclient.AsyncClien
 
 - **direct**: vLLM admits everything its scheduler can fit and preempts sequences when their KV
   outgrows the pool (recomputing them later);
-- **gateway**: ``kvclient gateway`` in front of the same vLLM, its defaults (429 + Retry-After
-  when the budget is reserved; the client paces from the RateLimit room);
-- **gateway, queue**: the same with ``--max-queue-wait`` (the gateway holds what does not fit in
-  a FIFO line; clients that wait anyway wait there, in order, admitted the moment a release
-  lands).
+- **gateway**: ``kvclient gateway`` in front of the same vLLM, its defaults: what does not fit
+  waits in its FIFO queue (``--max-queue-wait`` 300 s) and is admitted the moment a release
+  lands; kvclient says how long it will wait (``Prefer: wait``);
+- **gateway, no queue**: the same with ``--max-queue-wait 0``: a 429 + Retry-After at once, the
+  client pacing itself from the RateLimit room.
 
 Reported side by side: completed requests, output tokens per second (completion tokens over the
 burst's wall time), p50/p99 latency, attempts per completed request (every POST the client's
 transport sent), 429s, and vLLM's preemptions during the run (``vllm:num_preemptions_total``).
 
-    python bench/vllm_price.py [--requests 32] [--runs direct,gateway,queue]
+    python bench/vllm_price.py [--requests 32] [--runs direct,gateway,no-queue]
 
 About 10 minutes on 2 cores (vLLM's start-up included). Needs vLLM installed by
 ``python scripts/test_setup.py`` (or ``python scripts/vllm_engine.py ensure``).
@@ -49,8 +49,8 @@ SEED = 7
 DEADLINE = 900.0
 LABELS = {
     "direct": "direct to vLLM",
-    "gateway": "through kvclient gateway (429 + Retry-After)",
-    "queue": "through kvclient gateway --max-queue-wait 600",
+    "gateway": "through kvclient gateway (defaults: a FIFO queue)",
+    "no-queue": "through kvclient gateway --max-queue-wait 0 (429 at once)",
 }
 
 
@@ -138,9 +138,9 @@ def run(name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]])
     if name == "direct":
         result = anyio.run(burst, engine.url, items, counter)
     else:
-        config = GatewayConfig(
-            upstreams=(engine.url,), max_queue_wait=600.0 if name == "queue" else 0.0
-        )
+        config = GatewayConfig(upstreams=(engine.url,))
+        if name == "no-queue":
+            config = GatewayConfig(upstreams=(engine.url,), max_queue_wait=0.0)
         with running_gateway(config) as gateway:
             result = anyio.run(burst, gateway.base_url, items, counter)
             upstream = gateway.gateway.upstreams[0]
@@ -165,7 +165,9 @@ def main() -> None:
     parser.add_argument("--low", type=int, default=400, help="smallest max_tokens")
     parser.add_argument("--high", type=int, default=800, help="largest max_tokens")
     parser.add_argument(
-        "--runs", default="direct,gateway,queue", help="comma-separated: direct, gateway, queue"
+        "--runs",
+        default="direct,gateway,no-queue",
+        help="comma-separated: direct, gateway, no-queue",
     )
     args = parser.parse_args()
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
