@@ -67,10 +67,12 @@ def test_retry_storm(tmp_path: Path) -> None:
         # The server's count of attempts and the client-side hook's agree.
         assert r["attempts_server"] == r["attempts_client"]
         assert r["requests"] == data["requests"]
-    # The ceiling: the same trace through a FIFO-queued server, which never says 429.
+    # The ceiling: the same trace through a FIFO-queued server, which says 429 only to a
+    # request that would not be admitted within what its client said it would wait (Prefer:
+    # wait, a second under its deadline): one the 2 s deadline cuts anyway.
     ceiling = data["ceiling"]
     assert ceiling["requests"] == data["requests"]
-    assert ceiling["http_429_server"] == 0
+    assert ceiling["http_429_server"] <= ceiling["requests"] - ceiling["completed_within_deadline"]
     assert ceiling["completed"] > 0  # the 2 s deadline may cut the last of the queue
 
 

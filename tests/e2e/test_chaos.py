@@ -480,7 +480,8 @@ def test_prompts_never_reach_the_logs_on_any_path(monkeypatch: pytest.MonkeyPatc
     prompt = f"{MARKER} tell me a secret"
     with chaos_server(config) as (server, _), capture_all_logs() as logs:
         base = server.base_url
-        with Client(base_url=base, retry=RetryPolicy(max_attempts=8)) as client:
+        # Not pacing itself from the server's room: the 429 path is taken for sure.
+        with Client(base_url=base, retry=RetryPolicy(max_attempts=8, pace=False)) as client:
 
             def call(i: int) -> None:
                 try:

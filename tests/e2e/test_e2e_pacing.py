@@ -74,7 +74,13 @@ def test_the_gateway_advertises_its_own_room_and_not_the_upstreams() -> None:
     with (
         running_server(**{**CONFIG, "kv_tokens": 8192}) as upstream,
         running_gateway(
-            GatewayConfig(upstreams=(upstream.base_url,), kv_tokens=(4096,), decode_rate=8000.0)
+            # Refusing at once, as this test's 429 shows (by default the gateway queues).
+            GatewayConfig(
+                upstreams=(upstream.base_url,),
+                kv_tokens=(4096,),
+                decode_rate=8000.0,
+                max_queue_wait=0.0,
+            )
         ) as gateway,
         httpx.Client(timeout=10) as http,
     ):

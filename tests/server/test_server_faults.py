@@ -331,7 +331,9 @@ def test_an_unexpected_error_is_logged_by_type_only_and_cuts_a_started_stream(
 ) -> None:
     secret = "the-prompt-says-swordfish"
 
-    async def broken(prompt_tokens: int, max_tokens: int, on_text: Any = None) -> None:
+    async def broken(
+        prompt_tokens: int, max_tokens: int, on_text: Any = None, **options: Any
+    ) -> None:
         if on_text is not None:
             await on_text(" partial")
         raise RuntimeError(f"engine choked on {secret}")
