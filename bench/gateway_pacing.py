@@ -11,7 +11,7 @@ per completed request, the client's time holding requests (backoff), and the gat
 ``RateLimit`` room sampled every 0.25 s meanwhile: how often it advertised the whole usable
 budget free while the client was still holding requests.
 
-    python bench/gateway_pacing.py [--repeat 3] [--rate 20] [--requests 100]
+    python bench/gateway_pacing.py [--repeat 3] [--rate 20] [--requests 100] [--no-queue]
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ SERVER = ("--kv-tokens", "32768", "--context-window", "8192", "--decode-rate", "
 
 
 @contextlib.contextmanager
-def gateway_process(upstream: str) -> Iterator[str]:
-    """``kvclient gateway`` with its defaults in its own process, in front of ``upstream``."""
+def gateway_process(upstream: str, *args: str) -> Iterator[str]:
+    """``kvclient gateway ARGS`` in its own process, in front of ``upstream``."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvclient", "gateway", "--port", str(port)]
-    cmd += ["--upstream", upstream, "--log-level", "error"]
+    cmd += ["--upstream", upstream, "--log-level", "error", *args]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -93,13 +93,18 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=20.0, help="requests per second")
     parser.add_argument("--requests", type=int, default=100, help="requests per run")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--no-queue",
+        action="store_true",
+        help="the gateway with --max-queue-wait 0: a 429 at once, the client pacing itself",
+    )
     args = parser.parse_args()
     runs: dict[str, list[dict[str, Any]]] = {"direct": [], "gateway": []}
     full_while_holding = samples_total = 0
     with (
         reference_server_process(*SERVER) as direct,
         reference_server_process(*SERVER) as engine,
-        gateway_process(engine) as gateway,
+        gateway_process(engine, *(["--max-queue-wait", "0"] if args.no_queue else [])) as gateway,
     ):
         for i in range(args.repeat):
             print(f"… run {i + 1}: direct", flush=True)
@@ -134,7 +139,8 @@ def main() -> None:
     ratio = medians["gateway"] / medians["direct"]
     print_table(
         f"kvclient bench --rate {args.rate:g} --requests {args.requests}, the seed's mix, "
-        f"{args.repeat} runs each in turn; reference servers of 32,768 KV tokens",
+        f"{args.repeat} runs each in turn; reference servers of 32,768 KV tokens"
+        + (", the gateway with --max-queue-wait 0" if args.no_queue else ""),
         ["target", "wall (median, range)", "attempts/completed", "429s", "mean backoff", "done"],
         rows,
     )
@@ -145,7 +151,7 @@ def main() -> None:
         "requests"
     )
     write_json(
-        "gateway_pacing",
+        "gateway_pacing_no_queue" if args.no_queue else "gateway_pacing",
         {"machine": machine(), "args": vars(args), "runs": runs, "ratio": ratio,
          "full_while_holding": full_while_holding, "samples": samples_total},
     )  # fmt: skip

@@ -44,6 +44,11 @@ _WINDOW = 60
 _MIN_POINTS = 2
 #: Two points whose running sequences differ by less than this say nothing about the slope.
 _MIN_SPREAD = 0.5
+#: Tokens an interval must have generated to be a point: a few short requests (a probe of one
+#: token, say) are mostly the time around their decoding, and would make the steps look slow.
+_MIN_TOKENS = 64
+#: Tokens per request admitted in an interval below which the interval is left out.
+_MIN_TOKENS_PER_REQUEST = 8
 #: Bounds on what is believed (tokens per second): beyond them a counter is broken.
 _SLOWEST, _FASTEST = 0.01, 1e7
 
@@ -61,22 +66,47 @@ class SpeedEstimator:
     """Feeds on successive scrapes of one engine (:meth:`add`); :meth:`estimate` fits them."""
 
     def __init__(self, window: int = _WINDOW) -> None:
-        self._last: tuple[DecodeCounters, float, float] | None = None
+        #: The scrape the next point is measured from: (counters, handle-seconds, busy seconds,
+        #: requests admitted).
+        self._anchor: tuple[DecodeCounters, float, float, int] | None = None
         #: (sequences running, seconds per decode step)
         self._points: deque[tuple[float, float]] = deque(maxlen=window)
 
-    def add(self, counters: DecodeCounters, held_seconds: float, busy_seconds: float) -> None:
+    def add(
+        self,
+        counters: DecodeCounters,
+        held_seconds: float,
+        busy_seconds: float,
+        admitted: int = 0,
+    ) -> None:
         """One scrape, with the ledger's :meth:`~KVAdmissionController.occupancy` read with it
-        (handle-seconds and busy seconds so far)."""
-        last, self._last = self._last, (counters, held_seconds, busy_seconds)
-        if last is None:
+        (handle-seconds, busy seconds and requests admitted so far).
+
+        An interval that generated fewer than ``_MIN_TOKENS`` is joined to the next (a slow
+        engine makes a point every few scrapes); one whose requests made fewer than
+        ``_MIN_TOKENS_PER_REQUEST`` tokens each is left out: such requests are mostly the time
+        around their decoding (a one-token probe, a long prompt's prefill)."""
+        current = (counters, held_seconds, busy_seconds, admitted)
+        anchor = self._anchor
+        if anchor is None:
+            self._anchor = current
             return
-        before, held_before, busy_before = last
+        before, held_before, busy_before, admitted_before = anchor
         tokens = counters.generated - before.generated
         busy = busy_seconds - busy_before
         held = held_seconds - held_before
-        if tokens <= 0 or busy <= 0 or held <= 0:
-            return  # idle, or a restarted engine (its counters began again)
+        if tokens < 0 or busy < 0 or held < 0:
+            self._anchor = current  # a restarted engine: its counters began again
+            return
+        requests = admitted - admitted_before
+        if requests > 0 and tokens < _MIN_TOKENS_PER_REQUEST * requests:
+            self._anchor = current  # short requests, mostly not decoding: left out
+            return
+        if tokens < _MIN_TOKENS:
+            return  # too few tokens yet: joined to the next interval
+        self._anchor = current
+        if busy <= 0 or held <= 0:
+            return
         if counters.steps is not None and before.steps is not None:
             steps = counters.steps - before.steps
             if steps <= 0:

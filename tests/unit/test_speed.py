@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,9 +72,13 @@ class Engine:
 
 
 def step_engine(fixed: float, per_sequence: float, runs: list[int]) -> Engine:
+    """``runs[i]`` sequences for long enough each to make two points (a slow engine takes a
+    few seconds to generate a point's tokens)."""
     engine = Engine(fixed, per_sequence)
     for n in runs:
-        engine.second(n)
+        per_second = n / (fixed + per_sequence * n)
+        for _ in range(max(2, math.ceil(2 * 64 / per_second) + 1)):
+            engine.second(n)
     return engine
 
 
@@ -92,8 +98,8 @@ def test_an_engine_whose_sequences_do_not_slow_each_other_has_no_throughput_limi
 
 def test_idle_time_is_left_out_and_restarts_are_not_points() -> None:
     engine = Engine(0.009, 0.002)
-    for n in (2, 4, 8):
-        engine.second(n, share=0.25)  # busy a quarter of each second
+    for n in (4, 8, 16):
+        engine.second(n, share=0.5)  # busy half of each second
     estimate = engine.speed.estimate()
     assert estimate is not None
     assert estimate.decode_rate == pytest.approx(1 / 0.011, rel=0.02)
@@ -126,3 +132,22 @@ def test_a_few_odd_intervals_move_the_fit_little(
         truth = 1 / (fixed + per_sequence * n)
         rate = 1 / (1 / estimate.decode_rate + (n - 1) / (estimate.throughput or float("inf")))
         assert rate == pytest.approx(truth, rel=0.1)
+
+
+def test_seconds_of_one_token_probes_are_not_points() -> None:
+    # Four one-token requests a second (a health probe, say): busy a few ms each, mostly the
+    # time around decoding. They must not make a fast engine look slow.
+    speed = SpeedEstimator()
+    tokens = held = busy = 0.0
+    admitted = 0
+    speed.add(DecodeCounters(tokens), held, busy, admitted)
+    for _ in range(30):
+        tokens, held, busy, admitted = tokens + 4, held + 0.02, busy + 0.02, admitted + 4
+        speed.add(DecodeCounters(tokens), held, busy, admitted)
+    assert speed.estimate() is None
+    for _ in range(3):  # then a second of real decoding: 2 sequences at 1,000 tokens/s each
+        tokens, held, busy, admitted = tokens + 2000, held + 2, busy + 1, admitted + 2
+        speed.add(DecodeCounters(tokens), held, busy, admitted)
+    estimate = speed.estimate()
+    assert estimate is not None
+    assert estimate.decode_rate == pytest.approx(1000, rel=0.01)
