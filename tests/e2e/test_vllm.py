@@ -205,14 +205,19 @@ def test_contract_passes_through_the_gateway_in_front_of_vllm(
 ) -> None:
     before = _preemptions(vllm)
     with running_gateway(GatewayConfig(upstreams=(vllm.url,))) as gateway:
-        # 12 x (prompt + 300) overruns the 3,072 KV tokens: the gateway must refuse some.
-        report = run_contract(gateway.base_url, burst=12, burst_max_tokens=300, timeout=90)
+        # 12 x (prompt + 300) overruns the 3,072 KV tokens: the gateway must refuse some. Twice
+        # in a row: the second run meets the speed the gateway measured during the first.
+        reports = [
+            run_contract(gateway.base_url, burst=12, burst_max_tokens=300, timeout=90)
+            for _ in range(2)
+        ]
     assert before is not None
     assert _preemptions(vllm) == before  # what the gateway admitted, vLLM held
-    verdicts = {r.name: r.status for r in report.results}
-    assert set(verdicts.values()) == {CheckStatus.PASS}, {
-        r.name: r.evidence for r in report.results
-    }
+    for report in reports:
+        verdicts = {r.name: r.status for r in report.results}
+        assert set(verdicts.values()) == {CheckStatus.PASS}, {
+            r.name: r.evidence for r in report.results
+        }
 
 
 def test_contract_fails_vllm_alone_for_preempting_what_it_admitted(

@@ -474,6 +474,20 @@ def test_contract_passes_through_the_gateway_in_front_of_llama_cpp(
     }
 
 
+@pytest.mark.llama_cpp
+def test_contract_fails_llama_cpp_with_a_unified_cache_alone(
+    unified_llama: llama_engine.LlamaServer,
+) -> None:
+    # 8 x (prompt + 200) outgrow the 512-token pool: llama.cpp admits them all, and those that
+    # run out of room die mid-decode ("Context size has been exceeded").
+    report = run_contract(
+        unified_llama.url, burst=8, burst_max_tokens=200, timeout=90, only=("saturation",)
+    )
+    [saturation] = report.results
+    assert saturation.status is CheckStatus.FAIL, saturation.evidence
+    assert "mid-decode" in saturation.evidence
+
+
 def test_an_upstream_that_never_answers_is_set_aside_and_the_other_serves() -> None:
     dead = f"http://127.0.0.1:{llama_engine.free_port()}"  # nothing listens there
     with running_server(**FAST, kv_tokens=4096, context_window=1024) as live:
