@@ -52,6 +52,7 @@ __all__ = [
     "PACE_POLL_FIRST",
     "PACE_POLL_LAST",
     "PACE_TRICKLE",
+    "PACE_TRUST_MAX_FACTOR",
     "PACE_WAITER_TTL",
     "POLICY_HEADER",
     "POLICY_NAME",
@@ -76,6 +77,10 @@ MS_PARAM = "tms"
 #: Not much less: once it ages out a probe goes, and one second without an answer (every
 #: holder still running) sent probes that were refused in the retry storm.
 DEFAULT_PACE_MAX_AGE = 2.0
+#: How far a hint's trust may grow (times ``max_age``): each request sent because the hint
+#: had aged out and refused all the same (the room had not come back) doubles how long the next
+#: hints are trusted; one admitted that way (room came back unseen) resets it.
+PACE_TRUST_MAX_FACTOR = 8
 #: A held request asks again this often (seconds): a fresher hint may have arrived meanwhile.
 PACE_POLL = 0.02
 #: Once a hint has aged out, one held request goes per this many seconds until a fresh hint
@@ -221,8 +226,12 @@ class Pacer:
     before asking again. A hint ages out after ``max_age`` seconds, or ``lag`` after its ``t``
     (the next due release: the answer that shows it takes a moment) when that is sooner: then
     one request per ``PACE_TRICKLE`` goes until an answer brings a fresh hint, and after ten
-    times ``max_age`` without one, every request goes. Before any hint every request goes, as
-    without pacing.
+    times ``max_age`` without one, every request goes. Advice that proved right is trusted
+    longer: a request sent because its hint had aged out and refused all the same doubles how
+    long later hints are trusted (up to ``PACE_TRUST_MAX_FACTOR`` x ``max_age``, never past
+    their ``t``), so a client whose holders run long waits for evidence of room (an answer that
+    shows it) instead of probing every ``max_age``; one admitted that way resets it. Before any
+    hint every request goes, as without pacing.
     Sends made less than ``lag`` seconds before a hint arrives still count against it: the
     server may have written it before they reached it. Refusals (``observe`` with
     ``refused=True`` and the refused send) time a send's way to the server and back; when they
@@ -247,7 +256,7 @@ class Pacer:
 
     __slots__ = (
         "_expires", "_free", "_lock", "_queues", "_quota", "_recent", "_rtts", "_seen", "_sent",
-        "_trickle", "_waiters", "_waiting", "lag", "max_age",
+        "_trickle", "_trust", "_waiters", "_waiting", "lag", "max_age",
     )  # fmt: skip
 
     def __init__(self, *, max_age: float = DEFAULT_PACE_MAX_AGE, lag: float = PACE_LAG) -> None:
@@ -256,6 +265,8 @@ class Pacer:
         if not (isinstance(lag, (int, float)) and 0 <= lag < math.inf):
             raise ValueError(f"lag must be a finite number of seconds >= 0, got {lag!r}")
         self.max_age = float(max_age)
+        #: How long a hint is trusted now (see PACE_TRUST_MAX_FACTOR).
+        self._trust = self.max_age
         self.lag = float(lag)
         self._recent: deque[tuple[float, int]] = deque()  # (when, tokens) of the latest sends
         self._lock = threading.Lock()
@@ -301,8 +312,14 @@ class Pacer:
         with self._lock:
             if refused and own is not None and now >= own[0]:
                 self._rtts.append(now - own[0])
+            if own is not None and own[0] >= self._expires > -math.inf:
+                # It went because the hint had aged out: did the room come back unseen?
+                if refused:
+                    self._trust = min(2 * self._trust, PACE_TRUST_MAX_FACTOR * self.max_age)
+                else:
+                    self._trust = self.max_age
             lag = self.effective_lag()
-            age = self.max_age
+            age = self._trust
             if hint.reset:
                 age = min(age, float(hint.reset) + lag)
             if now < self._seen:

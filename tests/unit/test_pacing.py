@@ -454,3 +454,32 @@ def _busy(*, retry_after: float) -> APIStatusError:
         retry_after=retry_after,
         retryable=True,
     )
+
+
+def test_a_hint_that_proved_right_is_trusted_longer_and_one_that_proved_stale_less() -> None:
+    pacer = Pacer(max_age=1.0)
+    full = RoomHint(quota=1000, remaining=0, reset=None)
+    pacer.observe(0.0, full)
+    assert pacer.take(0.5, 100) > 0  # held: no room
+    assert pacer.take(1.0, 100) == 0.0  # aged out: one goes to see
+    pacer.observe(1.01, full, (1.0, 100), refused=True)  # and the room had not come back
+    assert pacer.take(2.5, 100) > 0  # so the next hint is trusted for 2 s, not 1
+    assert pacer.take(3.01, 100) == 0.0
+    pacer.observe(3.02, full, (3.01, 100), refused=True)
+    assert pacer.take(6.5, 100) > 0  # 4 s
+    assert pacer.take(7.02, 100) == 0.0
+    pacer.observe(7.03, RoomHint(quota=1000, remaining=900, reset=None), (7.02, 100))
+    pacer.observe(7.05, full)  # admitted: room had come back unseen, trust is back to 1 s
+    assert pacer.take(8.06, 100) == 0.0
+    # However long it has grown (here to 8 s), never past the hint's own next release.
+    t = 8.06
+    pacer.observe(t + 0.01, full, (t, 100), refused=True)
+    for _ in range(4):
+        t += 0.01
+        while pacer.take(t, 100) > 0:
+            t += 0.05
+        pacer.observe(t + 0.01, full, (t, 100), refused=True)
+    assert pacer.take(t + 7.5, 100) > 0
+    pacer.observe(60.0, RoomHint(quota=1000, remaining=0, reset=0.5))
+    assert pacer.take(60.4, 100) > 0
+    assert pacer.take(60.7, 100) == 0.0  # 0.5 s + the lag
