@@ -146,3 +146,14 @@ def test_replicas(tmp_path: Path) -> None:
     for r in data["results"][:2]:  # (the killed one's count is read just before it stops)
         assert sum(r["admitted_by_replica"]) >= r["completed"]
     assert data["results"][2]["killed_at"] is not None
+
+
+def test_gateway_pacing(tmp_path: Path) -> None:
+    out, data = run_script(
+        tmp_path, "gateway_pacing.py", *("--repeat", "1", "--requests", "6", "--rate", "30")
+    )
+    assert "through the gateway / direct" in out
+    for target in ("direct", "gateway"):
+        [summary] = data["runs"][target]
+        assert summary["completed"] == 6
+    assert data["ratio"] > 0
