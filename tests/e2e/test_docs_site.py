@@ -13,25 +13,15 @@ import importlib
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.chromium import pixels, screenshot
+
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-)
 # Material's header and navigation bar in the site's palette (indigo), as Chromium paints it.
 HEADER_COLOR = "#4051b5"
 # The header is 48 px tall across the 1280 px window: about 61,000 pixels.
@@ -52,14 +42,6 @@ def _missing(reason: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(reason)
     pytest.skip(reason)
-
-
-def _chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found is None:
-        _missing("headless Chromium is not installed (scripts/ci-setup-chromium.sh installs it)")
-    assert found is not None
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -93,17 +75,6 @@ def test_the_api_reference_lists_every_public_name(site: Path, module: str) -> N
     assert not extra, f"{module}: in the API reference but not in __all__: {extra}"
 
 
-def _pixels(png: Path) -> Counter[str]:
-    from PIL import Image
-
-    with Image.open(png) as image:
-        rgb = image.convert("RGB")
-        counts: Counter[str] = Counter()
-        for n, (r, g, b) in rgb.getcolors(maxcolors=1 << 24) or []:
-            counts[f"#{r:02x}{g:02x}{b:02x}"] += n
-    return counts
-
-
 @pytest.mark.parametrize(
     ("page", "heading"),
     [
@@ -112,24 +83,10 @@ def _pixels(png: Path) -> Counter[str]:
     ],
 )
 def test_chromium_renders_the_page(site: Path, tmp_path: Path, page: str, heading: str) -> None:
-    chromium = _chromium()
     html = site / page
     assert f">{heading}<" in html.read_text()  # the Markdown became the page
-    png = tmp_path / "shot.png"
-    subprocess.run(
-        [
-            chromium,
-            *CHROMIUM_FLAGS,
-            f"--user-data-dir={tmp_path / 'profile'}",
-            f"--screenshot={png}",
-            "--window-size=1280,1600",
-            html.as_uri(),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=90,
-    )
-    pixels = _pixels(png)
+    png = screenshot(html, tmp_path / "shot.png", width=1280, height=1600)
+    colors = pixels(png)
     # Material's stylesheet applied (its header), and text drawn (many antialiased shades).
-    assert pixels[HEADER_COLOR] >= MIN_HEADER_PIXELS, pixels.most_common(5)
-    assert len(pixels) >= MIN_DISTINCT_COLORS, len(pixels)
+    assert colors[HEADER_COLOR] >= MIN_HEADER_PIXELS, colors.most_common(5)
+    assert len(colors) >= MIN_DISTINCT_COLORS, len(colors)

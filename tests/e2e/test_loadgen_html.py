@@ -11,9 +11,7 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import xml.etree.ElementTree as ET
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,17 +20,8 @@ from kvclient.loadgen import cli
 from kvclient.loadgen._html import COLORS, render_html
 from kvclient.loadgen._metrics import RequestRecord, summarize
 from reference_server import running_server
+from tests.helpers.chromium import pixels, screenshot
 
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-)
 # Drawn lines are 3 px wide across hundreds of px; a legend swatch about 100 px. A steep
 # distribution (every latency alike, as on a loaded machine) still draws some 280 px.
 MIN_LINE_PIXELS = 150
@@ -41,16 +30,6 @@ WINDOW_WIDTH = 1600
 #: A chart's plot area spans at least this share of the window (margins and axes take the rest).
 MIN_PLOT_SHARE = 0.75
 SVG = "{http://www.w3.org/2000/svg}"
-
-
-def _chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found is None:
-        reason = "headless Chromium is not installed (scripts/ci-setup-chromium.sh installs it)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -136,21 +115,9 @@ def test_every_chart_is_page_wide_with_titled_axes_and_the_legend_above_the_plot
     )
 
 
-def _pixels(png: Path) -> Counter[str]:
-    from PIL import Image
-
-    with Image.open(png) as image:
-        rgb = image.convert("RGB")
-        counts: Counter[str] = Counter()
-        for n, (r, g, b) in rgb.getcolors(maxcolors=1 << 24) or []:
-            counts[f"#{r:02x}{g:02x}{b:02x}"] += n
-    return counts
-
-
 def test_chromium_renders_every_plot(
     tmp_path: Path, bench_page: tuple[Path, list[RequestRecord]]
 ) -> None:
-    chromium = _chromium()
     _, records = bench_page
     summary = summarize(records, duration=2.0, deadline=60.0)
     # The sweep curve from made-up points (a sweep run takes too long here): the page's last plot.
@@ -159,24 +126,11 @@ def test_chromium_renders_every_plot(
     page.write_text(
         render_html(title="t", summary=summary, records=records, sweep=curve, knee_rate=4.0)
     )
-    png = tmp_path / "shot.png"
-    subprocess.run(
-        [
-            chromium,
-            *CHROMIUM_FLAGS,
-            f"--user-data-dir={tmp_path / 'profile'}",
-            f"--screenshot={png}",
-            f"--window-size={WINDOW_WIDTH},3000",
-            page.as_uri(),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=90,
-    )
+    png = screenshot(page, tmp_path / "shot.png", width=WINDOW_WIDTH, height=3000)
     if os.environ.get("KVCLIENT_SCREENSHOT"):  # to look at it: KVCLIENT_SCREENSHOT=shot.png
         shutil.copyfile(png, os.environ["KVCLIENT_SCREENSHOT"])
-    pixels = _pixels(png)
-    drawn = {name: pixels[color] for name, color in COLORS.items()}
+    colors = pixels(png)
+    drawn = {name: colors[color] for name, color in COLORS.items()}
     expected = ("latency", "latency_all", "kv", "refusals", "goodput", "throughput", "ideal")
     missing = [name for name in expected if drawn[name] < MIN_LINE_PIXELS]
     assert not missing, drawn
