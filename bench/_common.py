@@ -155,16 +155,30 @@ def reference_server_process(*args: str, cpu: int | None = None) -> Iterator[str
 
     Yields its URL; the server is terminated on exit.
     """
+    with _serving(["-m", "reference_server", *args], "the reference server", cpu) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def gateway_process(upstream: str, *args: str, cpu: int | None = None) -> Iterator[str]:
+    """``kvclient gateway --upstream UPSTREAM ARGS`` in its own process; yields its URL."""
+    cmd = ["-m", "kvclient", "gateway", "--upstream", upstream, *args]
+    with _serving(cmd, "the gateway", cpu) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _serving(argv: list[str], what: str, cpu: int | None) -> Iterator[str]:
+    """``python ARGV --port P --log-level error`` until ``/health`` answers; terminated on exit."""
     import subprocess
     import sys
 
     port = free_port()
-    cmd = [sys.executable, "-m", "reference_server", "--port", str(port), "--log-level", "error"]
-    cmd += list(args)
+    cmd = [sys.executable, *argv, "--port", str(port), "--log-level", "error"]
     proc = subprocess.Popen(cmd, preexec_fn=_pinner(cpu), stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for(url + "/health", proc, "the reference server")
+        _wait_for(url + "/health", proc, what)
         yield url
     finally:
         proc.terminate()

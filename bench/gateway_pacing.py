@@ -17,7 +17,6 @@ budget free while the client was still holding requests.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import subprocess
@@ -25,33 +24,16 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import _wait_for, free_port, machine, print_table, reference_server_process, write_json
+from _common import gateway_process, machine, print_table, reference_server_process, write_json
 
 from kvclient._pacing import parse_ratelimit
 
 GOAL_RATIO = 1.2
 SERVER = ("--kv-tokens", "32768", "--context-window", "8192", "--decode-rate", "1000")
-
-
-@contextlib.contextmanager
-def gateway_process(upstream: str, *args: str) -> Iterator[str]:
-    """``kvclient gateway ARGS`` in its own process, in front of ``upstream``."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvclient", "gateway", "--port", str(port)]
-    cmd += ["--upstream", upstream, "--log-level", "error", *args]
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for(url + "/health", proc, "the gateway")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def bench(url: str, rate: float, requests: int, seed: int) -> dict[str, Any]:

@@ -17,7 +17,13 @@ import anyio
 
 from .ledger import Handle, KVAdmissionController
 
-__all__ = ["AdmissionQueue", "LedgerUnavailable", "Rejected"]
+__all__ = ["AdmissionQueue", "LedgerUnavailable", "Rejected", "wait_limit"]
+
+
+def wait_limit(own: float, preferred: float | None) -> float:
+    """How long a request may wait in a queue whose bound is ``own`` when its client prefers
+    ``preferred`` seconds (``Prefer: wait``; None: no preference): never longer than either."""
+    return own if preferred is None else min(own, max(0.0, preferred))
 
 
 class Rejected(Exception):
@@ -112,7 +118,7 @@ class AdmissionQueue:
         ``max_wait`` shortens the queue's own wait for this request (the client's ``Prefer:
         wait``); it never lengthens it.
         """
-        limit = self.max_wait if max_wait is None else min(self.max_wait, max(0.0, max_wait))
+        limit = wait_limit(self.max_wait, max_wait)
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
         if not self._waiters:
             handle = self.ledger.try_admit(

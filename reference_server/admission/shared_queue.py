@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable
 import anyio
 
 from .ledger import Handle, KVAdmissionController
-from .queue import AdmissionQueue, LedgerUnavailable, Rejected
+from .queue import AdmissionQueue, LedgerUnavailable, Rejected, wait_limit
 from .shared import RedisLedger
 
 __all__ = ["POLL_SECONDS", "SharedQueue"]
@@ -91,7 +91,7 @@ class SharedQueue(AdmissionQueue):
         ticket = self.shared.ticket(need)
         wake = _Wake()
         self._wakes.append(wake)
-        limit = self.max_wait if max_wait is None else min(self.max_wait, max(0.0, max_wait))
+        limit = wait_limit(self.max_wait, max_wait)
         try:
             return await self._acquire(prompt_tokens, output_cap, need, ticket, wake, limit)
         except LedgerUnavailable:

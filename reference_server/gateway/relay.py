@@ -69,7 +69,8 @@ __all__ = ["UpstreamBackend", "unavailable"]
 logger = logging.getLogger("kvclient.gateway")
 
 
-#: Bytes of a stream's end kept for its usage figure (one usage event is a few hundred).
+#: Bytes of the piece before a stream's last searched for its usage figure (one usage event is
+#: a few hundred bytes; it may straddle two pieces).
 _USAGE_TAIL = 4096
 
 _LAPSED = (
@@ -454,13 +455,15 @@ class UpstreamBackend:
                 "headers": [*response_headers(response.raw_headers), *_room_headers(known)],
             }
         )
-        tail = b""  # the stream's last bytes: its usage, when it has one, comes last
+        # The stream's last two pieces: its usage, when it has one, comes at the end (kept by
+        # reference, nothing copied per piece; joined once, when the stream is done).
+        before = last = b""
         try:
             async for piece in response.content.iter_any():
                 if handle.released:
                     await send({"type": "http.response.body", "body": _LAPSED, "more_body": False})
                     return
-                tail = (tail + piece)[-_USAGE_TAIL:] if len(piece) < _USAGE_TAIL else piece
+                before, last = last, piece
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
         except UPSTREAM_ERRORS:
             upstream.failure()
@@ -478,6 +481,6 @@ class UpstreamBackend:
         upstream.relayed += 1
         # Tokens by its usage (an event may carry several); no more than the cap it was sent
         # with, whatever the stream says. A stream without usage says nothing of its speed.
-        generated = completion_tokens(tail)
+        generated = completion_tokens(before[-_USAGE_TAIL:] + last)
         if generated:
             upstream.observe(min(generated, cap), time.monotonic() - started)

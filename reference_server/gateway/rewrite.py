@@ -94,15 +94,13 @@ def with_cap(raw: bytes, body: dict[str, Any], cap: int) -> bytes:
         for name in MIN_LENGTH_FIELDS
         if isinstance(body.get(name), int) and not isinstance(body[name], bool) and body[name] > cap
     ]
-    if floors:
-        pass  # re-encoded below
-    elif not given:
+    if not given and not floors:
         end = raw.rstrip()
         if end.endswith(b"}"):
             inner = end[:-1].rstrip()
             comma = b"" if inner.endswith(b"{") else b","
             return b'%s%s"max_tokens":%d}' % (inner, comma, cap)
-    elif (
+    elif not floors and (
         given == ["max_tokens"]
         and body["max_tokens"] == cap
         and type(body["max_tokens"]) is int
