@@ -36,12 +36,12 @@ import itertools
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Literal, get_args
 
 from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
 
-from .peak import Holder, peak
+from .peak import Holder, peak, prefix_blocks
 from .values import Handle, Headroom, LedgerEvent, LedgerStats, _Promise
 
 __all__ = [
@@ -171,6 +171,9 @@ class KVAdmissionController:
         #: Why it runs on caps for now, and the holders that must go before it stops.
         self._caps_for_now: str | None = None
         self._draining: set[int] = set()
+        #: Whether the engine shares the KV blocks of identical prompt prefixes (set by the
+        #: server that knows it): then the peak rule counts them once (:meth:`prefix_keys`).
+        self.shares_prefixes = False
 
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -280,6 +283,19 @@ class KVAdmissionController:
             and self._caps_for_good is None
             and self._caps_for_now is None
         )
+
+    @property
+    def tracks_progress(self) -> bool:
+        """Whether holders' progress is worth relaying: the peak rule may count it (it is
+        configured and the engine qualifies; it may be on caps for now, until drained)."""
+        return self.rule == "peak" and self.strategy == "reserve" and self._caps_for_good is None
+
+    def prefix_keys(self, token_ids: Sequence[int] | None, salt: Hashable) -> tuple[Hashable, ...]:
+        """The keys of a prompt's shareable blocks where the engine shares them and the peak
+        rule may count them once; () otherwise (see :func:`.peak.prefix_blocks`)."""
+        if not token_ids or not self.shares_prefixes or not self.tracks_progress:
+            return ()
+        return prefix_blocks(token_ids, self.block_size, salt)
 
     @property
     def caps_reason(self) -> str | None:

@@ -92,6 +92,10 @@ class Plan:
     shared_prompt: bool = True
     #: Anything else the backend decided while planning (the gateway: the body it forwards).
     extra: Any = None
+    #: The prompt's token ids as the engine counted them, when it said (for shared prefixes),
+    #: and what keeps prompts of different models apart.
+    token_ids: tuple[int, ...] | None = None
+    model: str | None = None
 
     @property
     def reserved_prompt(self) -> int:
@@ -224,7 +228,11 @@ class GenerationEndpoint:
             ledger, queue = target.ledger, target.queue
             try:
                 handle = await queue.acquire(
-                    plan.reserved_prompt, plan.reserved_output, client=client, max_wait=wait
+                    plan.reserved_prompt,
+                    plan.reserved_output,
+                    client=client,
+                    max_wait=wait,
+                    prefix=ledger.prefix_keys(plan.token_ids, plan.model),
                 )
             except Rejected as rejected:
                 busy = too_busy(ledger, rejected, plan.reserved_prompt, plan.reserved_output, queue)
