@@ -172,7 +172,7 @@ def test_a_newcomer_runs_beside_holders_whose_caps_left_no_room(
 def test_a_stream_carries_no_usage_the_client_did_not_ask_for(
     engine: tuple[_Engine, str],
 ) -> None:
-    scripted, url = engine
+    _, url = engine
     with running_gateway(_config(url)) as gw:
         plain = httpx.post(
             gw.base_url + "/v1/completions",
