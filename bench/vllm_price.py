@@ -183,6 +183,9 @@ def run(name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]])
             )
             stats = upstream.known.ledger.stats() if upstream.known else None
             result["most_running"] = stats.peak_inflight if stats else None
+            if upstream.known is not None:
+                held, busy, _ = upstream.known.ledger.occupancy(time.monotonic())
+                result["mean_running"] = held / busy if busy else None
             result["lockstep_breaks"] = upstream.lockstep_breaks
     result["preemptions"] = preemptions(engine.url) - before
     result["run"] = name

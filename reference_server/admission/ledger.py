@@ -72,6 +72,9 @@ DEFAULT_RELAY_LAG = 0.25
 #: How much faster than measured a sequence is allowed to decode, for that margin: the speed
 #: is measured over seconds, and a batch that thins out decodes faster.
 _LAG_RATE_FACTOR = 2.0
+#: Seconds of a holder's own stream before its own speed counts for that margin: chunks come in
+#: bursts (an engine's API process catching up), and a burst's rate is no speed.
+_OWN_RATE_SPAN = 0.5
 
 #: Real runtimes lose memory to fragmentation and activations; admit to 90% of the KV pool.
 DEFAULT_SAFETY_FRACTION = 0.9
@@ -174,6 +177,8 @@ class KVAdmissionController:
         #: Whether the engine shares the KV blocks of identical prompt prefixes (set by the
         #: server that knows it): then the peak rule counts them once (:meth:`prefix_keys`).
         self.shares_prefixes = False
+        #: Prefix blocks of which a copy was let go while another was held (see ``peak.py``).
+        self._tainted: set[Hashable] = set()
 
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -354,10 +359,10 @@ class KVAdmissionController:
     def _lag_tokens(self, handle: Handle, now: float) -> int:
         """Tokens ``handle`` may have made beyond those relayed: what it can decode in the relay
         lag plus the time since its latest count, at twice the faster of the engine's measured
-        speed alone and its own observed speed (lock held)."""
+        speed alone and its own observed speed over at least ``_OWN_RATE_SPAN`` (lock held)."""
         rate = self.decode_rate
         span = handle.seen_at - handle.first_seen_at
-        if span > 0 and handle.generated:
+        if span >= _OWN_RATE_SPAN and handle.generated:
             rate = max(rate, (handle.generated - 1) / span)
         return math.ceil(
             _LAG_RATE_FACTOR * rate * (max(0.0, now - handle.seen_at) + self.relay_lag)
@@ -372,7 +377,8 @@ class KVAdmissionController:
         return Holder(
             held=handle.prompt_tokens + made,
             most=handle.prompt_tokens + cap,
-            steps_left=max(1, cap - generated),
+            # Through the step that makes its last token, at its whole size: it frees after.
+            steps_left=max(0, cap - generated) + 1,
             prefix=handle.prefix,
             borrowed=handle.borrowed,
         )
@@ -389,7 +395,9 @@ class KVAdmissionController:
         holders = [self._holder(h, now, True) for h in self._live.values() if h is not without]
         if extra is not None:
             holders.append(extra)
-        return peak(holders, block_size=self.block_size) if holders else 0
+        if not holders:
+            return 0
+        return peak(holders, block_size=self.block_size, tainted=self._tainted)
 
     def _borrowable(self, prefix: tuple[Hashable, ...]) -> int:
         """How many of ``prefix``'s first blocks a holder past its prefill has computed: the
@@ -406,6 +414,17 @@ class KVAdmissionController:
                 break
             borrowed += 1
         return borrowed
+
+    def _let_go(self, gone: Handle) -> None:
+        """``gone``'s prefix blocks are let go (lock held): a block it computed while another
+        holder computed its own copy leaves a freed copy the engine may hand out (tainted);
+        blocks no holder has any more are forgotten."""
+        computed = set(gone.prefix[gone.borrowed :])
+        held: set[Hashable] = set()
+        for handle in self._live.values():
+            held.update(handle.prefix)
+            self._tainted.update(computed.intersection(handle.prefix[handle.borrowed :]))
+        self._tainted &= held
 
     def _fits(self, need: int, now: float, prefix: tuple[Hashable, ...] = ()) -> bool:
         if self.max_concurrency is not None and len(self._live) >= self.max_concurrency:
@@ -496,6 +515,8 @@ class KVAdmissionController:
             if now is not None:
                 self._advance(now)
             del self._live[handle.id]
+            if handle.prefix:
+                self._let_go(handle)
             self._draining.discard(handle.id)
             if not self._draining:
                 self._caps_for_now = None
@@ -720,12 +741,13 @@ class KVAdmissionController:
         advanced: list[tuple[float, int]] = [(now, 0)]
         for end, handle in live:
             if handle.generated is not None and handle.tracked:
-                advanced.append((end, max(1, handle.output_cap - handle.generated)))
+                advanced.append((end, max(0, handle.output_cap - handle.generated) + 1))
         for t in sorted({now} | {end for end, _ in live}):
             steps = max(s for at, s in advanced if at <= t)
             holders = [self._holder(h, now, True) for end, h in live if end > t]
             holders.append(candidate)
-            if peak(holders, block_size=self.block_size, after=steps) <= self.usable_tokens:
+            worst = peak(holders, block_size=self.block_size, after=steps, tainted=self._tainted)
+            if worst <= self.usable_tokens:
                 return t
         return max((end for end, _ in live), default=now)
 

@@ -24,8 +24,11 @@ running sequences (vLLM's prefix cache), a block is held once while anyone holds
 only while two sequences each computed their own copy (both were in prefill at once). A
 holder's ``prefix`` names its shareable blocks (full blocks before its last prompt token, by a
 chained hash of their tokens); the first ``borrowed`` of them it did not compute itself but took
-from a sequence that had. A block is counted ``max(1, copies computed by the holders alive)``
-times.
+from a sequence that had. A block is counted once for each holder alive that computed it, and
+at least once while any holder has it. One case more: once one of two copies has been let go by
+its holders, the engine keeps it cached and may hand that freed copy, not the one in use, to
+the next sequence that asks for the block (vLLM hands out the oldest cached copy). For such a
+``tainted`` block the borrowers together count one copy more.
 
 >>> ends_soon = Holder(held=700, most=720, steps_left=20)
 >>> starts_now = Holder(held=110, most=900, steps_left=790)
@@ -40,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import math
 from array import array
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Holder", "peak", "prefix_blocks"]
@@ -79,9 +82,11 @@ def _blocks(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size) * block_size
 
 
-def _total_at(holders: Iterable[Holder], step: int, block_size: int) -> int:
+def _total_at(
+    holders: Iterable[Holder], step: int, block_size: int, tainted: Collection[Hashable]
+) -> int:
     total = 0
-    present: set[Hashable] = set()
+    borrowed: set[Hashable] = set()
     computed: dict[Hashable, int] = {}
     for holder in holders:
         tokens = holder.at(step)
@@ -89,23 +94,35 @@ def _total_at(holders: Iterable[Holder], step: int, block_size: int) -> int:
             continue
         total += _blocks(tokens, block_size) - block_size * len(holder.prefix)
         for index, key in enumerate(holder.prefix):
-            present.add(key)
-            if index >= holder.borrowed:
+            if index < holder.borrowed:
+                borrowed.add(key)
+            else:
                 computed[key] = computed.get(key, 0) + 1
-    return total + block_size * sum(max(1, computed.get(key, 0)) for key in present)
+    copies = 0
+    for key in borrowed | computed.keys():
+        made = computed.get(key, 0)
+        copies += max(1, made + (key in borrowed and key in tainted))
+    return total + block_size * copies
 
 
-def peak(holders: Sequence[Holder], *, block_size: int, after: int = 0) -> int:
+def peak(
+    holders: Sequence[Holder],
+    *,
+    block_size: int,
+    after: int = 0,
+    tainted: Collection[Hashable] = (),
+) -> int:
     """The most the ``holders`` can hold together at any step from ``after`` steps on.
 
     Checked on ``after`` and on the last step before each end after it: in between the sum
-    only grows (see the module's argument).
+    only grows (see the module's argument). ``tainted``: prefix blocks of which a freed copy
+    may be handed to a borrower (see the module).
     """
     steps = {after}
     for holder in holders:
         if holder.steps_left is not None and holder.steps_left - 1 > after:
             steps.add(holder.steps_left - 1)
-    return max(_total_at(holders, step, block_size) for step in steps)
+    return max(_total_at(holders, step, block_size, tainted) for step in steps)
 
 
 def prefix_blocks(

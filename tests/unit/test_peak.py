@@ -334,12 +334,12 @@ def test_a_holder_counts_its_whole_cap_until_its_first_token() -> None:
     ledger.progress(a, 300, 3.0)
     assert ledger.try_admit(100, 100, now=3.0) is None  # b has not started: still 500
     ledger.progress(b, 1, 3.0)
-    # a holds 400 + the relay's margin (2 x 100 tokens/s x 0.25 s = 50) and ends within 100
-    # steps, b 101 + 50 within 399: at worst 500 + 250 (step 99), then 500 alone; the
-    # newcomer counts whole (200) until its own first token.
+    # a holds 400 + the relay's margin (2 x 100 tokens/s x 0.25 s = 50) and holds 500 through
+    # the step that makes its last token (step 100), b 101 + 50: at worst 500 + 251, then b's
+    # 500 alone; the newcomer counts whole (200) until its own first token.
     c = ledger.try_admit(100, 100, now=3.0)
     assert c is not None
-    assert ledger.stats().committed_tokens == 950
+    assert ledger.stats().committed_tokens == 951
 
 
 @pytest.mark.parametrize("rule", ["caps", "peak"])
@@ -397,3 +397,32 @@ def test_only_a_holder_past_its_prefill_lends_its_prefix_blocks() -> None:
     third = ledger.try_admit(200, 100, now=0.1, prefix=prefix)
     assert third is not None
     assert third.borrowed == len(prefix) == 12
+
+
+def test_a_freed_copy_of_a_duplicated_block_costs_its_borrower_a_copy() -> None:
+    """Two holders computed the same prefix at once; one goes (its copy stays cached, freed);
+    a newcomer that borrows from the other may be handed the freed copy: two copies again."""
+    ledger = KVAdmissionController(
+        total_kv_tokens=4000, context_window=4000, decode_rate=100.0, rule="peak",
+        block_size=16, safety_fraction=1.0,
+    )  # fmt: skip
+    prefix = prefix_blocks(list(range(65)), 16)  # 4 blocks
+    first = ledger.try_admit(65, 10, now=0.0, prefix=prefix)
+    twin = ledger.try_admit(65, 10, now=0.0, prefix=prefix)
+    assert first is not None
+    assert twin is not None
+    first.tracked = twin.tracked = True
+    ledger.progress(first, 1, 0.1)
+    ledger.progress(twin, 1, 0.1)
+    ledger.release(first, 0.2)
+    borrower = ledger.try_admit(65, 10, now=0.2, prefix=prefix)
+    assert borrower is not None
+    assert borrower.borrowed == 4
+    # twin: 80 tokens in 5 blocks; the borrower flat at 80 (5 blocks): 10 blocks, its
+    # borrowed 4 counted again as the freed copy it may be handed.
+    assert ledger.stats().committed_tokens == 10 * 16
+    ledger.release(twin, 0.3)
+    ledger.release(borrower, 0.3)
+    later = ledger.try_admit(65, 10, now=0.4, prefix=prefix)
+    assert later is not None
+    assert ledger.stats().committed_tokens == 5 * 16  # nobody holds it: forgotten
