@@ -852,6 +852,19 @@ def test_a_control_character_in_a_request_header_value_is_a_400_naming_it(
     still_serving(gateway)
 
 
+def test_a_413_for_a_huge_content_length_closes_the_connection(gateway: RunningServer) -> None:
+    """A body declared far past the limit is refused at once; the connection is then closed
+    rather than read on to the declared end."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    with connect(gateway) as sock:
+        sock.sendall(head + b"Content-Length: 999999999999\r\n\r\n{")
+        reader = Reader(sock, timeout=3.0)
+        answer = reader.answer()
+        assert answer.status == 413, answer
+        assert reader.at_eof(), "the connection was kept open, reading a body nobody will take"
+    still_serving(gateway)
+
+
 def test_a_chunk_size_past_64_bits_is_a_400_and_closed(gateway: RunningServer) -> None:
     """A chunk size of 17 hex digits (h11 takes up to 20): a 400 at once, then the close."""
     head = (
