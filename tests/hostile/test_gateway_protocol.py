@@ -829,6 +829,45 @@ def test_connections_that_send_one_crlf_are_all_closed_by_the_deadline(
     still_serving(gateway)
 
 
+def _recording_upstream(seen: list[list[tuple[bytes, bytes]]]) -> Any:
+    async def completions(request: Request) -> Response:
+        seen.append(list(request.headers.raw))
+        return JSONResponse({"choices": [], "usage": {"completion_tokens": 0}})
+
+    return discoverable([Route("/v1/completions", completions, methods=["POST"])])
+
+
+def test_only_the_stated_headers_go_upstream() -> None:
+    """Content type, accept, and tracing (traceparent, tracestate, x-request-id) go upstream as
+    the client sent them; cookies, the client's own and unknown headers, Prefer (the gateway's
+    to honour) and a data-parallel rank (it would steer KV the gateway did not reserve) do not."""
+    seen: list[list[tuple[bytes, bytes]]] = []
+    kept = [
+        (b"accept", b"application/json"),
+        (b"traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+        (b"tracestate", b"congo=t61rcWkgMzE"),
+        (b"x-request-id", b"req-42"),
+    ]
+    dropped = [
+        (b"cookie", b"session=alice"),
+        (b"x-custom", b"1"),
+        (b"prefer", b"wait=5"),
+        (b"x-data-parallel-rank", b"3"),
+        (b"openai-organization", b"org-1"),
+        (b"forwarded", b"for=10.0.0.1"),
+    ]
+    extra = [name + b": " + value for name, value in kept + dropped]
+    app = _recording_upstream(seen)
+    with serve_in_thread(app) as up, running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw:
+        answer = exchange(gw, post_head("/v1/completions", COMPLETION, *extra) + COMPLETION)
+    assert answer.status == 200, answer
+    [headers] = seen
+    names = {name for name, _ in headers}
+    for name, value in [(b"content-type", b"application/json"), *kept]:
+        assert (name, value) in headers
+    assert names.isdisjoint(name for name, _ in dropped), headers
+
+
 def test_a_head_with_too_many_fields_is_431_and_closed(gateway: RunningServer) -> None:
     """150 header fields (a small head that arrives in one read): a 431, then the close."""
     head = post_head("/v1/completions", COMPLETION, *[b"X: %d" % i for i in range(150)])
@@ -836,6 +875,21 @@ def test_a_head_with_too_many_fields_is_431_and_closed(gateway: RunningServer) -
     assert answer.status == 431, answer
     assert json.loads(answer.body)["error"]["message"]
     still_serving(gateway)
+
+
+def test_a_forwarded_header_repeated_past_the_bound_is_431() -> None:
+    """A stated header repeated 40 times is not relayed 40 times: the request is refused, and
+    nothing reaches the upstream."""
+    seen: list[list[tuple[bytes, bytes]]] = []
+    extra = [b"tracestate: k%d=v" % i for i in range(40)]
+    with (
+        serve_in_thread(_recording_upstream(seen)) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+    ):
+        answer = exchange(gw, post_head("/v1/completions", COMPLETION, *extra) + COMPLETION)
+    assert answer.status == 431, answer
+    assert json.loads(answer.body)["error"]["param"] == "tracestate"
+    assert seen == []
 
 
 @pytest.mark.parametrize("bad", [b"\x7f", b"\x01", b"\x1b"], ids=["del", "soh", "esc"])
