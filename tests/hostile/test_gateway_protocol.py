@@ -933,3 +933,28 @@ def test_a_chunk_size_past_64_bits_is_a_400_and_closed(gateway: RunningServer) -
         assert "chunk" in json.loads(answer.body)["error"]["message"]
         assert reader.at_eof()
     still_serving(gateway)
+
+
+def test_an_upstream_that_switches_protocols_is_a_502_naming_it() -> None:
+    """A 101 Switching Protocols from the upstream (to a request that asked for no upgrade) is a
+    broken upstream: the client gets a JSON 502 that names it, its connection kept."""
+
+    def script(conn: socket.socket, wait: Callable[[float], bool]) -> bool:
+        conn.sendall(
+            b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+        )
+        wait(10)
+        return False
+
+    with RawUpstream(script) as up, running_gateway(raw_gateway_config(up)) as gw:
+        with connect(gw) as sock:
+            sock.sendall(post_head("/v1/completions", COMPLETION) + COMPLETION)
+            reader = Reader(sock, timeout=5.0)
+            answer = reader.answer()
+            assert answer.status == 502, answer
+            error = json.loads(answer.body)["error"]
+            assert up.base_url in error["message"]
+            assert "101" in error["message"]
+            sock.sendall(HEALTH)
+            assert reader.answer().status == 200
+        still_serving(gw)
