@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import errno
 import importlib.util
 import logging
@@ -57,6 +58,7 @@ __all__ = [
     "LOG_LEVELS",
     "GuardedH11Protocol",
     "PortInUseError",
+    "answer_cut",
     "bind_socket",
     "configure",
     "http_url",
@@ -294,7 +296,27 @@ class _QuietUpgrades(logging.Filter):
         return not message.startswith(("Unsupported upgrade request", "No supported WebSocket"))
 
 
+#: Whether the app cut this request's answer on purpose (in the task uvicorn runs it in).
+_cut: contextvars.ContextVar[bool] = contextvars.ContextVar("answer_cut", default=False)
+
+
+def answer_cut() -> None:
+    """The app cut this request's answer on purpose (the send timeout: a client that stopped
+    reading) and has said so in its own log; call it in the task that serves the request.
+    uvicorn then does not log the unfinished answer as an ERROR."""
+    _cut.set(True)
+
+
+class _QuietCuts(logging.Filter):
+    """uvicorn logs "returned without completing response" at ERROR for an answer the app cut
+    on purpose; for those (and only those) the app's own line is enough."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_cut.get() and record.getMessage().startswith("ASGI callable returned"))
+
+
 logging.getLogger("uvicorn.error").addFilter(_QuietUpgrades())
+logging.getLogger("uvicorn.error").addFilter(_QuietCuts())
 
 
 def _loop(loop: Literal["auto", "asyncio", "uvloop"]) -> str:
