@@ -877,6 +877,23 @@ def test_a_head_with_too_many_fields_is_431_and_closed(gateway: RunningServer) -
     still_serving(gateway)
 
 
+def test_a_head_past_64_kib_that_arrives_in_one_read_is_431_and_closed() -> None:
+    """20 fields of 4 kB (an 80 kB head, sent at once: h11 bounds only a head it buffers
+    incomplete): a 431, then the close, and nothing reaches the upstream."""
+    seen: list[list[tuple[bytes, bytes]]] = []
+    pads = [b"X-Pad-%d: " % i + b"p" * 4000 for i in range(20)]
+    with (
+        serve_in_thread(_recording_upstream(seen)) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+    ):
+        answer = refused_then_closed(
+            gw, post_head("/v1/completions", COMPLETION, *pads) + COMPLETION
+        )
+        assert answer.status == 431, answer
+        still_serving(gw)
+    assert seen == []
+
+
 def test_a_forwarded_header_repeated_past_the_bound_is_431() -> None:
     """A stated header repeated 40 times is not relayed 40 times: the request is refused, and
     nothing reaches the upstream."""
