@@ -132,6 +132,20 @@ def _upstream_error(
     ).response()
 
 
+def _not_final(upstream: Upstream, status: int) -> Response:
+    """An informational status given as the answer (aiohttp hands on a 101 Switching
+    Protocols; the request asked for no upgrade): a broken upstream, a JSON 502 that names it.
+    Nothing of it is relayed: uvicorn cannot frame a 1xx as an answer, and would drop the
+    client's connection."""
+    upstream.failure()
+    return APIError(
+        502,
+        f"upstream {upstream.name} answered {status}, not an answer to the request",
+        type="upstream_error",
+        code="upstream_answer_broken",
+    ).response()
+
+
 def _refuse_uncounted(field: str | None) -> None:
     if field is not None:
         raise APIError(
@@ -347,11 +361,14 @@ class UpstreamBackend:
             except BaseException:
                 upstream.health.abandoned()
                 raise
-            if holds:
+            if holds and response.status >= 200:
                 data = await self._read_whole(response, upstream)
         # Closed in finally whatever happens: an unfinished answer resets its connection, and
         # engines abort a request whose connection is reset.
         try:
+            if response.status < 200:
+                await send_whole(_not_final(upstream, response.status), send)
+                return True
             if response.status >= 400 or not stream:
                 if assembled and response.status < 400:
                     data = await self._read_assembled(response, chat is True, target, handle)

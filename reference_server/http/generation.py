@@ -43,6 +43,7 @@ from .requests import (
     read_body,
     scope_header,
 )
+from .serving import answer_cut
 
 __all__ = ["DEFAULT_SEND_TIMEOUT", "Backend", "GenerationEndpoint", "Plan", "Target"]
 
@@ -158,6 +159,7 @@ class _StallWatch:
         self._timeout = timeout
         self._on_cut = on_cut
         self._since: float | None = None
+        self.cut = False
 
     def watching(self, send: Send, handle: Handle) -> Send:
         async def watched(message: Message) -> None:
@@ -177,7 +179,8 @@ class _StallWatch:
                 # Counted before the cancellation releases the reservation: whoever sees the
                 # ledger back at zero sees the cut counted too.
                 self._on_cut()
-                logger.warning("an answer was cut: not read within the send timeout")
+                self.cut = True
+                logger.info("an answer was cut: not read within the send timeout")
                 self._scope.cancel()
                 return
 
@@ -210,6 +213,8 @@ class GenerationEndpoint:
             group.start_soon(stall.run)
             await self._admit_and_run(plan, scope, receive, send, stall)
             group.cancel_scope.cancel()  # the answer is complete: the watchers end
+        if stall.cut:
+            answer_cut()  # in this task: uvicorn logs the unfinished answer here
 
     async def _admit_and_run(
         self, plan: Plan, scope: Scope, receive: Receive, send: Send, stall: _StallWatch
