@@ -7,11 +7,11 @@ otherwise, so a report never needs more than the core install.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import IO
 
 from .._dialects import KVLosses, kv_losses_from_metrics
+from .._prometheus import parse_samples
 from ._metrics import Distribution, Summary
 
 __all__ = [
@@ -135,25 +135,14 @@ def _print_plain(
     print("\n".join(lines), file=file)
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-
-
 def parse_prometheus_text(text: str) -> dict[str, float]:
-    """Unlabelled samples of a Prometheus text exposition, by name (labelled ones are skipped).
+    """Unlabelled samples of a Prometheus text exposition, by name (labelled ones are skipped;
+    read by :func:`kvclient._prometheus.parse_samples`).
 
     >>> parse_prometheus_text("# HELP x y\\nkv_rejected_total 3.0\\n")
     {'kv_rejected_total': 3.0}
     """
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None or match.group(2):
-            continue
-        try:
-            samples[match.group(1)] = float(match.group(3))
-        except ValueError:
-            continue
-    return samples
+    return {sample.name: sample.value for sample in parse_samples(text) if not sample.labels}
 
 
 def metric_delta(
