@@ -89,9 +89,14 @@ def redis_server_ready() -> str:
 
 @pytest.fixture
 def redis_server(
-    redis_server_ready: str, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    redis_server_ready: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RedisServer]:
-    """A fresh real Redis on a free loopback port, for one test."""
+    """A fresh real Redis on a free loopback port, for one test (marked ``redis``, so that
+    ``-m "not redis"`` leaves it out)."""
+    if request.node.get_closest_marker("redis") is None:
+        pytest.fail("a test that starts a real Redis is marked @pytest.mark.redis")
     with RedisServer(tmp_path_factory.mktemp("redis")) as server:
         yield server
 
