@@ -111,7 +111,7 @@ def llama(llama_engine_ready: None) -> Iterator[llama_engine.LlamaServer]:
 # --- the real vLLM engine ---------------------------------------------------------------------
 
 #: Test modules whose tests must share one xdist worker: each starts an engine once per process.
-ONE_WORKER_MODULES = ("tests/e2e/test_vllm.py",)
+ONE_WORKER_MODULES = ("tests/engines/test_vllm.py",)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
