@@ -232,6 +232,7 @@ async def _capacity(url: str, n: int) -> float:
     return summarize(records, duration=wall).request_throughput
 
 
+@pytest.mark.slow
 def test_sweep_finds_the_knee_near_the_measured_capacity(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -92,6 +92,7 @@ def _overload(urls: list[str], tmp_path: Path) -> list[dict[str, Any]]:
     return results
 
 
+@pytest.mark.slow
 def test_three_gateways_on_one_redis_never_oom_and_three_on_their_own_do(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:

@@ -36,7 +36,6 @@ def test_the_openai_adapter_is_among_the_modules() -> None:
     } <= set(MODULES)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("module", MODULES)
 def test_module_imports_first_in_a_fresh_interpreter(module: str) -> None:
     # From the repository's root: ``python -c`` puts the working directory first on the path.
