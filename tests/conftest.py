@@ -89,9 +89,14 @@ def redis_server_ready() -> str:
 
 @pytest.fixture
 def redis_server(
-    redis_server_ready: str, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    redis_server_ready: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RedisServer]:
-    """A fresh real Redis on a free loopback port, for one test."""
+    """A fresh real Redis on a free loopback port, for one test (marked ``redis``, so that
+    ``-m "not redis"`` leaves it out)."""
+    if request.node.get_closest_marker("redis") is None:
+        pytest.fail("a test that starts a real Redis is marked @pytest.mark.redis")
     with RedisServer(tmp_path_factory.mktemp("redis")) as server:
         yield server
 
@@ -106,7 +111,7 @@ def llama(llama_engine_ready: None) -> Iterator[llama_engine.LlamaServer]:
 # --- the real vLLM engine ---------------------------------------------------------------------
 
 #: Test modules whose tests must share one xdist worker: each starts an engine once per process.
-ONE_WORKER_MODULES = ("tests/e2e/test_vllm.py",)
+ONE_WORKER_MODULES = ("tests/engines/test_vllm.py",)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:

@@ -62,6 +62,7 @@ async def closing() -> AsyncIterator[None]:
     await close_all()
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_two_gateways_share_one_budget_and_release_once(
     redis_server: RedisServer, closing: None
@@ -83,6 +84,7 @@ async def test_two_gateways_share_one_budget_and_release_once(
     assert await a.load() == (0, 0)
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_the_queue_is_fifo_across_processes(redis_server: RedisServer, closing: None) -> None:
     a = await shared(redis_server, "u")
@@ -103,6 +105,7 @@ async def test_the_queue_is_fifo_across_processes(redis_server: RedisServer, clo
     assert await a.try_admit(0, 10) is not None
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_retry_after_reads_the_holders_of_every_gateway(
     redis_server: RedisServer, closing: None
@@ -115,6 +118,7 @@ async def test_retry_after_reads_the_holders_of_every_gateway(
     assert 49.0 < wait <= 50.1
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_a_dead_gateways_reservations_come_back_when_its_lease_expires(
     redis_server: RedisServer, closing: None
@@ -131,6 +135,7 @@ async def test_a_dead_gateways_reservations_come_back_when_its_lease_expires(
     assert await alive.try_admit(0, 2000) is not None
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_a_slow_gateway_notices_its_lapsed_lease_and_never_releases_twice(
     redis_server: RedisServer, closing: None
@@ -152,6 +157,7 @@ async def test_a_slow_gateway_notices_its_lapsed_lease_and_never_releases_twice(
     assert await other.load() == (taken.reserved_tokens, 1)
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_gateways_configured_differently_for_one_upstream_is_an_error(
     redis_server: RedisServer, closing: None
@@ -163,6 +169,7 @@ async def test_gateways_configured_differently_for_one_upstream_is_an_error(
     assert "usable=9000" in fingerprint(pricing())
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_redis_away_is_unavailable_and_recovery_needs_no_restart(
     redis_server: RedisServer, closing: None
@@ -184,6 +191,7 @@ async def test_redis_away_is_unavailable_and_recovery_needs_no_restart(
     assert states == [False, True]
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_what_is_held_is_put_back_when_redis_lost_its_data(
     redis_server: RedisServer, closing: None
@@ -202,6 +210,7 @@ async def test_what_is_held_is_put_back_when_redis_lost_its_data(
     assert await b.load() == (0, 0)
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_an_admission_run_twice_reserves_once(
     redis_server: RedisServer, closing: None
@@ -219,6 +228,7 @@ async def test_an_admission_run_twice_reserves_once(
     assert await a.load() == (0, 0)
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_a_waiter_in_one_process_is_admitted_when_another_releases(
     redis_server: RedisServer, closing: None
@@ -288,7 +298,7 @@ class _Bridge:
 _SERVER: list[RedisServer] = []
 
 
-@pytest.fixture(params=["in-process", "redis"])
+@pytest.fixture(params=["in-process", pytest.param("redis", marks=pytest.mark.redis)])
 def backend(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RedisServer | None]:
