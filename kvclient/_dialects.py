@@ -22,6 +22,7 @@ TGI, SGLang, Ollama, and our reference server (which speaks vLLM's dialect).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -45,6 +46,7 @@ from ._exceptions import (
     ServiceUnavailableError,
     UnprocessableEntityError,
 )
+from ._prometheus import parse_samples
 
 __all__ = [
     "CONTEXT_PROBES",
@@ -798,33 +800,24 @@ class Budget:
 
 METRICS = Probe("GET", "/metrics", engines="vLLM, TGI, llama.cpp (--metrics), ours")
 
-_LABELS = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+@functools.lru_cache(maxsize=8)
+def _samples_by_name(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """A page's samples by metric name, parsed once (a scrape is read for several facts)."""
+    found: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for sample in parse_samples(text):
+        found.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    # prometheus-client names a counter's samples ``..._total`` even where the page wrote them
+    # without (TGI's ``tgi_request_failure``): they are found by the written name too.
+    for name in [n for n in found if n.endswith("_total")]:
+        found.setdefault(name.removesuffix("_total"), found[name])
+    return found
 
 
 def prometheus_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """Every sample of metric ``name`` in Prometheus text: ``[(labels, value), ...]``."""
-    samples = []
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        rest = line[len(name) :]
-        labels: dict[str, str] = {}
-        if rest.startswith("{"):
-            end = rest.find("}")
-            if end < 0:
-                continue
-            labels = dict(_LABELS.findall(rest[1:end]))
-            rest = rest[end + 1 :]
-        elif rest[:1] not in (" ", "\t"):
-            continue  # another metric whose name starts the same
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            samples.append((labels, float(fields[0])))
-        except ValueError:
-            continue
-    return samples
+    """Every sample of metric ``name`` in Prometheus text: ``[(labels, value), ...]``
+    (:func:`kvclient._prometheus.parse_samples`)."""
+    return list(_samples_by_name(text).get(name, ()))
 
 
 def budget_from_vllm_metrics(text: str) -> tuple[int, int] | None:
