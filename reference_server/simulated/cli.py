@@ -113,6 +113,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated tokens per second per sequence (default: %(default)s)",
     )
     add(
+        "--throughput",
+        type=float,
+        metavar="TOKENS_PER_S",
+        help="engine tokens/s with a large batch: each other running sequence adds "
+        "1/throughput to a decode step (default: none, a step takes 1/decode-rate)",
+    )
+    add(
+        "--max-running",
+        type=int,
+        metavar="N",
+        help="sequences decoded at once (vLLM's max_num_seqs); the rest wait holding no KV "
+        "(default: no cap)",
+    )
+    add(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share full prompt blocks between running sequences (vLLM's prefix caching)",
+    )
+    add(
         "--mean-output-tokens",
         type=float,
         default=DEFAULT_MEAN_OUTPUT_TOKENS,
@@ -207,6 +227,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         safety_fraction=args.safety_fraction,
         block_size=args.block_size,
         decode_rate=args.decode_rate,
+        throughput=args.throughput,
+        max_running=args.max_running,
+        prefix_caching=args.prefix_caching,
         mean_output_tokens=args.mean_output_tokens,
         admission=args.admission,
         max_concurrency=args.max_concurrency,
