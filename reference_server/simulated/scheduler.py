@@ -6,8 +6,9 @@ tests drive it step by step and the engine calls it under its lock. It models wh
 
 - **Lockstep decode.** One step makes one token for every running sequence. A step takes
   ``1 / decode_rate``, plus ``1 / throughput`` for each running sequence beyond the first when a
-  throughput is set (the ledger's ``rate_at``). A sequence scheduled between two steps has its
-  prompt's blocks charged at once (its prefill) and its first token at the next step.
+  throughput is set (the ledger's ``rate_at``), the batch being every sequence running while the
+  step runs. A sequence scheduled between two steps has its prompt's blocks charged at once (its
+  prefill, in the step in progress) and its first token when that step ends.
 - **A cap on running sequences** (vLLM's ``max_num_seqs``): beyond ``max_running``, sequences
   wait in FIFO order, holding no KV and generating nothing, until a running one ends.
 - **Shared prefix blocks** (vLLM's automatic prefix caching): a prompt's full blocks before its
@@ -146,7 +147,8 @@ class Scheduler:
         self.shared_blocks_total = 0
         self.oom_events_total = 0
         self.oom_failed_total = 0
-        #: When the next step completes; None while nothing runs.
+        #: When the step in progress began and when it completes (None while nothing runs).
+        self._step_started_at = 0.0
         self.next_step_at: float | None = None
 
     @property
@@ -185,8 +187,6 @@ class Scheduler:
         if seq.running:
             self._free(seq)
             del self.running[seq.id]
-            if not self.running:
-                self.next_step_at = None
             self._schedule(now)
         else:
             self.waiting.remove(seq)
@@ -216,11 +216,13 @@ class Scheduler:
             del self.running[seq.id]
             seq.running = False
             seq.done = True
-        self.next_step_at = None
+        self._step_started_at = at
         self._schedule(at)
 
     def _schedule(self, now: float) -> None:
-        """Start waiting sequences while slots are free (FIFO); time the next step."""
+        """Start waiting sequences while slots are free (FIFO); time the step in progress."""
+        if not self.running:
+            self._step_started_at = now
         cap = self.max_running
         while self.waiting and (cap is None or len(self.running) < cap):
             seq = self.waiting.popleft()
@@ -234,8 +236,11 @@ class Scheduler:
                 seq.done = True
         if not self.running:
             self.next_step_at = None
-        elif self.next_step_at is None:
-            self.next_step_at = now + self.step_seconds(len(self.running))
+        else:
+            # The step in progress is as long as the batch it now holds (a sequence that joins
+            # has its prefill in it); never ends before now.
+            ends = self._step_started_at + self.step_seconds(len(self.running))
+            self.next_step_at = max(now, ends)
 
     def _start(self, seq: ScheduledSequence) -> None:
         """Charge ``seq``'s prompt (its prefill), sharing the prefix blocks it may."""
