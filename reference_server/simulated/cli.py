@@ -126,11 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences decoded at once (vLLM's max_num_seqs); the rest wait holding no KV "
         "(default: no cap)",
     )
-    add(
+    # Two flags of their own (each option of every command has one spelling and one meaning):
+    # the first says the default out loud, the second turns sharing off.
+    sharing = parser.add_mutually_exclusive_group()
+    sharing.add_argument(
         "--prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="share full prompt blocks between running sequences (vLLM's prefix caching)",
+        action="store_true",
+        help="share full prompt blocks between running sequences, as vLLM's prefix caching "
+        "(the default)",
+    )
+    sharing.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="every sequence holds its whole prompt, as with vLLM's --no-enable-prefix-caching",
     )
     add(
         "--mean-output-tokens",
@@ -229,7 +237,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         decode_rate=args.decode_rate,
         throughput=args.throughput,
         max_running=args.max_running,
-        prefix_caching=args.prefix_caching,
+        prefix_caching=not args.no_prefix_caching,
         mean_output_tokens=args.mean_output_tokens,
         admission=args.admission,
         max_concurrency=args.max_concurrency,

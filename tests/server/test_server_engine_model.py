@@ -322,6 +322,9 @@ def test_the_engine_options_reach_the_config() -> None:
     argv = ["--max-running", "8", "--throughput", "5000", "--no-prefix-caching"]
     config = config_from_args(build_parser().parse_args(argv))
     assert (config.max_running, config.throughput, config.prefix_caching) == (8, 5000.0, False)
+    assert config_from_args(build_parser().parse_args(["--prefix-caching"])).prefix_caching
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--prefix-caching", "--no-prefix-caching"])
     state = ServerState(config)
     assert state.engine.max_running == 8
     assert state.engine.throughput == state.ledger.throughput == 5000.0
