@@ -174,9 +174,20 @@ class Scheduler:
         self._schedule(now)
 
     def advance(self, now: float) -> None:
-        """Run every step due by ``now``."""
+        """Run every step due by ``now``.
+
+        Steps between two events (a sequence's end) go in one batch, one pass over the running
+        sequences: while the batch does not change, neither does the step's length, and each
+        sequence gains as many tokens as there were steps.
+        """
         while self.next_step_at is not None and self.next_step_at <= now:
-            self._step(self.next_step_at)
+            first = self.next_step_at
+            seconds = self.step_seconds(len(self.running))
+            due = int((now - first) / seconds) + 1
+            while due > 1 and first + (due - 1) * seconds > now:  # float rounding
+                due -= 1
+            steps = min(due, min(seq.stop - seq.generated for seq in self.running.values()))
+            self._steps(steps, first + (steps - 1) * seconds)
 
     def remove(self, seq: ScheduledSequence, now: float) -> None:
         """``seq`` leaves before its end (cancelled, its answer failed): its blocks are freed
@@ -195,20 +206,23 @@ class Scheduler:
 
     # --- the steps ---------------------------------------------------------------------------
 
-    def _step(self, at: float) -> None:
-        self.steps_total += 1
+    def _steps(self, steps: int, last_at: float) -> None:
+        """Run ``steps`` steps, the last at ``last_at``; none but the last ends a sequence."""
         block_size = self.block_size
         finished: list[ScheduledSequence] = []
         for seq in self.running.values():
-            seq.generated += 1
-            if (seq.prompt_tokens + seq.generated - 1) % block_size == 0:
-                seq.tail += 1  # the new token starts a block
-                self.used_blocks += 1
-            if seq.generated == 1:
-                self._prefilled(seq)
+            if seq.generated == 0:
+                self._prefilled(seq)  # its first token: its prompt's blocks are ready
+            seq.generated += steps
+            tail = -(-(seq.prompt_tokens + seq.generated) // block_size) - len(seq.prefix)
+            self.used_blocks += tail - seq.tail
+            seq.tail = tail
             if seq.generated >= seq.stop:
                 finished.append(seq)
-        self.generated_tokens_total += len(self.running)
+        if self.used_tokens > self.capacity_tokens:
+            steps = self._first_overflowing(steps)
+        self.steps_total += steps
+        self.generated_tokens_total += steps * len(self.running)
         if self._overflowed():
             return
         for seq in finished:
@@ -216,8 +230,31 @@ class Scheduler:
             del self.running[seq.id]
             seq.running = False
             seq.done = True
-        self._step_started_at = at
-        self._schedule(at)
+        self._step_started_at = last_at
+        self._schedule(last_at)
+
+    def _first_overflowing(self, steps: int) -> int:
+        """The pool overflowed within the last ``steps`` steps: at which one first (the pool
+        only grows between two ends)? The books are set back to that step."""
+        block_size = self.block_size
+        limit = self.capacity_tokens // block_size  # the most blocks that fit
+        running = list(self.running.values())
+        shared = self.used_blocks - sum(seq.tail for seq in running)
+        before = [seq.prompt_tokens + seq.generated - steps for seq in running]
+
+        def used(j: int) -> int:
+            whole = sum(-(-(tokens + j) // block_size) for tokens in before)
+            return shared + whole - sum(len(seq.prefix) for seq in running)
+
+        low, high = 1, steps
+        while low < high:
+            middle = (low + high) // 2
+            if used(middle) > limit:
+                high = middle
+            else:
+                low = middle + 1
+        self.used_blocks = used(low)
+        return low
 
     def _schedule(self, now: float) -> None:
         """Start waiting sequences while slots are free (FIFO); time the step in progress."""

@@ -76,7 +76,8 @@ def at_rest(app: Starlette) -> None:
 async def test_beyond_max_running_a_request_waits_in_the_engine_and_metrics_show_it() -> None:
     app = app_with(max_running=1, decode_rate=200.0)
     engine = state_of(app).engine
-    body = {"prompt": "one two three", "max_tokens": 20, "ignore_eos": True}
+    # 50 tokens at 200/s: each runs 0.25 s, long enough to be seen waiting on a busy machine.
+    body = {"prompt": list(range(200)), "max_tokens": 50, "ignore_eos": True}
     answers: list[httpx.Response] = []
 
     async with client_for(app) as client, anyio.create_task_group() as group:
@@ -92,13 +93,14 @@ async def test_beyond_max_running_a_request_waits_in_the_engine_and_metrics_show
         assert metrics["kv_engine_requests_running"] == 1
         assert metrics["kv_engine_requests_waiting"] == 1
         assert metrics["kv_engine_max_running"] == 1
-        # The waiting one holds no KV: only the running one's prompt + output so far.
-        assert metrics["kv_used_tokens"] <= 32
-    assert [a.json()["usage"]["completion_tokens"] for a in answers] == [20, 20]
+        # The waiting one holds no KV (its prompt alone is 13 blocks): only the running one's
+        # prompt + output so far, at most 250 tokens in 16 blocks.
+        assert metrics["kv_used_tokens"] <= 256
+    assert [a.json()["usage"]["completion_tokens"] for a in answers] == [50, 50]
     stats = engine.stats()
-    assert stats.steps_total == 40  # one after the other: 20 steps each
+    assert stats.steps_total == 100  # one after the other: 50 steps each
     metrics = state_of(app).snapshot()
-    assert metrics["kv_generated_tokens_total"] == 40
+    assert metrics["kv_generated_tokens_total"] == 100
     assert metrics["kv_engine_requests_waiting"] == 0
     at_rest(app)
 

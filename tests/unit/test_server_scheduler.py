@@ -335,3 +335,67 @@ def test_the_pool_counts_exactly_the_unique_blocks_of_live_sequences(
     assert s.used_tokens == 0
     assert not s.running
     assert not s.waiting
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    operations=_operations,
+    max_running=st.one_of(st.none(), st.integers(1, 4)),
+    capacity=st.one_of(st.integers(96, 400), st.just(1_000_000)),
+    throughput=st.one_of(st.none(), st.just(250.0)),
+)
+def test_steps_run_in_batches_as_they_would_one_by_one(
+    operations: list[tuple[object, ...]],
+    max_running: int | None,
+    capacity: int,
+    throughput: float | None,
+) -> None:
+    def run(fine: bool) -> list[object]:
+        s = scheduler(capacity_tokens=capacity, max_running=max_running, throughput=throughput)
+        ids = itertools.count(1)
+        now = 0.0
+        live: list[ScheduledSequence] = []
+
+        def to(moment: float) -> None:
+            # one step at a time (no batch spans two of these), or all at once
+            while fine and s.next_step_at is not None and s.next_step_at <= moment:
+                s.advance(s.next_step_at)
+            s.advance(moment)
+
+        everyone: list[ScheduledSequence] = []
+        for operation in operations:
+            if operation[0] == "add":
+                prompt, stop, after = operation[1:]
+                assert isinstance(prompt, list)
+                assert isinstance(stop, int)
+                assert isinstance(after, float)
+                now += after
+                to(now)
+                keys = prefix_keys(len(prompt), prompt, B)
+                x = ScheduledSequence(id=next(ids), prompt_tokens=len(prompt), stop=stop, keys=keys)
+                live.append(x)
+                everyone.append(x)
+                s.add(x, now)
+            elif operation[0] == "advance":
+                assert isinstance(operation[1], float)
+                now += operation[1]
+                to(now)
+            elif live:
+                assert isinstance(operation[1], int)
+                s.remove(live.pop(operation[1] % len(live)), now)
+            live = [x for x in live if not x.done]
+        to(now + 1000.0)
+        return [
+            s.steps_total,
+            s.generated_tokens_total,
+            s.peak_used_tokens,
+            s.oom_events_total,
+            s.shared_blocks_total,
+            [
+                (x.done, x.failure is not None, x.failure and x.failure.used_tokens)
+                for x in everyone
+            ],
+            [x.generated for x in everyone if x.failure is None],
+        ]
+
+    assert run(fine=True) == run(fine=False)
