@@ -183,11 +183,13 @@ class SimulatedBackend:
                 param="model",
             )
         tokenizer = state.config.tokenizer
-        sharing = state.config.prefix_caching
+        sharing, block_size = state.config.prefix_caching, state.config.block_size
 
         def tokenize() -> tuple[int, list[int] | None]:
             count = count_prompt(request, tokenizer)  # first: its errors are the 400s
-            return count, prompt_ids(request, tokenizer) if sharing else None
+            # The ids only name shareable blocks: a prompt of one block or less has none.
+            shareable = sharing and count > block_size
+            return count, prompt_ids(request, tokenizer) if shareable else None
 
         if request.size_hint > THREAD_TOKENIZE_CHARS:
             prompt_tokens, ids = await anyio.to_thread.run_sync(tokenize)
