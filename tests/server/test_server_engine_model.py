@@ -70,6 +70,23 @@ def at_rest(app: Starlette) -> None:
     assert state.ledger.stats().reserved_tokens == 0
 
 
+# --- lockstep steps ----------------------------------------------------------------------------
+
+
+async def test_requests_running_together_advance_by_the_same_steps() -> None:
+    app = app_with(decode_rate=50.0)  # 10 tokens: 0.2 s each
+    engine = state_of(app).engine
+    body = {"prompt": "together", "max_tokens": 10, "ignore_eos": True}
+    async with client_for(app) as client, anyio.create_task_group() as group:
+        for _ in range(2):
+            group.start_soon(lambda: client.post("/v1/completions", json=body))
+    stats = engine.stats()
+    assert stats.generated_tokens_total == 20
+    # One token each per shared step: 10 steps, plus those the second came late by.
+    assert 10 <= stats.steps_total < 20
+    assert state_of(app).snapshot()["kv_generated_tokens_total"] == 20
+
+
 # --- the cap on running sequences --------------------------------------------------------------
 
 
