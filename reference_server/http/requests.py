@@ -225,6 +225,9 @@ class GenerationRequest:
     sequences: int = 1
     stream: bool = False
     include_usage: bool = False
+    #: ``stream_options.continuous_usage_stats`` (vLLM's), with ``include_usage``: every chunk
+    #: carries the usage so far.
+    continuous_usage: bool = False
 
     @property
     def size_hint(self) -> int:
@@ -315,12 +318,14 @@ def parse_generation(kind: Kind, body: Mapping[str, Any]) -> GenerationRequest:
         raise bad_request(str(exc), param=exc.field) from None
     max_tokens, sequences = spend.max_tokens, spend.sequences
     stream = _optional_bool(body, "stream") if kind in ("completions", "chat") else False
-    include_usage = False
+    include_usage = continuous_usage = False
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
             raise bad_request("stream_options must be an object", param="stream_options")
         include_usage = _optional_bool(options, "include_usage")
+        continuous = _optional_bool(options, "continuous_usage_stats")
+        continuous_usage = include_usage and continuous
 
     if kind == "chat" or (kind == "tokenize" and "messages" in body and "prompt" not in body):
         tools = body.get("tools")
@@ -336,6 +341,7 @@ def parse_generation(kind: Kind, body: Mapping[str, Any]) -> GenerationRequest:
             sequences=sequences,
             stream=stream,
             include_usage=include_usage,
+            continuous_usage=continuous_usage,
         )
     prompt, token_ids = _parse_prompt(body)
     if kind == "generate" and prompt is None:
@@ -348,6 +354,7 @@ def parse_generation(kind: Kind, body: Mapping[str, Any]) -> GenerationRequest:
         sequences=sequences,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
     )
 
 

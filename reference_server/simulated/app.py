@@ -21,6 +21,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvclient import Tokenizer
+
 from ..admission.ledger import Handle
 from ..http.answers import admissible_cap, room, send_whole
 from ..http.errors import APIError, bad_request
@@ -42,7 +44,7 @@ from .config import ServerConfig
 from .engine import Completion, EngineFaultError, EngineOOMError
 from .state import CountingMiddleware, ServerState
 
-__all__ = ["ServerState", "SimulatedBackend", "create_app"]
+__all__ = ["EngineInput", "ServerState", "SimulatedBackend", "create_app", "prompt_ids"]
 
 
 def _encoded(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
@@ -116,9 +118,43 @@ def _stopping(payload: dict[str, Any], cap: int) -> Stopping:
     return Stopping(min_tokens=min_tokens, ignore_eos=ignore_eos)
 
 
-def _stopping_of(plan: Plan) -> dict[str, Any]:
-    stopping = plan.extra if isinstance(plan.extra, Stopping) else Stopping()
-    return {"min_tokens": stopping.min_tokens, "ignore_eos": stopping.ignore_eos}
+@dataclass(frozen=True, slots=True)
+class EngineInput:
+    """What the engine needs of a planned request beyond its sizes: its :class:`Stopping`, and
+    its prompt's token ids (for prefix sharing; None when prefix caching is off)."""
+
+    stopping: Stopping
+    prompt_ids: list[int] | None = None
+
+
+def _engine_options(plan: Plan) -> dict[str, Any]:
+    given = plan.extra if isinstance(plan.extra, EngineInput) else EngineInput(Stopping())
+    return {
+        "min_tokens": given.stopping.min_tokens,
+        "ignore_eos": given.stopping.ignore_eos,
+        "prompt_ids": given.prompt_ids,
+    }
+
+
+def prompt_ids(request: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
+    """The token ids of a request's prompt, as ``/tokenize`` answers them: the ids given, the
+    prompt encoded, or for messages the rendered chat template's ids (``--tokenizer``) or the
+    ids of the message texts without the framing."""
+    if request.token_ids is not None:
+        return request.token_ids
+    if request.prompt is not None:
+        return tokenizer.encode(request.prompt)
+    assert request.messages is not None
+    encode_messages = getattr(tokenizer, "encode_messages", None)
+    if encode_messages is not None and getattr(tokenizer, "chat_template", None):
+        ids: list[int] = encode_messages(request.messages, tools=request.tools)
+        return ids
+    ids = []
+    for message in request.messages:
+        for value in message.values():
+            if isinstance(value, str):
+                ids.extend(tokenizer.encode(value))
+    return ids
 
 
 class SimulatedBackend:
@@ -146,11 +182,19 @@ class SimulatedBackend:
                 code="model_not_found",
                 param="model",
             )
-        counter = state.config.tokenizer
+        tokenizer = state.config.tokenizer
+        sharing, block_size = state.config.prefix_caching, state.config.block_size
+
+        def tokenize() -> tuple[int, list[int] | None]:
+            count = count_prompt(request, tokenizer)  # first: its errors are the 400s
+            # The ids only name shareable blocks: a prompt of one block or less has none.
+            shareable = sharing and count > block_size
+            return count, prompt_ids(request, tokenizer) if shareable else None
+
         if request.size_hint > THREAD_TOKENIZE_CHARS:
-            prompt_tokens = await anyio.to_thread.run_sync(count_prompt, request, counter)
+            prompt_tokens, ids = await anyio.to_thread.run_sync(tokenize)
         else:
-            prompt_tokens = count_prompt(request, counter)
+            prompt_tokens, ids = tokenize()
         cap = admissible_cap(
             state.ledger,
             prompt_tokens,
@@ -165,7 +209,7 @@ class SimulatedBackend:
             raw=raw,
             prompt_tokens=prompt_tokens,
             cap=cap,
-            extra=stopping,
+            extra=EngineInput(stopping, ids),
         )
 
     def route(self, plan: Plan, tried: Set[int]) -> Target:
@@ -185,7 +229,7 @@ class SimulatedBackend:
         state = self.state
         try:
             completion = await state.engine.generate(
-                plan.prompt_tokens, plan.cap, **_stopping_of(plan)
+                plan.prompt_tokens, plan.cap, **_engine_options(plan)
             )
         except (EngineOOMError, EngineFaultError) as failure:
             message, code = _engine_failure(failure)
@@ -258,7 +302,9 @@ class SimulatedBackend:
             "model": state.config.model,
         }
 
-        def chunk(text: str | None, finish_reason: str | None, *, role: bool = False) -> bytes:
+        def chunk(
+            text: str | None, finish_reason: str | None, generated: int, *, role: bool = False
+        ) -> bytes:
             if chat:
                 delta: dict[str, str] = {}
                 if role:
@@ -269,6 +315,10 @@ class SimulatedBackend:
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None}
             choice["finish_reason"] = finish_reason
+            if request.continuous_usage:
+                # vLLM's continuous_usage_stats: the exact progress in every chunk.
+                usage = _usage(prompt_tokens, generated)
+                return _sse({**base, "choices": [choice], "usage": usage})
             return _sse({**base, "choices": [choice]})
 
         async def body(data: bytes) -> None:
@@ -287,14 +337,14 @@ class SimulatedBackend:
             }
         )
         if chat:
-            await body(chunk("", None, role=True))
+            await body(chunk("", None, 0, role=True))
 
-        async def on_text(text: str) -> None:
-            await body(chunk(text, None))
+        async def on_text(text: str, generated: int) -> None:
+            await body(chunk(text, None, generated))
 
         try:
             completion = await state.engine.generate(
-                prompt_tokens, cap, on_text, **_stopping_of(plan)
+                prompt_tokens, cap, on_text, **_engine_options(plan)
             )
         except (EngineOOMError, EngineFaultError) as failure:
             # Headers are gone already: the error travels in the stream, as vLLM does.
@@ -304,7 +354,9 @@ class SimulatedBackend:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         state.ledger.record_output(completion.completion_tokens)
-        await body(chunk(None if chat else "", completion.finish_reason))
+        await body(
+            chunk(None if chat else "", completion.finish_reason, completion.completion_tokens)
+        )
         if request.include_usage:
             usage = _usage(prompt_tokens, completion.completion_tokens)
             await body(_sse({**base, "choices": [], "usage": usage}))
@@ -349,22 +401,7 @@ class TokenizeEndpoint:
             tokenizer = state.config.tokenizer
 
             def work() -> tuple[int, list[int]]:
-                count = count_prompt(request, tokenizer)
-                if request.token_ids is not None:
-                    return count, request.token_ids
-                if request.prompt is not None:
-                    return count, tokenizer.encode(request.prompt)
-                assert request.messages is not None
-                encode_messages = getattr(tokenizer, "encode_messages", None)
-                if encode_messages is not None and getattr(tokenizer, "chat_template", None):
-                    # --tokenizer: the ids of the rendered chat template, as vLLM answers.
-                    return count, encode_messages(request.messages, tools=request.tools)
-                ids: list[int] = []
-                for message in request.messages:
-                    for value in message.values():
-                        if isinstance(value, str):
-                            ids.extend(tokenizer.encode(value))
-                return count, ids
+                return count_prompt(request, tokenizer), prompt_ids(request, tokenizer)
 
             if request.size_hint > THREAD_TOKENIZE_CHARS:
                 count, ids = await anyio.to_thread.run_sync(work)

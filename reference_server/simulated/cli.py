@@ -114,6 +114,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated tokens per second per sequence (default: %(default)s)",
     )
     add(
+        "--throughput",
+        type=float,
+        metavar="TOKENS_PER_S",
+        help="engine tokens/s with a large batch: each other running sequence adds "
+        "1/throughput to a decode step (default: none, a step takes 1/decode-rate)",
+    )
+    add(
+        "--max-running",
+        type=int,
+        metavar="N",
+        help="sequences decoded at once (vLLM's max_num_seqs); the rest wait holding no KV "
+        "(default: no cap)",
+    )
+    # Two flags of their own (each option of every command has one spelling and one meaning):
+    # the first says the default out loud, the second turns sharing off.
+    sharing = parser.add_mutually_exclusive_group()
+    sharing.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="share full prompt blocks between running sequences, as vLLM's prefix caching "
+        "(the default)",
+    )
+    sharing.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="every sequence holds its whole prompt, as with vLLM's --no-enable-prefix-caching",
+    )
+    add(
         "--mean-output-tokens",
         type=float,
         default=DEFAULT_MEAN_OUTPUT_TOKENS,
@@ -209,6 +237,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         safety_fraction=args.safety_fraction,
         block_size=args.block_size,
         decode_rate=args.decode_rate,
+        throughput=args.throughput,
+        max_running=args.max_running,
+        prefix_caching=not args.no_prefix_caching,
         mean_output_tokens=args.mean_output_tokens,
         admission=args.admission,
         max_concurrency=args.max_concurrency,

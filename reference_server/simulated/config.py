@@ -56,6 +56,16 @@ class ServerConfig:
     safety_fraction: float = DEFAULT_SAFETY_FRACTION
     block_size: int = DEFAULT_BLOCK_SIZE
     decode_rate: float = DEFAULT_DECODE_RATE
+    #: Tokens per second the engine makes in all with a large batch: a decode step takes
+    #: ``1 / decode_rate`` plus ``1 / throughput`` per other running sequence (the ledger's
+    #: ``rate_at``). None: every step takes ``1 / decode_rate``, however many run.
+    throughput: float | None = None
+    #: Sequences the engine decodes at once (vLLM's ``max_num_seqs``); the others wait in
+    #: FIFO order holding no KV. None: no cap.
+    max_running: int | None = None
+    #: Share full prompt blocks between running sequences with the same prefix (vLLM's
+    #: automatic prefix caching), once the holder's prefill is done.
+    prefix_caching: bool = True
     mean_output_tokens: float = DEFAULT_MEAN_OUTPUT_TOKENS
     admission: Strategy = "reserve"
     max_concurrency: int | None = None
@@ -118,6 +128,12 @@ class ServerConfig:
             raise ValueError(f"safety_fraction must be in (0, 1], got {self.safety_fraction!r}")
         positive_number("decode_rate", self.decode_rate)
         positive_number("tick_seconds", self.tick_seconds)
+        if self.throughput is not None:
+            positive_number("throughput", self.throughput)
+        if self.max_running is not None:
+            positive_int("max_running", self.max_running)
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be a boolean, got {self.prefix_caching!r}")
         positive_number("send_timeout", self.send_timeout)
         if self.socket_send_buffer is not None:
             positive_int("socket_send_buffer", self.socket_send_buffer)

@@ -1,10 +1,19 @@
 """A simulated decoding engine with a physical KV pool that can really run out.
 
-No GPU, no model: each sequence "decodes" real tokens of the configured tokenizer at
-``decode_rate`` tokens per second, in ticks (one wake-up per tick, not per token). The physical
-pool holds, per live sequence, its prompt plus what it has generated so far, in whole blocks. If
-that ever exceeds the pool's capacity, every live sequence fails with :class:`EngineOOMError` and
-the pool is emptied: the mid-decode crash that reserving only for the prompt leads to.
+No GPU, no model: sequences "decode" real tokens of the configured tokenizer in lockstep steps,
+as vLLM's do: each step makes one token for every running sequence and takes ``1 / decode_rate``
+(plus ``1 / throughput`` per other running sequence when a throughput is set). At most
+``max_running`` sequences run at once; the others wait in FIFO order holding no KV. Full prompt
+blocks another running sequence has prefilled are shared (``prefix_caching``). The steps and the
+pool's books are :class:`~reference_server.simulated.scheduler.Scheduler`'s; this module draws
+each sequence's length and words, and hands its text to the caller once per tick (one wake-up
+per tick, not per token; whichever sequence wakes first in a tick runs the steps due, so the
+engine needs no task of its own and runs wherever its callers do).
+
+The physical pool holds, per live sequence, its prompt plus what it has generated so far, in
+whole blocks (shared prefix blocks once). If that ever exceeds the pool's capacity, every
+sequence in the engine fails with :class:`EngineOOMError` and the pool is emptied: the
+mid-decode crash that reserving only for the prompt leads to.
 
 A sequence stops by itself at a natural length drawn for it (its end-of-sequence token), unless
 the request says ``ignore_eos`` or ``min_tokens``, as vLLM's sampling parameters do: load that
@@ -15,8 +24,8 @@ token (:class:`EngineFaultError`), so tests and the soak can check that every fa
 the reservation back.
 
 Output is reproducible: natural output lengths and words are drawn from one ``random.Random(seed)``
-in the order sequences start; faults from a second generator of the same seed, so turning them on
-changes no output. Runs under asyncio and trio (anyio only).
+in the order sequences arrive; faults from a second generator of the same seed, so turning them
+on changes no output. Runs under asyncio and trio (anyio only).
 """
 
 from __future__ import annotations
@@ -32,12 +41,15 @@ from typing import Literal
 
 import anyio
 
-from kvclient import DEFAULT_BLOCK_SIZE, Tokenizer, round_up_to_blocks
+from kvclient import DEFAULT_BLOCK_SIZE, Tokenizer
+
+from .scheduler import EngineOOMError, ScheduledSequence, Scheduler, prefix_keys
 
 __all__ = ["Completion", "EngineFaultError", "EngineOOMError", "EngineStats", "SimulatedEngine"]
 
 FinishReason = Literal["stop", "length"]
-OnText = Callable[[str], Awaitable[None]]
+#: Receives each tick's new text and the tokens generated so far (for streams' usage).
+OnText = Callable[[str, int], Awaitable[None]]
 
 # Common English words; those that the tokenizer encodes as one token with a leading space form
 # the vocabulary, so a generated text of n words re-tokenizes to exactly n tokens.
@@ -51,18 +63,6 @@ _WORDS = (
     "open small song game stone green round quiet north south early level model cache token "
     "memory server"
 ).split()
-
-
-class EngineOOMError(Exception):
-    """The physical KV pool overflowed; every in-flight sequence was lost."""
-
-    def __init__(self, used_tokens: int, capacity_tokens: int) -> None:
-        super().__init__(
-            f"KV cache out of memory: {used_tokens} tokens in use exceed the physical capacity "
-            f"of {capacity_tokens}; all in-flight sequences were aborted"
-        )
-        self.used_tokens = used_tokens
-        self.capacity_tokens = capacity_tokens
 
 
 class EngineFaultError(Exception):
@@ -88,23 +88,18 @@ class EngineStats:
     used_tokens: int
     peak_used_tokens: int
     running: int
+    waiting: int
+    max_running: int | None
+    prefix_caching: bool
+    block_size: int
+    steps_total: int
+    shared_blocks_total: int
     started_total: int
     finished_total: int
     oom_events_total: int
     oom_failed_sequences_total: int
     faults_total: int
     generated_tokens_total: int
-
-
-class _Sequence:
-    __slots__ = ("failure", "generated", "id", "prompt_tokens", "used")
-
-    def __init__(self, id: int, prompt_tokens: int) -> None:
-        self.id = id
-        self.prompt_tokens = prompt_tokens
-        self.generated = 0
-        self.used = 0  # tokens charged to the pool, in whole blocks
-        self.failure: EngineOOMError | None = None
 
 
 class _WordStream:
@@ -159,12 +154,19 @@ class SimulatedEngine:
         block_size: int = DEFAULT_BLOCK_SIZE,
         tick_seconds: float = 0.01,
         fault_rate: float = 0.0,
+        throughput: float | None = None,
+        max_running: int | None = None,
+        prefix_caching: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity_tokens < 1:
             raise ValueError(f"capacity_tokens must be >= 1, got {capacity_tokens}")
         if not decode_rate > 0 or math.isinf(decode_rate):
             raise ValueError(f"decode_rate must be a positive number, got {decode_rate}")
+        if throughput is not None and (not throughput > 0 or math.isinf(throughput)):
+            raise ValueError(f"throughput must be a positive number or None, got {throughput}")
+        if max_running is not None and max_running < 1:
+            raise ValueError(f"max_running must be >= 1 or None, got {max_running}")
         if not mean_output_tokens >= 1:
             raise ValueError(f"mean_output_tokens must be >= 1, got {mean_output_tokens}")
         if not tick_seconds > 0:
@@ -174,6 +176,9 @@ class SimulatedEngine:
         self.tokenizer = tokenizer
         self.capacity_tokens = capacity_tokens
         self.decode_rate = float(decode_rate)
+        self.throughput = None if throughput is None else float(throughput)
+        self.max_running = max_running
+        self.prefix_caching = prefix_caching
         self.mean_output_tokens = float(mean_output_tokens)
         self.block_size = block_size
         self.tick_seconds = tick_seconds
@@ -184,15 +189,16 @@ class SimulatedEngine:
         self._vocab: list[int] | None = None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._running: dict[int, _Sequence] = {}
-        self._used = 0
-        self._peak_used = 0
+        self._scheduler = Scheduler(
+            capacity_tokens=capacity_tokens,
+            block_size=block_size,
+            decode_rate=self.decode_rate,
+            throughput=self.throughput,
+            max_running=max_running,
+        )
         self._started = 0
         self._finished = 0
-        self._oom_events = 0
-        self._oom_failed = 0
         self._faults = 0
-        self._generated_total = 0
 
     @property
     def vocabulary(self) -> Sequence[int]:
@@ -201,47 +207,28 @@ class SimulatedEngine:
         return self._vocab
 
     def stats(self) -> EngineStats:
+        """The engine as of now (the steps due by now are run first)."""
         with self._lock:
+            scheduler = self._scheduler
+            scheduler.advance(self._clock())
             return EngineStats(
                 capacity_tokens=self.capacity_tokens,
-                used_tokens=self._used,
-                peak_used_tokens=self._peak_used,
-                running=len(self._running),
+                used_tokens=scheduler.used_tokens,
+                peak_used_tokens=scheduler.peak_used_tokens,
+                running=len(scheduler.running),
+                waiting=len(scheduler.waiting),
+                max_running=self.max_running,
+                prefix_caching=self.prefix_caching,
+                block_size=self.block_size,
+                steps_total=scheduler.steps_total,
+                shared_blocks_total=scheduler.shared_blocks_total,
                 started_total=self._started,
                 finished_total=self._finished,
-                oom_events_total=self._oom_events,
-                oom_failed_sequences_total=self._oom_failed,
+                oom_events_total=scheduler.oom_events_total,
+                oom_failed_sequences_total=scheduler.oom_failed_total,
                 faults_total=self._faults,
-                generated_tokens_total=self._generated_total,
+                generated_tokens_total=scheduler.generated_tokens_total,
             )
-
-    # --- pool bookkeeping (under the lock) -----------------------------------------------------
-
-    def _charge(self, seq: _Sequence) -> None:
-        """Recharge ``seq`` for its prompt + generated tokens; fail everyone on overflow."""
-        if seq.failure is not None:
-            raise seq.failure
-        blocks = round_up_to_blocks(seq.prompt_tokens + seq.generated, self.block_size)
-        self._used += blocks - seq.used
-        seq.used = blocks
-        self._peak_used = max(self._peak_used, self._used)
-        if self._used > self.capacity_tokens:
-            error = EngineOOMError(self._used, self.capacity_tokens)
-            self._oom_events += 1
-            self._oom_failed += len(self._running)
-            for victim in self._running.values():
-                victim.failure = error
-                victim.used = 0
-            self._running.clear()
-            self._used = 0
-            raise error
-
-    def _remove(self, seq: _Sequence) -> None:
-        if self._running.pop(seq.id, None) is not None:
-            self._used -= seq.used
-            seq.used = 0
-
-    # --- generation ----------------------------------------------------------------------------
 
     async def generate(
         self,
@@ -249,70 +236,79 @@ class SimulatedEngine:
         max_tokens: int,
         on_text: OnText | None = None,
         *,
+        prompt_ids: Sequence[int] | None = None,
         min_tokens: int = 0,
         ignore_eos: bool = False,
     ) -> Completion:
         """Decode up to ``max_tokens`` tokens after a prompt of ``prompt_tokens`` tokens.
+
+        ``prompt_ids`` are the prompt's token ids: with prefix caching on, its full blocks are
+        shared with running sequences that hold the same prefix (without ids, nothing is).
 
         A sequence stops by itself at its natural length, as vLLM's does at its end-of-sequence
         token, unless ``ignore_eos`` (it runs to ``max_tokens``, finish reason ``length``) or
         ``min_tokens`` (no stop before that many tokens) say otherwise; neither changes the
         random draws, so other sequences' outputs stay as they were.
 
-        ``on_text`` receives each tick's new text as it is produced (for streaming). Raises
-        :class:`EngineOOMError` when the pool overflows while this sequence is live, and
-        :class:`EngineFaultError` when it was picked to fail (``fault_rate``). Cancellation
-        (client gone) frees the sequence's blocks.
+        ``on_text`` receives each tick's new text and the number of tokens generated so far, as
+        they are produced (for streaming). Raises :class:`EngineOOMError` when the pool
+        overflows while this sequence is in the engine, and :class:`EngineFaultError` when it
+        was picked to fail (``fault_rate``). Cancellation (client gone) frees the sequence's
+        blocks, or its place in the waiting line.
         """
         vocab = self.vocabulary
+        keys: list[bytes] = []
+        if self.prefix_caching and prompt_ids is not None:
+            keys = prefix_keys(prompt_tokens, prompt_ids, self.block_size)
         with self._lock:
             natural = max(1, math.ceil(self._rng.expovariate(1.0 / self.mean_output_tokens)))
             words = _WordStream(self._rng.getrandbits(64), vocab)
-            seq = _Sequence(next(self._ids), prompt_tokens)
-            self._running[seq.id] = seq
+            # Where the end-of-sequence token would come, once it is allowed.
+            stop_at = max_tokens + 1 if ignore_eos else max(natural, min_tokens)
+            target = min(stop_at, max_tokens)
+            fault_at: int | None = None
+            if self.fault_rate > 0 and self._fault_rng.random() < self.fault_rate:
+                fault_at = self._fault_rng.randrange(target)  # tokens delivered before it
+            seq = ScheduledSequence(
+                id=next(self._ids),
+                prompt_tokens=prompt_tokens,
+                stop=target if fault_at is None else fault_at,
+                keys=keys,
+            )
             self._started += 1
-        # Where the end-of-sequence token would come, once it is allowed.
-        stop_at = max_tokens + 1 if ignore_eos else max(natural, min_tokens)
-        target = min(stop_at, max_tokens)
-        fault_at: int | None = None
-        if self.fault_rate > 0:
-            with self._lock:
-                if self._fault_rng.random() < self.fault_rate:
-                    fault_at = self._fault_rng.randrange(target)  # tokens delivered before it
-        stop = target if fault_at is None else fault_at
+            self._scheduler.add(seq, self._clock())
         pieces: list[str] = []
+        delivered = 0
         try:
-            with self._lock:
-                self._charge(seq)  # prefill: the prompt's blocks
-            start = self._clock()
-            while seq.generated < stop:
-                await anyio.sleep(self.tick_seconds)
-                if seq.failure is not None:
-                    raise seq.failure
-                due = min(stop, math.floor((self._clock() - start) * self.decode_rate))
-                if due <= seq.generated:
-                    continue
-                new_ids = words.take(due - seq.generated)
+            while True:
+                # Read under the lock: a scrape in another thread may run steps too.
                 with self._lock:
-                    seq.generated = due
-                    self._generated_total += len(new_ids)
-                    self._charge(seq)
-                text = self.tokenizer.decode(new_ids)
-                pieces.append(text)
-                if on_text is not None:
-                    await on_text(text)
+                    generated, done, failure = seq.generated, seq.done, seq.failure
+                if failure is not None:
+                    raise failure
+                if generated > delivered:
+                    text = self.tokenizer.decode(words.take(generated - delivered))
+                    delivered = generated
+                    pieces.append(text)
+                    if on_text is not None:
+                        await on_text(text, generated)
+                if done:
+                    break
+                await anyio.sleep(self.tick_seconds)
+                with self._lock:
+                    self._scheduler.advance(self._clock())
             if fault_at is not None:
                 with self._lock:
                     self._faults += 1
-                raise EngineFaultError(seq.generated)
+                raise EngineFaultError(delivered)
             with self._lock:
                 self._finished += 1
         finally:
             with self._lock:
-                self._remove(seq)
+                self._scheduler.remove(seq, self._clock())
         return Completion(
             text="".join(pieces),
-            completion_tokens=seq.generated,
+            completion_tokens=delivered,
             finish_reason=_finish_reason(natural, stop_at, max_tokens),
         )
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Mapping
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-__all__ = ["COUNTERS", "GAUGES", "build_registry"]
+__all__ = ["COUNTERS", "GAUGES", "OPTIONAL", "build_registry"]
 
 #: snapshot key -> help text. Gauges first, then counters (exposed with a ``_total`` suffix).
 GAUGES: dict[str, str] = {
@@ -28,7 +28,14 @@ GAUGES: dict[str, str] = {
     "kv_next_release_seconds": (
         "Seconds until the soonest reservation is due to end at the latest (0: none live)."
     ),
+    "kv_engine_requests_running": "Sequences the simulated engine is decoding (lockstep).",
+    "kv_engine_requests_waiting": "Sequences waiting in the engine for a running slot (FIFO).",
+    "kv_engine_max_running": "Cap on running sequences (--max-running); absent when unbounded.",
+    "kv_engine_prefix_caching": "1 when full prompt blocks are shared between sequences, else 0.",
+    "kv_engine_block_size": "KV block size of the simulated engine, in tokens.",
 }
+#: Gauges a snapshot may leave out (a setting that is not set).
+OPTIONAL = frozenset({"kv_engine_max_running"})
 COUNTERS: dict[str, str] = {
     "kv_admitted_total": "Requests admitted by the ledger.",
     "kv_rejected_total": "Requests rejected with 429 for lack of KV budget.",
@@ -54,6 +61,8 @@ class _Collector:
     def collect(self) -> Iterable[Metric]:
         values = self._snapshot()
         for name, help_text in GAUGES.items():
+            if name in OPTIONAL and name not in values:
+                continue
             yield GaugeMetricFamily(name, help_text, value=values[name])
         for name, help_text in COUNTERS.items():
             yield CounterMetricFamily(name, help_text, value=values[name])

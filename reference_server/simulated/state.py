@@ -48,11 +48,15 @@ class ServerState:
             block_size=config.block_size,
             tick_seconds=config.tick_seconds,
             fault_rate=config.fault_rate,
+            throughput=config.throughput,
+            max_running=config.max_running,
+            prefix_caching=config.prefix_caching,
         )
         self.ledger = KVAdmissionController(
             total_kv_tokens=config.total_kv_tokens,
             context_window=config.context_window,
             decode_rate=config.decode_rate,
+            throughput=config.throughput,
             kv_bytes_per_token=config.kv_bytes_per_token,
             safety_fraction=config.safety_fraction,
             block_size=config.block_size,
@@ -111,7 +115,7 @@ class ServerState:
         with self._lock:
             requests, generation = self._requests, self._generation_requests
             send_timeouts = self._send_timeouts
-        return {
+        values: dict[str, float] = {
             "kv_usable_tokens": ledger.usable_tokens,
             "kv_usable_bytes": ledger.usable_bytes,
             "kv_physical_capacity_tokens": engine.capacity_tokens,
@@ -133,7 +137,14 @@ class ServerState:
             "kv_send_timeouts_total": send_timeouts,
             "kv_http_requests_total": requests,
             "kv_generation_requests_total": generation,
+            "kv_engine_requests_running": engine.running,
+            "kv_engine_requests_waiting": engine.waiting,
+            "kv_engine_prefix_caching": int(engine.prefix_caching),
+            "kv_engine_block_size": engine.block_size,
         }
+        if engine.max_running is not None:
+            values["kv_engine_max_running"] = engine.max_running
+        return values
 
 
 class CountingMiddleware:

@@ -123,7 +123,7 @@ async def test_fault_rate_one_fails_every_sequence_at_a_token_before_its_end() -
     for cap in (1, 5, 40, 200):
         delivered: list[str] = []
 
-        async def on_text(text: str, into: list[str] = delivered) -> None:
+        async def on_text(text: str, generated: int, into: list[str] = delivered) -> None:
             into.append(text)
 
         with pytest.raises(EngineFaultError) as info:
@@ -335,7 +335,7 @@ def test_an_unexpected_error_is_logged_by_type_only_and_cuts_a_started_stream(
         prompt_tokens: int, max_tokens: int, on_text: Any = None, **options: Any
     ) -> None:
         if on_text is not None:
-            await on_text(" partial")
+            await on_text(" partial", 1)
         raise RuntimeError(f"engine choked on {secret}")
 
     with running_server(**FAST) as server, httpx.Client(base_url=server.base_url) as http:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from kvclient import TiktokenCounter
@@ -37,7 +38,7 @@ async def test_streamed_pieces_make_the_whole_text() -> None:
     engine = make(decode_rate=5000.0, mean_output_tokens=10_000.0)
     pieces: list[str] = []
 
-    async def on_text(text: str) -> None:
+    async def on_text(text: str, generated: int) -> None:
         pieces.append(text)
 
     # 0.4 s of decoding: several ticks, however slow a busy machine makes one of them.
@@ -148,12 +149,14 @@ async def test_pool_counts_whole_blocks_of_prompt_plus_generated() -> None:
     engine = make(decode_rate=1000.0, mean_output_tokens=100_000.0, tick_seconds=0.005)
     seen: list[int] = []
 
-    async def on_text(text: str) -> None:
+    async def on_text(text: str, generated: int) -> None:
         seen.append(engine.stats().used_tokens)
 
     await engine.generate(17, 40, on_text)
-    assert seen
-    assert all(used % 16 == 0 and 32 <= used <= 64 for used in seen)
+    # The last piece is handed over after the step that ended the sequence freed its blocks.
+    assert seen[-1] == 0
+    assert seen[:-1]
+    assert all(used % 16 == 0 and 32 <= used <= 64 for used in seen[:-1])
 
 
 def test_bad_settings_are_refused() -> None:
@@ -163,3 +166,99 @@ def test_bad_settings_are_refused() -> None:
         make(decode_rate=0.0)
     with pytest.raises(ValueError, match="mean_output_tokens"):
         make(mean_output_tokens=0.0)
+    with pytest.raises(ValueError, match="throughput"):
+        make(throughput=0.0)
+    with pytest.raises(ValueError, match="max_running"):
+        make(max_running=0)
+
+
+# --- lockstep steps, the cap on running sequences, shared prefixes -----------------------------
+
+
+async def test_sequences_running_together_share_every_step() -> None:
+    engine = make(decode_rate=1000.0)
+    engine.vocabulary  # noqa: B018 - built before the three start, not while one waits
+    async with anyio.create_task_group() as group:
+        for _ in range(3):
+            group.start_soon(lambda: engine.generate(10, 30, ignore_eos=True))
+    stats = engine.stats()
+    # Started together, so decoded by the same 30 steps: one token each per step.
+    assert stats.steps_total == 30
+    assert stats.generated_tokens_total == 90
+
+
+async def test_beyond_max_running_a_sequence_waits_for_a_slot() -> None:
+    # 40 tokens at 400/s: the first runs 0.1 s, long enough to be seen running on a busy machine.
+    engine = make(decode_rate=400.0, max_running=1)
+    seen: dict[str, list[tuple[int, int, int]]] = {"first": [], "second": []}
+
+    async def one(name: str) -> None:
+        async def on_text(text: str, generated: int) -> None:
+            stats = engine.stats()
+            seen[name].append((generated, stats.steps_total, stats.waiting))
+
+        await engine.generate(10, 40, on_text, ignore_eos=True)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(one, "first")
+        await anyio.lowlevel.checkpoint()
+        group.start_soon(one, "second")
+    # The second waited while the first ran.
+    assert any(waiting == 1 for generated, _, waiting in seen["first"] if generated < 40)
+    # The second's tokens came only after the first's 40 steps, one per step from then on.
+    assert all(steps >= 40 + generated for generated, steps, _ in seen["second"])
+    stats = engine.stats()
+    assert (stats.running, stats.waiting, stats.used_tokens) == (0, 0, 0)
+    assert stats.steps_total == 80
+
+
+async def test_cancelling_a_waiting_sequence_frees_its_place() -> None:
+    engine = make(decode_rate=1000.0, max_running=1, mean_output_tokens=100_000.0)
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: engine.generate(10, 100))
+        with anyio.move_on_after(0.02):
+            await engine.generate(10, 100)
+        assert engine.stats().waiting == 0
+    assert engine.stats().finished_total == 1
+
+
+async def test_a_prompt_shares_the_full_blocks_a_running_sequence_prefilled() -> None:
+    prefix = list(range(1000, 1512))  # 32 blocks
+
+    async def second_after_first_token(engine: SimulatedEngine) -> int:
+        first_token = anyio.Event()
+
+        async def on_text(text: str, generated: int) -> None:
+            first_token.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(
+                lambda: engine.generate(
+                    520, 200, on_text, prompt_ids=[*prefix, *range(8)], ignore_eos=True
+                )
+            )
+            await first_token.wait()
+            await engine.generate(520, 20, prompt_ids=[*prefix, *range(10, 18)])
+        return engine.stats().shared_blocks_total
+
+    assert await second_after_first_token(make(decode_rate=2000.0)) == 32
+    off = make(decode_rate=2000.0, prefix_caching=False)
+    assert await second_after_first_token(off) == 0
+    assert off.stats().prefix_caching is False
+
+
+async def test_the_same_seed_gives_the_same_outputs_whatever_the_cap_on_running() -> None:
+    async def outputs(**kw: object) -> list[str]:
+        engine = make(seed=5, **kw)
+        texts: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            texts[i] = (await engine.generate(5, 60)).text
+
+        async with anyio.create_task_group() as group:
+            for i in range(4):
+                group.start_soon(one, i)
+                await anyio.lowlevel.checkpoint()
+        return [texts[i] for i in range(4)]
+
+    assert await outputs() == await outputs(max_running=2)
