@@ -796,6 +796,9 @@ class Budget:
     #: Whether it shares the KV blocks of identical prompt prefixes among running requests
     #: (vLLM's ``enable_prefix_caching``, ours); None when it does not say.
     prefix_caching: bool | None = None
+    #: It says that it runs every request it is sent at each step, however many (ours without
+    #: ``--max-running``: it exports its waiting line and no cap).
+    runs_all: bool = False
 
 
 METRICS = Probe("GET", "/metrics", engines="vLLM, TGI, llama.cpp (--metrics), ours")
@@ -1114,9 +1117,11 @@ def discover_budget() -> Generator[Probe, Answer, Budget]:
             block = _metric_whole(text, "kv_engine_block_size") or 16
             running = _metric_whole(text, "kv_engine_max_running")
             shares = _metric_whole(text, "kv_engine_prefix_caching")
+            lined = _metric_whole(text, "kv_engine_requests_waiting") is not None
             return Budget(
                 ours, block, running, "kvclient", source, tuple(tried),
                 None if shares is None else shares == 1,
+                runs_all=lined and running is None,
             )  # fmt: skip
         tgi = budget_from_tgi_metrics(answer.payload)
         if tgi is not None:

@@ -379,7 +379,10 @@ class Upstream:
             )
         except ValueError as exc:
             raise UpstreamUnavailable(f"unusable budget (KV {kv} tokens): {exc}") from None
-        ledger.set_caps_for_good(self._caps_reason(found.engine or budget.engine, running))
+        unbounded = running is None and budget.runs_all
+        ledger.set_caps_for_good(
+            self._caps_reason(found.engine or budget.engine, running, unbounded)
+        )
         ledger.shares_prefixes = budget.prefix_caching is True
         if ledger.caps_reason is not None:
             logger.warning(
@@ -402,14 +405,17 @@ class Upstream:
             ledger.usable_tokens,
         )  # fmt: skip
 
-    def _caps_reason(self, engine: str | None, running: int | None) -> str | None:
+    def _caps_reason(
+        self, engine: str | None, running: int | None, unbounded: bool = False
+    ) -> str | None:
         """Why this upstream's holders count at their whole caps under ``--admission peak``,
-        or None when the peak rule may run."""
+        or None when the peak rule may run (``unbounded``: the engine runs every request it is
+        sent at each step)."""
         if self.shared is not None:
             return "the shared ledger counts whole caps"
         if engine not in PROGRESS_ENGINES:
             return f"{engine or 'this engine'} does not report each stream's progress exactly"
-        if running is None:
+        if running is None and not unbounded:
             return (
                 f"how many sequences {engine} runs at once is not known: give --max-running "
                 "(vLLM's --max-num-seqs)"

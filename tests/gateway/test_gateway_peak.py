@@ -216,3 +216,95 @@ def test_an_engine_that_does_not_say_how_many_it_runs_counts_whole_caps() -> Non
     assert "--max-running" in health["caps_reason"]
     assert answer.status_code == 200
     assert "stream_options" not in scripted.bodies[0]  # not tracked: sent as it came
+
+
+# --- in front of the reference server's engine ----------------------------------------------------
+
+
+def _burst(base: str, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    answers: list[httpx.Response] = []
+    lock = threading.Lock()
+
+    def one(body: dict[str, Any]) -> None:
+        answer = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        with lock:
+            answers.append(answer)
+
+    threads = [threading.Thread(target=one, args=(body,)) for body in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(150)
+    return answers
+
+
+_ENGINE = {
+    "decode_rate": 400.0,
+    "tick_seconds": 0.005,
+    "kv_tokens": 4096,
+    "context_window": 2048,
+    # The server admits whatever comes (prompt admission): only the gateway stands between its
+    # engine's pool and an overflow.
+    "admission": "prompt",
+    "max_running": 16,
+}
+
+
+@pytest.mark.slow
+def test_in_front_of_the_reference_server_the_peak_runs_more_and_nothing_overflows() -> None:
+    rng = __import__("random").Random(7)
+    bodies = [
+        {"prompt": f"request {i}", "max_tokens": rng.randint(300, 600), "ignore_eos": True,
+         "stream": i % 2 == 0}
+        for i in range(24)
+    ]  # fmt: skip
+    most: dict[str, int] = {}
+    for rule in ("caps", "peak"):
+        from reference_server import running_server
+
+        with running_server(**_ENGINE) as upstream:
+            config = GatewayConfig(
+                upstreams=(upstream.base_url,), decode_rate=400.0, admission=rule,
+                max_queue_wait=120.0, speed_interval=0.2,
+            )  # fmt: skip
+            with running_gateway(config) as gw:
+                answers = _burst(gw.base_url, bodies)
+                stats = _state(gw).upstreams[0].known.ledger.stats()  # type: ignore[union-attr]
+                health = httpx.get(gw.base_url + "/health").json()["upstreams"][0]
+            metrics = upstream.metrics()
+        assert [a.status_code for a in answers] == [200] * 24, rule
+        assert health["admission"] == rule
+        assert metrics["kv_oom_events_total"] == 0, rule
+        assert stats.reserved_tokens == 0
+        most[rule] = stats.peak_inflight
+    assert most["peak"] > most["caps"]
+
+
+@pytest.mark.slow
+def test_shared_prefixes_count_once_where_the_engine_shares_them() -> None:
+    """Prompts of one 400-word prefix and a short suffix of their own, 100 tokens each: with the
+    engine's prefix caching the gateway counts the prefix's blocks once for the holders past
+    their prefill, and runs more at once; without it, each counts its own. Never an overflow."""
+    prefix = " ".join(["river"] * 400)
+    bodies = [{"prompt": f"{prefix} {i}", "max_tokens": 100, "ignore_eos": True} for i in range(16)]
+    most: dict[bool, int] = {}
+    for sharing in (False, True):
+        from reference_server import running_server
+
+        # Counted by request only (its own prompt admission would refuse these long prompts).
+        engine = {
+            **_ENGINE, "kv_tokens": 2400, "prefix_caching": sharing,
+            "admission": "concurrency", "max_concurrency": 64,
+        }  # fmt: skip
+        with running_server(**engine) as upstream:
+            config = GatewayConfig(
+                upstreams=(upstream.base_url,), decode_rate=400.0, max_queue_wait=120.0
+            )
+            with running_gateway(config) as gw:
+                answers = _burst(gw.base_url, bodies)
+                stats = _state(gw).upstreams[0].known.ledger.stats()  # type: ignore[union-attr]
+            metrics = upstream.metrics()
+        assert [a.status_code for a in answers] == [200] * 16
+        assert metrics["kv_oom_events_total"] == 0
+        most[sharing] = stats.peak_inflight
+    assert most[True] > most[False]
