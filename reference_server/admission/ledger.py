@@ -426,8 +426,21 @@ class KVAdmissionController:
             self._tainted.update(computed.intersection(handle.prefix[handle.borrowed :]))
         self._tainted &= held
 
+    def _lender_in_prefill(self, prefix: tuple[Hashable, ...]) -> bool:
+        """Whether a holder with the same first block has not had its first token yet (lock
+        held): sent now, the newcomer would compute a copy of its own beside the holder's."""
+        first = prefix[0]
+        return any(
+            h.generated is None and h.prefix and h.prefix[0] == first for h in self._live.values()
+        )
+
     def _fits(self, need: int, now: float, prefix: tuple[Hashable, ...] = ()) -> bool:
         if self.max_concurrency is not None and len(self._live) >= self.max_concurrency:
+            return False
+        # A newcomer whose prefix a holder is computing waits for that holder's first token,
+        # then borrows its blocks: two copies would be counted twice, and once one of them is
+        # let go the engine may hand the freed one to the next borrower (see ``peak.py``).
+        if prefix and self._peak_in_force() and self._lender_in_prefill(prefix):
             return False
         if self._reserved + need <= self.usable_tokens:
             return True  # the sum of the caps is never below the peak

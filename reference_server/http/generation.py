@@ -237,7 +237,13 @@ class GenerationEndpoint:
                     plan.reserved_output,
                     client=client,
                     max_wait=wait,
-                    prefix=ledger.prefix_keys(plan.token_ids, plan.model),
+                    # One sequence, its progress followed: it lends its prefix once past its
+                    # prefill (several sequences count whole, sharing nothing).
+                    prefix=(
+                        ledger.prefix_keys(plan.token_ids, plan.model)
+                        if plan.sequences == 1
+                        else ()
+                    ),
                 )
             except Rejected as rejected:
                 busy = too_busy(ledger, rejected, plan.reserved_prompt, plan.reserved_output, queue)

@@ -390,9 +390,10 @@ def test_only_a_holder_past_its_prefill_lends_its_prefix_blocks() -> None:
     first = ledger.try_admit(200, 100, now=0.0, prefix=prefix)
     assert first is not None
     first.tracked = True
-    twin = ledger.try_admit(200, 100, now=0.0, prefix=prefix)
-    assert twin is not None
-    assert twin.borrowed == 0
+    # Sent now it would compute a second copy: it waits for the first one's first token.
+    assert ledger.try_admit(200, 100, now=0.0, prefix=prefix) is None
+    other = ledger.try_admit(200, 100, now=0.0, prefix=prefix_blocks(list(range(1, 201)), 16))
+    assert other is not None  # another prefix does not wait
     ledger.progress(first, 1, 0.1)
     third = ledger.try_admit(200, 100, now=0.1, prefix=prefix)
     assert third is not None
@@ -408,9 +409,11 @@ def test_a_freed_copy_of_a_duplicated_block_costs_its_borrower_a_copy() -> None:
     )  # fmt: skip
     prefix = prefix_blocks(list(range(65)), 16)  # 4 blocks
     first = ledger.try_admit(65, 10, now=0.0, prefix=prefix)
-    twin = ledger.try_admit(65, 10, now=0.0, prefix=prefix)
+    # A copy of its own: as one admitted while the ledger ran on caps, or sent around it.
+    twin = ledger.try_admit(65, 10, now=0.0)
     assert first is not None
     assert twin is not None
+    twin.prefix = prefix
     first.tracked = twin.tracked = True
     ledger.progress(first, 1, 0.1)
     ledger.progress(twin, 1, 0.1)
