@@ -36,12 +36,11 @@ Each upstream's context window and KV budget are discovered from its own endpoin
 /metrics cache_config_info, llama.cpp /props, TGI /metrics, SGLang /get_server_info), or given
 with --kv-tokens, once per --upstream, in the same order.
 
-Two admission rules. caps: the sum of every holder's whole reservation must fit, whatever the
-engine does. peak (the default where the engine qualifies): the most the holders can hold at
-once over the coming decode steps, from the tokens each has generated so far (relayed from the
-engine's stream), must fit; it is exact while the engine runs every admitted sequence in
-lockstep, so the gateway admits no more than the engine runs at once (--max-running) and counts
-whole caps again while it sees requests waiting, a preemption or a stalled stream.
+Two admission rules. caps: the sum of every holder's whole reservation must fit, which holds
+whatever the engine does. peak (the default where the engine qualifies): the most the holders
+can ever hold at once, from the tokens each has generated so far, must fit, which is exact while
+the engine runs every admitted sequence at each step (no more than --max-running, none waiting
+inside it, no preemption; else that upstream counts whole caps until its holders have gone).
 """
 
 
