@@ -13,7 +13,10 @@ window over 3,072 KV tokens, 8 sequences at most), through ``kvclient.AsyncClien
   wait``);
 - **caps**: the same with ``--admission caps``: every holder counts its whole reservation;
 - **gateway, no queue**: the peak rule with ``--max-queue-wait 0``: a 429 + Retry-After at
-  once, the client pacing itself from the RateLimit room.
+  once, the client pacing itself from the RateLimit room;
+- **tight** (not run by default): the peak rule admitting to 95 % of vLLM's pool instead of
+  90 % (vLLM keeps one of its blocks for itself: 95 % of 24 blocks stays under the 23 it
+  allocates from).
 
 ``--mix prefix``: the prefix-heavy mix instead: two shared prefixes of 512 tokens, a 64-token
 suffix each, ``max_tokens`` 300 (vLLM shares the prefixes' KV blocks; the gateway counts them
@@ -50,6 +53,7 @@ from kvclient import AsyncClient, HuggingFaceCounter, RetryPolicy
 from kvclient._dialects import preemptions_from_vllm_metrics
 from kvclient.loadgen import percentile
 from reference_server.gateway import GatewayConfig
+from reference_server.admission.ledger import DEFAULT_SAFETY_FRACTION
 from reference_server.gateway.config import DEFAULT_MAX_QUEUE_WAIT
 from reference_server.testing import running_gateway
 
@@ -60,6 +64,7 @@ LABELS = {
     "gateway": "through kvclient gateway (defaults: peak rule, a FIFO queue)",
     "caps": "through kvclient gateway --admission caps",
     "no-queue": "through kvclient gateway --max-queue-wait 0 (429 at once)",
+    "tight": "through kvclient gateway --safety-fraction 0.95",
 }
 #: The prefix-heavy mix: shared prefixes, each request's own suffix, one output cap.
 PREFIXES, PREFIX_TOKENS, SUFFIX_TOKENS, PREFIX_CAP = 2, 512, 64, 300
@@ -171,6 +176,7 @@ def run(name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]])
             max_running=(engine.max_num_seqs,),
             admission="caps" if name == "caps" else "peak",
             max_queue_wait=0.0 if name == "no-queue" else DEFAULT_MAX_QUEUE_WAIT,
+            safety_fraction=0.95 if name == "tight" else DEFAULT_SAFETY_FRACTION,
         )
         with running_gateway(config) as gateway:
             result = anyio.run(burst, gateway.base_url, items, counter)
@@ -204,7 +210,7 @@ def main() -> None:
     parser.add_argument(
         "--runs",
         default="direct,gateway,caps,no-queue",
-        help="comma-separated: direct, gateway, caps, no-queue",
+        help="comma-separated: direct, gateway, caps, no-queue, tight",
     )
     parser.add_argument(
         "--mix", choices=("caps", "prefix"), default="caps",
