@@ -52,8 +52,8 @@ import vllm_engine
 from kvclient import AsyncClient, HuggingFaceCounter, RetryPolicy
 from kvclient._dialects import preemptions_from_vllm_metrics
 from kvclient.loadgen import percentile
-from reference_server.gateway import GatewayConfig
 from reference_server.admission.ledger import DEFAULT_SAFETY_FRACTION
+from reference_server.gateway import GatewayConfig
 from reference_server.gateway.config import DEFAULT_MAX_QUEUE_WAIT
 from reference_server.testing import running_gateway
 
