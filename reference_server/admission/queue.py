@@ -128,8 +128,9 @@ class AdmissionQueue:
         """
         limit = wait_limit(self.max_wait, max_wait)
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
-        if not self._waiters:
-            handle = self.ledger.try_admit(
+
+        def attempt() -> Handle | None:
+            return self.ledger.try_admit(
                 prompt_tokens,
                 output_cap,
                 now=self._clock(),
@@ -137,8 +138,9 @@ class AdmissionQueue:
                 need=need,
                 prefix=prefix,
             )
-            if handle is not None:
-                return handle
+
+        if not self._waiters and (handle := attempt()) is not None:
+            return handle
         if limit <= 0:
             raise self._reject(
                 need, output_cap, len(self._waiters), sum(w.need for w in self._waiters), client
@@ -149,17 +151,8 @@ class AdmissionQueue:
         try:
             with anyio.move_on_after(limit):
                 while True:
-                    if self._waiters[0] is waiter:
-                        handle = self.ledger.try_admit(
-                            prompt_tokens,
-                            output_cap,
-                            now=self._clock(),
-                            count_rejection=False,
-                            need=need,
-                            prefix=prefix,
-                        )
-                        if handle is not None:
-                            return handle
+                    if self._waiters[0] is waiter and (handle := attempt()) is not None:
+                        return handle
                     await waiter.event.wait()
                     waiter.event = anyio.Event()
             ahead = self._waiters.index(waiter)
