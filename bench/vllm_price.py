@@ -198,6 +198,15 @@ def run(name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]])
     return result
 
 
+def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median throughput among a run's rounds (the lower middle of an even count),
+    with every round's throughput beside it."""
+    ordered = sorted(runs, key=lambda r: r["tokens_per_second"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    chosen["rounds_tokens_per_second"] = [r["tokens_per_second"] for r in runs]
+    return chosen
+
+
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
@@ -217,6 +226,11 @@ def main() -> None:
         help="caps: short prompts, caps from --low to --high; prefix: two shared 512-token "
         "prefixes, 64-token suffixes, max_tokens 300",
     )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="run the runs this many times, interleaved (a busy machine's drift falls on all "
+        "alike); each row is the round of median throughput (default: %(default)s)",
+    )  # fmt: skip
     args = parser.parse_args()
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     if args.mix == "prefix":
@@ -224,12 +238,17 @@ def main() -> None:
     else:
         items = workload(args.requests, args.low, args.high)
     print("… starting vLLM (a minute or two)", flush=True)
-    results = []
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     with vllm_engine.VllmServer() as engine:
-        for name in names:
-            print(f"… {LABELS[name]}", flush=True)
-            results.append(run(name, engine, items))
-            print(f"  {results[-1]}", flush=True)
+        for round_ in range(args.rounds):
+            for name in names:
+                print(f"… round {round_ + 1}: {LABELS[name]}", flush=True)
+                rounds[name].append(run(name, engine, items))
+                print(f"  {rounds[name][-1]}", flush=True)
+    results = [median_round(rounds[name]) for name in names]
+    direct = next((r for r in results if r["run"] == "direct"), None)
+    for r in results:
+        r["vs_direct"] = r["tokens_per_second"] / direct["tokens_per_second"] if direct else None
     rows = [
         [
             LABELS[r["run"]],
@@ -241,6 +260,7 @@ def main() -> None:
             str(r["http_429"]),
             f"{r['preemptions']:.0f}",
             str(r.get("most_running") or "-"),
+            fmt(r["vs_direct"], ".2f", "x"),
         ]
         for r in results
     ]
@@ -263,13 +283,15 @@ def main() -> None:
             "429s",
             "preemptions",
             "most running",
+            "vs direct",
         ],
         rows,
     )
     write_json(
         "vllm_price" if args.mix == "caps" else "vllm_price_prefix",
         {"machine": machine(), "requests": args.requests, "caps": [args.low, args.high],
-         "mix": args.mix, "results": results},
+         "mix": args.mix, "rounds": args.rounds, "results": results,
+         "all_rounds": rounds},
     )  # fmt: skip
 
 
