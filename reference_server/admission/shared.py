@@ -371,20 +371,30 @@ class RedisLedger:
         names = snap.tickets
         ahead = names.index(ticket) if ticket in names else len(names)
         need += sum(snap.waiting[:ahead])
+        return self.model(snap).retry_after(need, snap.now, duration=duration), ahead
+
+    def model(self, snap: Snapshot) -> KVAdmissionController:
+        """An in-process ledger holding every gateway's holders of ``snap`` (on the Redis clock),
+        priced and timed as :attr:`pricing` is: its decode rate and throughput, measured by this
+        gateway, so the shared estimate drains as fast as the engine does."""
         p = self.pricing
         scratch = KVAdmissionController(
             total_kv_tokens=p.total_kv_tokens,
             context_window=p.context_window,
             decode_rate=p.decode_rate,
+            throughput=p.throughput,
             safety_fraction=p.safety_fraction,
             block_size=p.block_size,
             max_concurrency=p.max_concurrency,
             release_margin=p.release_margin,
+            overrun=p.overrun,
             strategy=p.strategy,
         )
-        for tokens, cap, admitted in snap.holders:
+        # In order of admission: each holder's progress counts from its own admission, at the
+        # rate of the holders running with it.
+        for tokens, cap, admitted in sorted(snap.holders, key=lambda h: h[2]):
             scratch.try_admit(0, cap, now=admitted, need=tokens)
-        return scratch.retry_after(need, snap.now, duration=duration), ahead
+        return scratch
 
     async def give_back(self) -> None:
         """Retry the releases and queue exits that failed while Redis was away (at shutdown)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -113,6 +114,21 @@ async def test_retry_after_reads_the_holders_of_every_gateway(
     assert await a.try_admit(0, 5000) is not None  # ends by its cap in 50 s at 100 tokens/s
     wait, _ = await b.retry_after(5000)
     assert 49.0 < wait <= 50.1
+
+
+@pytest.mark.anyio
+async def test_retry_after_follows_the_measured_speed_of_the_pricing_ledger(
+    redis_server: RedisServer, closing: None
+) -> None:
+    """Two holders share the engine's steps: at 100 tokens/s alone and 200 in all, each decodes
+    at 66.7 tokens/s while both run, so the first of 4000 tokens ends at 60 s, not 40 s."""
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    b.pricing.set_speed(100.0, 200.0, time.monotonic())
+    assert await a.try_admit(0, 4000) is not None
+    assert await a.try_admit(0, 4000) is not None
+    wait, _ = await b.retry_after(5000)
+    assert 59.0 < wait <= 60.1
 
 
 @pytest.mark.anyio
