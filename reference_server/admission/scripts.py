@@ -4,7 +4,9 @@ Keys, per upstream (one hash tag, so they live on one node): ``holders`` (a hash
 -> ``"lease tokens cap admitted_ms"``), ``reserved`` (their tokens summed), ``queue`` (a sorted
 set of waiting tickets in arrival order), ``seq`` (the arrival counter), ``leases`` (a sorted set:
 lease -> expiry in ms of the Redis clock), ``config`` (the budget's fingerprint), ``gone``
-(the leases swept for expiring, remembered for an hour).
+(the leases swept for expiring, remembered for an hour); and one pub/sub channel, ``released``,
+on which every change that may let a waiter in is published (a release, a shrink, a lease swept,
+a ticket leaving the queue or admitted from its head), so that waiters in every process wake.
 
 A reservation and a ticket are both named ``lease:n:need``, so the holders and waiters of a lease
 are found by their prefix. Every script may run twice (a retry after a lost answer) and mean
@@ -31,7 +33,7 @@ __all__ = [
 #: A lease not renewed for this long is expired: its reservations come back.
 DEFAULT_LEASE_SECONDS = 5.0
 
-KEY_NAMES = ("holders", "reserved", "queue", "seq", "leases", "config", "gone")
+KEY_NAMES = ("holders", "reserved", "queue", "seq", "leases", "config", "gone", "released")
 
 _PRELUDE = """
 local function now_ms()
@@ -55,6 +57,9 @@ local function drop_lease(lease)
     end
   end
 end
+local function wake()
+  redis.call('PUBLISH', KEYS[8], '1')
+end
 local function sweep(now)
   local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now)
   for _, lease in ipairs(dead) do
@@ -62,6 +67,9 @@ local function sweep(now)
     redis.call('ZREM', KEYS[5], lease)
     redis.call('SADD', KEYS[7], lease)
     redis.call('PEXPIRE', KEYS[7], 3600000)
+  end
+  if #dead > 0 then
+    wake()
   end
 end
 local function holder(field)
@@ -97,7 +105,9 @@ if head == nil or head == ticket then
       and (most == 0 or redis.call('HLEN', KEYS[1]) < most) then
     redis.call('HSET', KEYS[1], ticket, lease .. ' ' .. need .. ' ' .. ARGV[4] .. ' ' .. now)
     redis.call('INCRBY', KEYS[2], need)
-    redis.call('ZREM', KEYS[3], ticket)
+    if redis.call('ZREM', KEYS[3], ticket) == 1 and redis.call('ZCARD', KEYS[3]) > 0 then
+      wake()  -- the next in line may fit too
+    end
     return {1, now}
   end
 end
@@ -119,6 +129,7 @@ if not tokens then
 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('DECRBY', KEYS[2], tokens)
+wake()
 return tokens
 """
 )
@@ -137,12 +148,23 @@ if freed <= 0 then
 end
 redis.call('HSET', KEYS[1], ARGV[1], lease .. ' ' .. ARGV[2] .. ' ' .. rest)
 redis.call('DECRBY', KEYS[2], freed)
+wake()
 return freed
 """
 )
 
 #: ARGV: ticket. A waiter that gives up leaves the queue.
-LEAVE = _PRELUDE + "\nsweep(now_ms())\nreturn redis.call('ZREM', KEYS[3], ARGV[1])\n"
+LEAVE = (
+    _PRELUDE
+    + """
+sweep(now_ms())
+local left = redis.call('ZREM', KEYS[3], ARGV[1])
+if left == 1 then
+  wake()
+end
+return left
+"""
+)
 
 #: ARGV: lease, ttl_ms. Extends the lease (and the config's life with it). Returns 1 when the
 #: lease was still valid, 0 when it had lapsed: its holders are gone (swept here if they were

@@ -11,11 +11,15 @@ process lives; a process that dies (SIGKILL, a cut network) loses its reservatio
 lease expires, and one whose lease lapsed while it was slow finds its handles released when it
 next renews (the relay stops at that point).
 
+Waiters learn of room made by another process through Redis pub/sub (:class:`Wakeups`): every
+script that may let a waiter in publishes on the upstream's ``released`` channel.
+
 >>> # ledger = RedisLedger(client, name="http://engine:8000", pricing=pricing, lease=lease)
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -52,6 +56,7 @@ __all__ = [
     "LedgerUnavailable",
     "RedisLedger",
     "Snapshot",
+    "Wakeups",
     "connect",
     "fingerprint",
 ]
@@ -60,6 +65,9 @@ logger = logging.getLogger("kvclient.gateway")
 
 #: Seconds any one Redis command may take before the ledger counts as away.
 _COMMAND_TIMEOUT = 1.0
+
+#: Seconds :class:`Wakeups` waits before subscribing again when Redis is away.
+_RESUBSCRIBE_SECONDS = 0.5
 
 #: What a Redis that is away raises.
 LEDGER_ERRORS: tuple[type[BaseException], ...] = (
@@ -199,6 +207,8 @@ class RedisLedger:
         self.lease = lease
         tag = "{kvclient:" + name + "}"
         self._keys = [f"{tag}:{key}" for key in KEY_NAMES]
+        #: The pub/sub channel told of every change that may let a waiter in.
+        self.channel = self._keys[KEY_NAMES.index("released")]
         self._scripts = {
             script: client.register_script(script)
             for script in (ADMIT, CONFIG, LEAVE, RELEASE, RENEW, RESTORE, SHRINK, SNAPSHOT)
@@ -416,3 +426,47 @@ class RedisLedger:
         """(tokens reserved, requests in flight) across every gateway."""
         snap = await self.snapshot()
         return snap.reserved, len(snap.holders)
+
+
+class Wakeups:
+    """One pub/sub subscription per process to every shared ledger's ``released`` channel:
+    :meth:`watch` says whom to wake for a ledger. A message published by any process (this one
+    too) wakes them at once; while the subscription is down (Redis away, reconnecting),
+    :attr:`subscribed` is False and waiters fall back on polling."""
+
+    #: Every shared ledger's channel (see :attr:`RedisLedger.channel`).
+    PATTERN = "{kvclient:*}:released"
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self.subscribed = False
+        self._watchers: dict[str, list[Callable[[], None]]] = {}
+
+    def watch(self, ledger: RedisLedger, wake: Callable[[], None]) -> None:
+        self._watchers.setdefault(ledger.channel, []).append(wake)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        for wake in self._watchers.get(_text(message["channel"]), ()):
+            wake()
+
+    async def run(self) -> None:
+        """Listen until cancelled, subscribing again after Redis was away."""
+        while True:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.psubscribe(self.PATTERN)
+                self.subscribed = True
+                for wakes in self._watchers.values():  # what was published meanwhile is lost
+                    for wake in wakes:
+                        wake()
+                while True:
+                    message = await pubsub.get_message(timeout=_COMMAND_TIMEOUT)
+                    if message is not None and message.get("type") == "pmessage":
+                        self._dispatch(message)
+            except LEDGER_ERRORS:
+                self.subscribed = False
+            finally:
+                self.subscribed = False
+                with anyio.CancelScope(shield=True), contextlib.suppress(*LEDGER_ERRORS):
+                    await pubsub.aclose()
+            await anyio.sleep(_RESUBSCRIBE_SECONDS)

@@ -2,7 +2,9 @@
 
 The order is kept in Redis (the ledger's queue of tickets): only the head may be admitted, so a
 newcomer in any process waits behind those already waiting in any other. A release here wakes
-this process's waiters at once; others' releases are seen by polling, ``POLL_SECONDS`` apart.
+this process's waiters at once; others' releases, through Redis pub/sub (``wakeups``), with a
+poll every ``FALLBACK_POLL_SECONDS`` in case a message was lost; without pub/sub (or while its
+subscription is down) they are seen by polling, ``POLL_SECONDS`` apart.
 
 The in-process ledger it is given (``ledger``) mirrors this process's own reservations: the
 room it advertises and the metrics it shows are this process's; admission is the shared one's.
@@ -17,12 +19,16 @@ import anyio
 
 from .ledger import Handle, KVAdmissionController
 from .queue import AdmissionQueue, LedgerUnavailable, Rejected, wait_limit
-from .shared import RedisLedger
+from .shared import RedisLedger, Wakeups
 
-__all__ = ["POLL_SECONDS", "SharedQueue"]
+__all__ = ["FALLBACK_POLL_SECONDS", "POLL_SECONDS", "SharedQueue"]
 
-#: How often a waiter looks again at the shared budget when nothing here was released.
+#: How often a waiter looks again at the shared budget when nothing here was released and no
+#: pub/sub subscription tells it of others' releases.
 POLL_SECONDS = 0.02
+#: How often it looks again while subscribed: only a message lost (a subscription that dropped
+#: and came back) waits this long.
+FALLBACK_POLL_SECONDS = 0.5
 
 
 class _Wake:
@@ -45,6 +51,7 @@ class SharedQueue(AdmissionQueue):
         max_wait: float,
         clock: Callable[[], float] = time.monotonic,
         on_refused: Callable[[], None] | None = None,
+        wakeups: Wakeups | None = None,
     ) -> None:
         super().__init__(ledger, max_wait=max_wait, clock=clock)
         self.shared = shared
@@ -53,6 +60,16 @@ class SharedQueue(AdmissionQueue):
         self._links: dict[int, tuple[Handle, Handle]] = {}
         self._wakes: list[_Wake] = []
         shared.on_lapse = self._lapsed
+        self._wakeups = wakeups
+        if wakeups is not None:
+            wakeups.watch(shared, self.notify)
+
+    @property
+    def poll_seconds(self) -> float:
+        """How long a waiter sleeps before it looks again unless woken."""
+        if self._wakeups is not None and self._wakeups.subscribed:
+            return FALLBACK_POLL_SECONDS
+        return POLL_SECONDS
 
     def notify(self) -> None:
         for wake in self._wakes:
@@ -127,7 +144,7 @@ class SharedQueue(AdmissionQueue):
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     break
-                with anyio.move_on_after(min(POLL_SECONDS, remaining)):
+                with anyio.move_on_after(min(self.poll_seconds, remaining)):
                     await wake.event.wait()
                 if wake.event.is_set():
                     wake.event = anyio.Event()

@@ -17,12 +17,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from reference_server import Handle
+from reference_server.admission import shared_queue
 from reference_server.admission.interface import AsyncLedger, LocalLedger
 from reference_server.admission.queue import LedgerUnavailable, Rejected
 from reference_server.admission.shared import (
     Lease,
     LedgerConflict,
     RedisLedger,
+    Wakeups,
     connect,
     fingerprint,
 )
@@ -261,6 +263,42 @@ async def test_a_waiter_in_one_process_is_admitted_when_another_releases(
     assert len(got) == 1
     await queue_b.release(got[0])
     assert await a.load() == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_a_release_in_one_process_wakes_a_waiter_in_another_by_pub_sub(
+    redis_server: RedisServer, closing: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_queue, "FALLBACK_POLL_SECONDS", 30.0)  # no poll to fall back on
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    wakeups = Wakeups(b.client)
+    queue_a = SharedQueue(a.pricing, a, max_wait=5)
+    queue_b = SharedQueue(b.pricing, b, max_wait=10, wakeups=wakeups)
+    big = await queue_a.acquire(0, 8000)
+    got: list[float] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(wakeups.run)
+        for _ in range(500):
+            if wakeups.subscribed:
+                break
+            await anyio.sleep(0.01)
+        admitted = anyio.Event()
+
+        async def wait() -> None:
+            await queue_b.acquire(0, 2000)
+            got.append(time.monotonic())
+            admitted.set()
+
+        group.start_soon(wait)
+        await anyio.sleep(0.3)  # it polled once, then sleeps its 30 s unless woken
+        assert queue_b.poll_seconds == 30.0
+        released = time.monotonic()
+        await queue_a.release(big)
+        with anyio.fail_after(5):
+            await admitted.wait()
+        group.cancel_scope.cancel()
+    assert got[0] - released < 1.0
 
 
 def test_a_ledger_url_must_be_redis() -> None:
