@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 
 import anyio
 
-from .ledger import Handle, KVAdmissionController
+from .ledger import Handle, Headroom, KVAdmissionController
 
 __all__ = ["AdmissionQueue", "LedgerUnavailable", "Rejected", "wait_limit"]
 
@@ -73,6 +73,10 @@ class AdmissionQueue:
     def now(self) -> float:
         """The queue's clock: the one the ledger's due times are on."""
         return self._clock()
+
+    def headroom(self, releasing: Handle | None = None) -> Headroom:
+        """The room a newcomer sees now (the RateLimit headers): those queued wait ahead of it."""
+        return self.ledger.headroom(self.now(), releasing=releasing, queued=self.waiting_tokens)
 
     @property
     def waiting_tokens(self) -> int:

@@ -5,8 +5,11 @@ Keys, per upstream (one hash tag, so they live on one node): ``holders`` (a hash
 set of waiting tickets in arrival order), ``seq`` (the arrival counter), ``leases`` (a sorted set:
 lease -> expiry in ms of the Redis clock), ``config`` (the budget's fingerprint), ``gone``
 (the leases swept for expiring, remembered for an hour); and one pub/sub channel, ``released``,
-on which every change that may let a waiter in is published (a release, a shrink, a lease swept,
-a ticket leaving the queue or admitted from its head), so that waiters in every process wake.
+told of every change as ``"wake reserved holders queued"``: the totals after it (tokens
+reserved, reservations, tokens the queue waits for), and ``wake`` 1 when the change may let a
+waiter in (a release, a shrink, a lease swept, a ticket leaving the queue or admitted from its
+head with others behind it), so that waiters in every process wake and every process knows the
+shared room.
 
 A reservation and a ticket are both named ``lease:n:need``, so the holders and waiters of a lease
 are found by their prefix. Every script may run twice (a retry after a lost answer) and mean
@@ -57,8 +60,15 @@ local function drop_lease(lease)
     end
   end
 end
-local function wake()
-  redis.call('PUBLISH', KEYS[8], '1')
+local function state()
+  local queued = 0
+  for _, ticket in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+    queued = queued + tonumber(string.match(ticket, ':(%d+)$'))
+  end
+  return (redis.call('GET', KEYS[2]) or '0') .. ' ' .. redis.call('HLEN', KEYS[1]) .. ' ' .. queued
+end
+local function tell(wake)
+  redis.call('PUBLISH', KEYS[8], wake .. ' ' .. state())
 end
 local function sweep(now)
   local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now)
@@ -69,7 +79,7 @@ local function sweep(now)
     redis.call('PEXPIRE', KEYS[7], 3600000)
   end
   if #dead > 0 then
-    wake()
+    tell(1)
   end
 end
 local function holder(field)
@@ -84,7 +94,8 @@ end
 """
 
 #: ARGV: lease, ticket, need, cap, usable, max_concurrency (0: none), enqueue (1/0).
-#: Returns {1, now} admitted, {0, now} not now (queued when asked), {-1, now} the lease is gone.
+#: Returns {1, now, state} admitted, {0, now, state} not now (queued when asked), {-1, now, state}
+#: the lease is gone; ``state`` is ``"reserved holders queued"`` after it.
 ADMIT = (
     _PRELUDE
     + """
@@ -92,10 +103,10 @@ local now = now_ms()
 sweep(now)
 local lease, ticket, need = ARGV[1], ARGV[2], tonumber(ARGV[3])
 if not redis.call('ZSCORE', KEYS[5], lease) then
-  return {-1, now}
+  return {-1, now, state()}
 end
 if redis.call('HEXISTS', KEYS[1], ticket) == 1 then
-  return {1, now}  -- admitted already: this is a retry whose first answer was lost
+  return {1, now, state()}  -- admitted already: this is a retry whose first answer was lost
 end
 local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
 if head == nil or head == ticket then
@@ -105,16 +116,17 @@ if head == nil or head == ticket then
       and (most == 0 or redis.call('HLEN', KEYS[1]) < most) then
     redis.call('HSET', KEYS[1], ticket, lease .. ' ' .. need .. ' ' .. ARGV[4] .. ' ' .. now)
     redis.call('INCRBY', KEYS[2], need)
-    if redis.call('ZREM', KEYS[3], ticket) == 1 and redis.call('ZCARD', KEYS[3]) > 0 then
-      wake()  -- the next in line may fit too
-    end
-    return {1, now}
+    local next_may_fit = redis.call('ZREM', KEYS[3], ticket) == 1
+      and redis.call('ZCARD', KEYS[3]) > 0
+    tell(next_may_fit and 1 or 0)
+    return {1, now, state()}
   end
 end
 if ARGV[7] == '1' and not redis.call('ZSCORE', KEYS[3], ticket) then
   redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), ticket)
+  tell(0)
 end
-return {0, now}
+return {0, now, state()}
 """
 )
 
@@ -129,7 +141,7 @@ if not tokens then
 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('DECRBY', KEYS[2], tokens)
-wake()
+tell(1)
 return tokens
 """
 )
@@ -148,7 +160,7 @@ if freed <= 0 then
 end
 redis.call('HSET', KEYS[1], ARGV[1], lease .. ' ' .. ARGV[2] .. ' ' .. rest)
 redis.call('DECRBY', KEYS[2], freed)
-wake()
+tell(1)
 return freed
 """
 )
@@ -160,7 +172,7 @@ LEAVE = (
 sweep(now_ms())
 local left = redis.call('ZREM', KEYS[3], ARGV[1])
 if left == 1 then
-  wake()
+  tell(1)
 end
 return left
 """

@@ -22,9 +22,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
+import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -55,6 +58,7 @@ __all__ = [
     "LedgerConflict",
     "LedgerUnavailable",
     "RedisLedger",
+    "SharedState",
     "Snapshot",
     "Wakeups",
     "connect",
@@ -65,6 +69,9 @@ logger = logging.getLogger("kvclient.gateway")
 
 #: Seconds any one Redis command may take before the ledger counts as away.
 _COMMAND_TIMEOUT = 1.0
+
+#: Seconds between the snapshots :meth:`RedisLedger.keep_fresh` takes for the room's next release.
+_ROOM_SECONDS = 1.0
 
 #: Seconds :class:`Wakeups` waits before subscribing again when Redis is away.
 _RESUBSCRIBE_SECONDS = 0.5
@@ -112,6 +119,22 @@ def fingerprint(pricing: KVAdmissionController) -> str:
         f"usable={p.usable_tokens} total={p.total_kv_tokens} block={p.block_size} "
         f"strategy={p.strategy} max_concurrency={p.max_concurrency} window={p.context_window}"
     )
+
+
+@dataclass(frozen=True, slots=True)
+class SharedState:
+    """The shared totals of one upstream, across every gateway: tokens reserved, reservations
+    held, tokens the queue waits for."""
+
+    reserved: int = 0
+    inflight: int = 0
+    queued: int = 0
+
+    @classmethod
+    def parse(cls, text: Any) -> SharedState:
+        """From a script's ``"reserved holders queued"``."""
+        reserved, inflight, queued = _text(text).split(" ")
+        return cls(int(reserved), int(inflight), int(queued))
 
 
 class Snapshot:
@@ -219,6 +242,13 @@ class RedisLedger:
         self._unleft: list[str] = []
         self._pricing = pricing
         self.on_lapse: Callable[[list[Handle]], None] | None = None
+        #: The shared totals as last heard from Redis: an admission's answer, a snapshot, or a
+        #: change published by any gateway (:class:`Wakeups`).
+        self.seen = SharedState()
+        #: When the soonest holder in the last snapshot is due to end (``time.monotonic()``),
+        #: None when it held none.
+        self.next_release_at: float | None = None
+        self._refreshed_at = -math.inf
 
     @property
     def pricing(self) -> KVAdmissionController:
@@ -272,10 +302,11 @@ class RedisLedger:
             ticket = self.ticket(need)
         most = self.pricing.max_concurrency or 0
         args = (self.lease.id, ticket, need, output_cap, self.usable_tokens, most, int(enqueue))
-        status, now_ms = await self._run(ADMIT, *args)
+        status, now_ms, seen = await self._run(ADMIT, *args)
         if status == -1:  # our lease lapsed (or Redis lost it): renew, then try once more
             await self.renew()
-            status, now_ms = await self._run(ADMIT, *args)
+            status, now_ms, seen = await self._run(ADMIT, *args)
+        self.seen = SharedState.parse(seen)
         if status != 1:
             return None
         admitted = int(now_ms) / 1000
@@ -369,7 +400,29 @@ class RedisLedger:
         )
 
     async def snapshot(self) -> Snapshot:
-        return Snapshot(await self._run(SNAPSHOT))
+        """The shared state now (and :attr:`seen`, :attr:`next_release_at` with it)."""
+        snap = Snapshot(await self._run(SNAPSHOT))
+        self.seen = SharedState(snap.reserved, len(snap.holders), sum(snap.waiting))
+        return snap
+
+    async def refresh(self) -> tuple[Snapshot, KVAdmissionController]:
+        """A snapshot, and its :meth:`model`; :attr:`seen` and :attr:`next_release_at` from
+        them."""
+        snap = await self.snapshot()
+        model = self.model(snap)
+        self.next_release_at = None
+        self._refreshed_at = time.monotonic()
+        if snap.holders:
+            self.next_release_at = time.monotonic() + model.headroom(snap.now).next_release_in
+        return snap, model
+
+    async def keep_fresh(self) -> None:
+        """:meth:`refresh` when reservations are held and the last snapshot is over a second
+        old, so the room advertised knows when the next one ends; never raises."""
+        if self.seen.inflight == 0 or time.monotonic() - self._refreshed_at < _ROOM_SECONDS:
+            return
+        with contextlib.suppress(LedgerUnavailable):
+            await self.refresh()
 
     async def retry_after(
         self, need: int, *, duration: float = 0.0, ticket: str | None = None
@@ -377,11 +430,11 @@ class RedisLedger:
         """(seconds until ``need`` fits, tickets waiting ahead of ``ticket``), from every
         holder's worst-case end in the shared state, whichever gateway holds it, by the
         in-process ledger's own estimate. Those waiting ahead count as load."""
-        snap = await self.snapshot()
+        snap, model = await self.refresh()
         names = snap.tickets
         ahead = names.index(ticket) if ticket in names else len(names)
         need += sum(snap.waiting[:ahead])
-        return self.model(snap).retry_after(need, snap.now, duration=duration), ahead
+        return model.retry_after(need, snap.now, duration=duration), ahead
 
     def model(self, snap: Snapshot) -> KVAdmissionController:
         """An in-process ledger holding every gateway's holders of ``snap`` (on the Redis clock),
@@ -431,7 +484,8 @@ class RedisLedger:
 class Wakeups:
     """One pub/sub subscription per process to every shared ledger's ``released`` channel:
     :meth:`watch` says whom to wake for a ledger. A message published by any process (this one
-    too) wakes them at once; while the subscription is down (Redis away, reconnecting),
+    too) updates the ledger's :attr:`~RedisLedger.seen` totals and, when it may let a waiter in,
+    wakes them at once; while the subscription is down (Redis away, reconnecting),
     :attr:`subscribed` is False and waiters fall back on polling."""
 
     #: Every shared ledger's channel (see :attr:`RedisLedger.channel`).
@@ -440,14 +494,18 @@ class Wakeups:
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
         self.subscribed = False
-        self._watchers: dict[str, list[Callable[[], None]]] = {}
+        self._watchers: dict[str, list[tuple[RedisLedger, Callable[[], None]]]] = {}
 
     def watch(self, ledger: RedisLedger, wake: Callable[[], None]) -> None:
-        self._watchers.setdefault(ledger.channel, []).append(wake)
+        self._watchers.setdefault(ledger.channel, []).append((ledger, wake))
 
     def _dispatch(self, message: dict[str, Any]) -> None:
-        for wake in self._watchers.get(_text(message["channel"]), ()):
-            wake()
+        flag, _, totals = _text(message["data"]).partition(" ")
+        seen = SharedState.parse(totals)
+        for ledger, wake in self._watchers.get(_text(message["channel"]), ()):
+            ledger.seen = seen
+            if flag == "1":
+                wake()
 
     async def run(self) -> None:
         """Listen until cancelled, subscribing again after Redis was away."""
@@ -456,8 +514,8 @@ class Wakeups:
             try:
                 await pubsub.psubscribe(self.PATTERN)
                 self.subscribed = True
-                for wakes in self._watchers.values():  # what was published meanwhile is lost
-                    for wake in wakes:
+                for watchers in self._watchers.values():  # what was published meanwhile is lost
+                    for _, wake in watchers:
                         wake()
                 while True:
                     message = await pubsub.get_message(timeout=_COMMAND_TIMEOUT)

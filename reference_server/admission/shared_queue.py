@@ -6,8 +6,9 @@ this process's waiters at once; others' releases, through Redis pub/sub (``wakeu
 poll every ``FALLBACK_POLL_SECONDS`` in case a message was lost; without pub/sub (or while its
 subscription is down) they are seen by polling, ``POLL_SECONDS`` apart.
 
-The in-process ledger it is given (``ledger``) mirrors this process's own reservations: the
-room it advertises and the metrics it shows are this process's; admission is the shared one's.
+The in-process ledger it is given (``ledger``) mirrors this process's own reservations (its
+metrics are this process's); admission and the room advertised (:meth:`SharedQueue.headroom`)
+are the shared ledger's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable, Hashable
 
 import anyio
 
-from .ledger import Handle, KVAdmissionController
+from .ledger import Handle, Headroom, KVAdmissionController
 from .queue import AdmissionQueue, LedgerUnavailable, Rejected, wait_limit
 from .shared import RedisLedger, Wakeups
 
@@ -78,6 +79,33 @@ class SharedQueue(AdmissionQueue):
     @property
     def waiting(self) -> int:
         return len(self._wakes)
+
+    def headroom(self, releasing: Handle | None = None) -> Headroom:
+        """The room in the shared budget, every gateway's holders and waiters counted, as last
+        heard from Redis (this process's last script, or the last change any gateway published).
+        The next release: the sooner of this process's holders' soonest end and every gateway's
+        soonest at the last snapshot (taken for a 429's estimate and a scrape of ``/metrics``)."""
+        pricing, seen, now = self.ledger, self.shared.seen, self._clock()
+        reserved, inflight = seen.reserved, seen.inflight
+        link = self._links.get(releasing.id) if releasing is not None else None
+        if link is not None and link[0] is releasing and not releasing.released:
+            reserved -= releasing.reserved_tokens
+            inflight -= 1
+        free = pricing.usable_tokens - reserved - seen.queued
+        if pricing.max_concurrency is not None and inflight >= pricing.max_concurrency:
+            free = 0
+        ends = []
+        if any(h is not releasing for h in self.ledger.live_handles()):
+            ends.append(self.ledger.headroom(now, releasing=releasing).next_release_in)
+        at = self.shared.next_release_at
+        if at is not None and at > time.monotonic():
+            ends.append(at - time.monotonic())
+        return Headroom(
+            usable=pricing.usable_tokens,
+            free=max(0, min(free, pricing.usable_tokens)),
+            next_release_in=min(ends, default=0.0),
+            advertised=pricing.strategy == "reserve",
+        )
 
     def _lapsed(self, lost: list[Handle]) -> None:
         # The shared reservations are gone: the mirror's go too, and their relays stop (they
@@ -166,4 +194,5 @@ class SharedQueue(AdmissionQueue):
             await self.shared.release(held)
             raise Rejected(need=need, retry_after=1.0, queued_ahead=0)
         self._links[mine.id] = (mine, held)
+        await self.shared.keep_fresh()
         return mine

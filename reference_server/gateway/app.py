@@ -200,9 +200,10 @@ async def _health(request: Request) -> Response:
 
 
 async def _metrics(request: Request) -> Response:
-    return Response(
-        generate_latest(_gateway(request).registry), media_type=CONTENT_TYPE_PLAIN_0_0_4
-    )
+    state = _gateway(request)
+    if state.shared is not None:
+        await state.shared.refresh()  # the shared totals, as Redis has them now
+    return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 
 def create_gateway_app(config: GatewayConfig) -> Starlette:

@@ -73,6 +73,15 @@ class SharedLedgers:
             ledger, shared, max_wait=max_wait, on_refused=self._refused, wakeups=self.wakeups
         )
 
+    async def refresh(self) -> None:
+        """Read every upstream's shared totals from Redis (for ``/metrics``); when Redis is
+        away the last ones heard stay, and ``kv_ledger_unreachable`` says so."""
+        for shared in self.ledgers:
+            try:
+                await shared.refresh()
+            except LedgerUnavailable:
+                return
+
     def _refused(self) -> None:
         self.refused += 1
 

@@ -58,13 +58,11 @@ def room(
     queue: AdmissionQueue | None = None,
     releasing: Handle | None = None,
 ) -> dict[str, str]:
-    """The RateLimit headers for an answer of a server with ``ledger`` (and ``queue``) now."""
-    queued = queue.waiting_tokens if queue is not None else 0
-    now = queue.now() if queue is not None else time.monotonic()
-    queues = queue is not None and queue.max_wait > 0
-    return ratelimit_headers(
-        ledger.headroom(now, releasing=releasing, queued=queued), queues=queues
-    )
+    """The RateLimit headers for an answer of a server with ``ledger`` (and ``queue``, whose
+    room it is: a shared ledger's is every gateway's) now."""
+    if queue is None:
+        return ratelimit_headers(ledger.headroom(time.monotonic(), releasing=releasing))
+    return ratelimit_headers(queue.headroom(releasing), queues=queue.max_wait > 0)
 
 
 def retry_after_header(seconds: float) -> tuple[str, str]:

@@ -18,6 +18,7 @@ import httpx
 import llama_engine
 import redis
 
+from kvclient._pacing import parse_ratelimit
 from reference_server import running_server
 from reference_server.gateway import GatewayConfig
 from reference_server.gateway.config import public_url
@@ -276,3 +277,41 @@ def test_a_gateway_whose_lease_lapsed_stops_relaying(redis_server: RedisServer) 
             metrics = httpx.get(gateway.base_url + "/metrics").text
             assert "kv_ledger_lease_lapses_total 1.0" in metrics
         wait_for(lambda: at_zero(upstream))
+
+
+def _gauge(metrics: str, name: str, upstream: str) -> float:
+    prefix = f'{name}{{upstream="{public_url(upstream)}"}} '
+    line = next(line for line in metrics.splitlines() if line.startswith(prefix))
+    return float(line[len(prefix) :])
+
+
+def test_metrics_and_ratelimit_show_the_shared_room(redis_server: RedisServer) -> None:
+    slow = {"decode_rate": 100.0, "tick_seconds": 0.01, "kv_tokens": 8192,
+            "context_window": 4096}  # fmt: skip
+    with running_server(**slow) as upstream:
+        config = GatewayConfig(upstreams=(upstream.base_url,), ledger=redis_server.url)
+        with running_gateway(config) as a, running_gateway(config) as b:
+            results: list[int] = []
+            holder = threading.Thread(target=_stream, args=(a.base_url, 300, results))  # 3 s
+            holder.start()
+            wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url)[1] == 1)
+            held, _ = shared_reserved(redis_server.url, upstream.base_url)
+            answer = httpx.post(
+                b.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}
+            )
+            assert answer.status_code == 200
+            hint = parse_ratelimit(answer.headers)
+            assert hint is not None
+            assert hint.quota is not None
+            assert hint.remaining == hint.quota - held  # a's reservation, seen from b
+            assert hint.reset is not None
+            assert hint.reset > 0  # a's holder ends later; b holds nothing
+            metrics = httpx.get(b.base_url + "/metrics").text
+            assert _gauge(metrics, "kv_upstream_reserved_tokens", upstream.base_url) == 0
+            assert _gauge(metrics, "kv_upstream_shared_reserved_tokens", upstream.base_url) == held
+            assert _gauge(metrics, "kv_upstream_shared_inflight_requests", upstream.base_url) == 1
+            assert _gauge(metrics, "kv_upstream_shared_queued_tokens", upstream.base_url) == 0
+            holder.join(30)
+            assert results == [200]
+            metrics = httpx.get(b.base_url + "/metrics").text
+            assert _gauge(metrics, "kv_upstream_shared_reserved_tokens", upstream.base_url) == 0
