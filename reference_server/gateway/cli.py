@@ -7,7 +7,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvclient._cli_options import TOKENIZER_HELP, add_log_level, setup_logging
 from kvclient._help import HelpFormatter
@@ -22,7 +24,7 @@ from .config import (
     GatewayConfig,
 )
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["WorkerApp", "build_parser", "config_from_args", "main"]
 
 DEFAULT_PORT = 8080
 
@@ -123,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add(
         "--workers", type=int, default=1, metavar="N",
-        help="serve N processes on one port (needs --ledger when N > 1: they share its budget)",
+        help="serve N processes on one port (needs --ledger when N > 1: they share its budget), "
+        "supervised by uvicorn: a worker that dies is replaced, SIGHUP replaces them one by one",
     )  # fmt: skip
     add(
         "--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
@@ -162,6 +165,22 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerApp:
+    """The gateway's app, built in a worker process of ``--workers N`` from the command line:
+    picklable, as uvicorn's supervisor starts each worker as a fresh interpreter (and starts a
+    new one when a worker dies)."""
+
+    argv: tuple[str, ...]
+
+    def __call__(self) -> Any:
+        from .app import create_gateway_app
+
+        args, config = configure(build_parser(), self.argv, config_from_args)
+        setup_logging(args.log_level)
+        return create_gateway_app(config)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, config = configure(build_parser(), argv, config_from_args)
     from .app import create_gateway_app
@@ -174,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.workers > 1:
         return serve_workers(
-            lambda: create_gateway_app(config),
+            WorkerApp(tuple(sys.argv[1:] if argv is None else argv)),
             workers=args.workers,
             host=args.host,
             port=args.port,

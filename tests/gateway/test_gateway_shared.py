@@ -4,6 +4,8 @@ reservations, Redis going away and coming back, ``--workers``."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -315,3 +317,39 @@ def test_metrics_and_ratelimit_show_the_shared_room(redis_server: RedisServer) -
             assert results == [200]
             metrics = httpx.get(b.base_url + "/metrics").text
             assert _gauge(metrics, "kv_upstream_shared_reserved_tokens", upstream.base_url) == 0
+
+
+def _workers(parent: int) -> set[int]:
+    """The worker processes of ``parent``: its children but multiprocessing's helper."""
+    pids = set()
+    with open(f"/proc/{parent}/task/{parent}/children") as listing:
+        for pid in map(int, listing.read().split()):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"resource_tracker" not in cmdline.read():
+                    pids.add(pid)
+    return pids
+
+
+def test_a_killed_worker_is_replaced_and_the_new_one_serves(redis_server: RedisServer) -> None:
+    with running_server(**FAST, kv_tokens=8192, context_window=1024) as upstream:
+        workers = ("--workers", "2", "--ledger", redis_server.url)
+        with gateway_process(upstream.base_url, *workers) as (proc, url):
+            wait_for(lambda: len(_workers(proc.pid)) == 2, timeout=30)
+            first, second = sorted(_workers(proc.pid))
+            os.kill(first, signal.SIGKILL)
+            wait_for(lambda: len(_workers(proc.pid) - {first, second}) == 1, timeout=30)
+            # The other original worker cannot take connections while stopped: the new one
+            # answers all of them.
+            os.kill(second, signal.SIGSTOP)
+            try:
+                for _ in range(3):
+                    answer = httpx.post(
+                        url + "/v1/completions",
+                        json={"prompt": "hi", "max_tokens": 5},
+                        timeout=30,
+                    )
+                    assert answer.status_code == 200
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(second, signal.SIGCONT)
+            assert proc.poll() is None
