@@ -88,9 +88,20 @@ class LedgerConflict(Exception):
     """Another gateway sharing the ledger has this upstream configured differently."""
 
 
-def connect(url: str, *, environ: dict[str, str] | None = None) -> aioredis.Redis:
+def connect(
+    url: str,
+    *,
+    ca_file: str | None = None,
+    client_cert: str | None = None,
+    client_key: str | None = None,
+    environ: dict[str, str] | None = None,
+) -> aioredis.Redis:
     """A Redis client for ``redis://HOST:PORT/DB`` or ``rediss://`` (TLS). A password missing
-    from the URL is taken from ``$KVCLIENT_LEDGER_PASSWORD`` when set."""
+    from the URL is taken from ``$KVCLIENT_LEDGER_PASSWORD`` when set.
+
+    Over TLS, Redis's certificate is verified (host name included) against ``ca_file`` (PEM;
+    default: the system's CAs); ``client_cert`` (with its key in ``client_key`` or in the same
+    file) is shown to a Redis that asks for one (``tls-auth-clients``, on by default)."""
     if not url.startswith(("redis://", "rediss://")):
         raise ValueError(
             f"--ledger must be a redis:// or rediss:// URL, got {url.split('@')[-1]!r}"
@@ -100,6 +111,11 @@ def connect(url: str, *, environ: dict[str, str] | None = None) -> aioredis.Redi
     password = env.get("KVCLIENT_LEDGER_PASSWORD")
     if password and "@" not in url:
         options["password"] = password
+    tls = {"ssl_ca_certs": ca_file, "ssl_certfile": client_cert, "ssl_keyfile": client_key}
+    if any(tls.values()):
+        if not url.startswith("rediss://"):
+            raise ValueError("TLS files need a rediss:// URL")
+        options.update({key: value for key, value in tls.items() if value is not None})
     # One retry on a fresh connection: a pooled one may have died with a Redis restart. The
     # scripts are idempotent, so one that ran before its answer was lost may run again.
     return aioredis.from_url(

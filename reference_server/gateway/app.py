@@ -57,7 +57,13 @@ class GatewayState:
         #: The shared ledger (``--ledger``), or None: each upstream's ledger is this process's.
         self.shared: SharedLedgers | None = None
         if config.ledger is not None:
-            self.shared = SharedLedgers(config.ledger, lease_seconds=config.lease_seconds)
+            self.shared = SharedLedgers(
+                config.ledger,
+                lease_seconds=config.lease_seconds,
+                ca_file=config.ledger_ca_file,
+                client_cert=config.ledger_client_cert,
+                client_key=config.ledger_client_key,
+            )
             for upstream in self.upstreams:
                 upstream.shared = self.shared
         self.registry = registry_for(self)

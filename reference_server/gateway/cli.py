@@ -116,7 +116,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep every upstream's reservations in Redis (redis://HOST:PORT/DB, rediss:// for "
         "TLS; a password in the URL or in $KVCLIENT_LEDGER_PASSWORD), shared by every gateway "
         "given the same URL (default: $KVCLIENT_GATEWAY_LEDGER, else in this process only). "
-        "While Redis is away new requests get 503 with Retry-After; admitted ones finish",
+        "While Redis is away new requests get 503 with Retry-After; admitted ones finish. "
+        "One Redis server (with its replicas for safety, not for failover): Sentinel and "
+        "Redis Cluster are not supported",
+    )  # fmt: skip
+    add(
+        "--ledger-ca-file", metavar="PEM",
+        help="with a rediss:// --ledger: verify Redis's certificate with these CA certificates, "
+        "e.g. a self-signed CA (default: the system's)",
+    )  # fmt: skip
+    add(
+        "--ledger-client-cert", metavar="PEM",
+        help="with a rediss:// --ledger: a client certificate for a Redis that asks for one "
+        "(tls-auth-clients), with its key or --ledger-client-key (default: none)",
+    )  # fmt: skip
+    add(
+        "--ledger-client-key", metavar="PEM",
+        help="the key of --ledger-client-cert (default: in the certificate's file)",
     )  # fmt: skip
     add(
         "--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS, metavar="S",
@@ -162,6 +178,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         upstream_client_key=args.upstream_client_key,
         ledger=args.ledger,
         lease_seconds=args.lease_seconds,
+        ledger_ca_file=args.ledger_ca_file,
+        ledger_client_cert=args.ledger_client_cert,
+        ledger_client_key=args.ledger_client_key,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import yarl
@@ -96,6 +97,11 @@ class GatewayConfig:
     ledger: str | None = None
     #: Seconds a gateway's reservations outlive it in the shared ledger when it dies.
     lease_seconds: float = DEFAULT_LEASE_SECONDS
+    #: With ``rediss://``: the CA certificates (PEM) Redis's certificate is verified with (None:
+    #: the system's), and a client certificate and its key for a Redis that asks for one.
+    ledger_ca_file: str | None = None
+    ledger_client_cert: str | None = None
+    ledger_client_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -118,6 +124,19 @@ class GatewayConfig:
             )
         if self.ledger is not None and not self.ledger.startswith(("redis://", "rediss://")):
             raise ValueError("--ledger must be a redis:// or rediss:// URL")
+        for flag, path in (
+            ("--ledger-ca-file", self.ledger_ca_file),
+            ("--ledger-client-cert", self.ledger_client_cert),
+            ("--ledger-client-key", self.ledger_client_key),
+        ):
+            if path is None:
+                continue
+            if self.ledger is None or not self.ledger.startswith("rediss://"):
+                raise ValueError(f"{flag} needs a rediss:// --ledger (Redis over TLS)")
+            if not os.path.isfile(path):
+                raise ValueError(f"{flag}: no such file: {path}")
+        if self.ledger_client_key is not None and self.ledger_client_cert is None:
+            raise ValueError("--ledger-client-key needs --ledger-client-cert")
         if not 0 < self.lease_seconds < 3600:
             raise ValueError(f"--lease-seconds must be > 0 and < 3600, got {self.lease_seconds}")
         if self.speed_interval < 0 or not math.isfinite(self.speed_interval):

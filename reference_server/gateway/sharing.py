@@ -29,12 +29,20 @@ logger = logging.getLogger("kvclient.gateway")
 class SharedLedgers:
     """Everything one gateway process keeps in the shared ledger at ``url``."""
 
-    def __init__(self, url: str, *, lease_seconds: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        lease_seconds: float,
+        ca_file: str | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+    ) -> None:
         # Imported here: redis is needed only when a ledger is shared.
         from ..admission.shared import Lease, Wakeups, connect
 
         self.url = url
-        self.client = connect(url)
+        self.client = connect(url, ca_file=ca_file, client_cert=client_cert, client_key=client_key)
         self.lease: Lease = Lease(ttl=lease_seconds, on_state=self._state)
         self.wakeups: Wakeups = Wakeups(self.client)
         self.ledgers: list[RedisLedger] = []

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import llama_engine
+import pytest
 import redis
 
 from kvclient._pacing import parse_ratelimit
@@ -25,7 +26,7 @@ from reference_server import running_server
 from reference_server.gateway import GatewayConfig
 from reference_server.gateway.config import public_url
 from reference_server.testing import running_gateway
-from tests.helpers.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer, TLSFiles
 from tests.helpers.servers import at_zero, bench_summary_run, wait_for
 
 FAST = {"decode_rate": 4000.0, "tick_seconds": 0.005}
@@ -353,3 +354,25 @@ def test_a_killed_worker_is_replaced_and_the_new_one_serves(redis_server: RedisS
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(second, signal.SIGCONT)
             assert proc.poll() is None
+
+
+def test_a_gateway_on_a_redis_over_tls_with_its_own_ca(
+    tls_redis: tuple[RedisServer, TLSFiles],
+) -> None:
+    server, tls = tls_redis
+    files = {"ledger_ca_file": str(tls.ca), "ledger_client_cert": str(tls.client_cert),
+             "ledger_client_key": str(tls.client_key)}  # fmt: skip
+    with pytest.raises(ValueError, match="needs a rediss:// --ledger"):
+        GatewayConfig(upstreams=("http://127.0.0.1:1",), ledger="redis://127.0.0.1:1/0", **files)
+    with running_server(**FAST, kv_tokens=8192, context_window=1024) as upstream:
+        config = GatewayConfig(upstreams=(upstream.base_url,), ledger=server.url, **files)
+        with running_gateway(config) as gateway:
+            answer = httpx.post(
+                gateway.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}
+            )
+            assert answer.status_code == 200
+            metrics = httpx.get(gateway.base_url + "/metrics").text
+            assert "kv_ledger_unreachable 0.0" in metrics
+            assert _gauge(metrics, "kv_upstream_shared_reserved_tokens", upstream.base_url) == 0
+            assert gateway.gateway.shared is not None
+            assert gateway.gateway.shared.wakeups.subscribed  # pub/sub over TLS too

@@ -29,7 +29,7 @@ from reference_server.admission.shared import (
     fingerprint,
 )
 from reference_server.admission.shared_queue import SharedQueue
-from tests.helpers.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer, TLSFiles
 from tests.unit.test_server_ledger import make
 
 
@@ -299,6 +299,34 @@ async def test_a_release_in_one_process_wakes_a_waiter_in_another_by_pub_sub(
             await admitted.wait()
         group.cancel_scope.cancel()
     assert got[0] - released < 1.0
+
+
+@pytest.mark.anyio
+async def test_a_ledger_over_tls_verifies_redis_by_the_given_ca(
+    tls_redis: tuple[RedisServer, TLSFiles], closing: None
+) -> None:
+    server, tls = tls_redis
+    mine = {"client_cert": str(tls.client_cert), "client_key": str(tls.client_key)}
+
+    def over_tls(**files: str) -> RedisLedger:
+        ledger = RedisLedger(
+            connect(server.url, **files), name="u", pricing=pricing(), lease=Lease()
+        )
+        _OPEN.append(ledger)
+        return ledger
+
+    ledger = over_tls(ca_file=str(tls.ca), **mine)
+    await ledger.join()
+    handle = await ledger.try_admit(0, 100)
+    assert handle is not None
+    await ledger.release(handle)
+    assert await ledger.load() == (0, 0)
+    with pytest.raises(LedgerUnavailable, match="certificate verify failed"):
+        await over_tls(**mine).join()  # the system's CAs do not know the test's
+    with pytest.raises(LedgerUnavailable):
+        await over_tls(ca_file=str(tls.ca)).join()  # Redis asks for a client certificate
+    with pytest.raises(ValueError, match="rediss://"):
+        connect("redis://127.0.0.1:1/0", ca_file=str(tls.ca))
 
 
 def test_a_ledger_url_must_be_redis() -> None:
