@@ -114,11 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--ledger", default=os.environ.get("KVCLIENT_GATEWAY_LEDGER"), metavar="URL",
         help="keep every upstream's reservations in Redis (redis://HOST:PORT/DB, rediss:// for "
-        "TLS; a password in the URL or in $KVCLIENT_LEDGER_PASSWORD), shared by every gateway "
+        "TLS, redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB] for the master a Sentinel "
+        "names SERVICE, followed through a failover; a password in the URL or in "
+        "$KVCLIENT_LEDGER_PASSWORD), shared by every gateway "
         "given the same URL (default: $KVCLIENT_GATEWAY_LEDGER, else in this process only). "
         "While Redis is away new requests get 503 with Retry-After; admitted ones finish. "
-        "One Redis server (with its replicas for safety, not for failover): Sentinel and "
-        "Redis Cluster are not supported",
+        "Not supported: Redis Cluster, and TLS to Sentinel",
     )  # fmt: skip
     add(
         "--ledger-ca-file", metavar="PEM",

@@ -92,8 +92,9 @@ class GatewayConfig:
     send_timeout: float = DEFAULT_SEND_TIMEOUT
     failure_threshold: int = DEFAULT_FAILURE_THRESHOLD
     out_of_service_seconds: float = DEFAULT_OUT_OF_SERVICE_SECONDS
-    #: ``redis://HOST:PORT/DB`` (or ``rediss://``): every upstream's reservations are kept there,
-    #: shared by every gateway given the same URL. None: in this process only.
+    #: ``redis://HOST:PORT/DB`` (or ``rediss://``, or ``redis+sentinel://HOST:PORT/SERVICE``):
+    #: every upstream's reservations are kept there, shared by every gateway given the same URL.
+    #: None: in this process only.
     ledger: str | None = None
     #: Seconds a gateway's reservations outlive it in the shared ledger when it dies.
     lease_seconds: float = DEFAULT_LEASE_SECONDS
@@ -122,8 +123,10 @@ class GatewayConfig:
             raise ValueError(
                 f"max_queue_wait must be a finite number >= 0, got {self.max_queue_wait}"
             )
-        if self.ledger is not None and not self.ledger.startswith(("redis://", "rediss://")):
-            raise ValueError("--ledger must be a redis:// or rediss:// URL")
+        if self.ledger is not None and not self.ledger.startswith(
+            ("redis://", "rediss://", "redis+sentinel://")
+        ):
+            raise ValueError("--ledger must be a redis://, rediss:// or redis+sentinel:// URL")
         for flag, path in (
             ("--ledger-ca-file", self.ledger_ca_file),
             ("--ledger-client-cert", self.ledger_client_cert),

@@ -101,7 +101,9 @@ class SharedLedgers:
             await self.lease.run()
 
     async def aclose(self) -> None:
+        from ..admission.shared import close
+
         with anyio.CancelScope(shield=True):
             for shared in self.ledgers:
                 await shared.give_back()
-            await self.client.aclose()
+            await close(self.client)

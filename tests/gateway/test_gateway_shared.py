@@ -26,7 +26,7 @@ from reference_server import running_server
 from reference_server.gateway import GatewayConfig
 from reference_server.gateway.config import public_url
 from reference_server.testing import running_gateway
-from tests.helpers.redis_server import RedisServer, TLSFiles
+from tests.helpers.redis_server import RedisSentinel, RedisServer, TLSFiles
 from tests.helpers.servers import at_zero, bench_summary_run, wait_for
 
 FAST = {"decode_rate": 4000.0, "tick_seconds": 0.005}
@@ -376,3 +376,27 @@ def test_a_gateway_on_a_redis_over_tls_with_its_own_ca(
             assert _gauge(metrics, "kv_upstream_shared_reserved_tokens", upstream.base_url) == 0
             assert gateway.gateway.shared is not None
             assert gateway.gateway.shared.wakeups.subscribed  # pub/sub over TLS too
+
+
+def test_a_gateway_finds_its_ledger_through_sentinel(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    with (
+        RedisSentinel(tmp_path, master_port=redis_server.port) as sentinel,
+        running_server(**FAST, kv_tokens=8192, context_window=1024) as upstream,
+    ):
+        config = GatewayConfig(upstreams=(upstream.base_url,), ledger=sentinel.url)
+        with running_gateway(config) as gateway:
+            answer = httpx.post(
+                gateway.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}
+            )
+            assert answer.status_code == 200
+            assert gateway.gateway.shared is not None
+            assert gateway.gateway.shared.wakeups.subscribed
+        # The reservations went to the master the Sentinel names.
+        assert shared_reserved(redis_server.url, upstream.base_url) == (0, 0)
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            assert client.exists("{kvclient:" + public_url(upstream.base_url) + "}:leases")
+        finally:
+            client.close()

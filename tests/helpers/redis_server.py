@@ -1,5 +1,6 @@
 """A real Redis server (Debian's ``redis-server``) on a free loopback port, for the tests of the
-shared ledger, in plain TCP or over TLS (certificates made with ``openssl``: :func:`make_tls`).
+shared ledger, in plain TCP or over TLS (certificates made with ``openssl``: :func:`make_tls`), a
+replica of another, or a Sentinel watching one (:class:`RedisSentinel`).
 ``scripts/test_setup.py`` installs it when it is missing."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["RedisServer", "TLSFiles", "make_tls", "redis_server_path"]
+__all__ = ["RedisSentinel", "RedisServer", "TLSFiles", "make_tls", "redis_server_path"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,12 @@ class RedisServer:
     (same port) to take it away and bring it back."""
 
     def __init__(
-        self, directory: Path, *, tls: TLSFiles | None = None, client_certs: bool = False
+        self,
+        directory: Path,
+        *,
+        tls: TLSFiles | None = None,
+        client_certs: bool = False,
+        replica_of: int | None = None,
     ) -> None:
         path = redis_server_path()
         if path is None:
@@ -92,6 +98,8 @@ class RedisServer:
         #: ``client_certs``.
         self.tls = tls
         self.client_certs = client_certs
+        #: The port of the master this one replicates, if any.
+        self.replica_of = replica_of
 
     @property
     def url(self) -> str:
@@ -99,6 +107,8 @@ class RedisServer:
         return f"{scheme}://127.0.0.1:{self.port}/0"
 
     def _listen_args(self) -> list[str]:
+        if self.replica_of is not None:
+            return ["--port", str(self.port), "--replicaof", "127.0.0.1", str(self.replica_of)]
         if self.tls is None:
             return ["--port", str(self.port)]
         return ["--port", "0", "--tls-port", str(self.port),
@@ -117,12 +127,14 @@ class RedisServer:
             with context.wrap_socket(sock, server_hostname="127.0.0.1") as secure:
                 return _pong(secure)
 
+    def _command(self) -> list[str]:
+        return [
+            self.path, "--bind", "127.0.0.1", *self._listen_args(), "--save", "",
+            "--appendonly", "no", "--dir", str(self.directory), "--protected-mode", "no",
+        ]  # fmt: skip
+
     def start(self) -> None:
-        self.process = subprocess.Popen(
-            [self.path, "--bind", "127.0.0.1", *self._listen_args(), "--save", "",
-             "--appendonly", "no", "--dir", str(self.directory), "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+        self.process = subprocess.Popen(self._command(), stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -146,3 +158,27 @@ class RedisServer:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class RedisSentinel(RedisServer):
+    """A Sentinel (``redis-server --sentinel``) watching the master on ``master_port`` as
+    ``service``, alone (quorum 1), quick to fail over: down after 300 ms."""
+
+    def __init__(self, directory: Path, *, master_port: int, service: str = "ledger") -> None:
+        super().__init__(directory)
+        self.master_port = master_port
+        self.service = service
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.port}/{self.service}"
+
+    def _command(self) -> list[str]:
+        conf = self.directory / f"sentinel-{self.port}.conf"
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.directory}\n"
+            f"sentinel monitor {self.service} 127.0.0.1 {self.master_port} 1\n"
+            f"sentinel down-after-milliseconds {self.service} 300\n"
+            f"sentinel failover-timeout {self.service} 3000\n"
+        )
+        return [self.path, str(conf), "--sentinel"]

@@ -9,6 +9,8 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack
+from pathlib import Path
 
 import anyio
 import pytest
@@ -29,7 +31,7 @@ from reference_server.admission.shared import (
     fingerprint,
 )
 from reference_server.admission.shared_queue import SharedQueue
-from tests.helpers.redis_server import RedisServer, TLSFiles
+from tests.helpers.redis_server import RedisSentinel, RedisServer, TLSFiles
 from tests.unit.test_server_ledger import make
 
 
@@ -327,6 +329,55 @@ async def test_a_ledger_over_tls_verifies_redis_by_the_given_ca(
         await over_tls(ca_file=str(tls.ca)).join()  # Redis asks for a client certificate
     with pytest.raises(ValueError, match="rediss://"):
         connect("redis://127.0.0.1:1/0", ca_file=str(tls.ca))
+
+
+@pytest.mark.anyio
+async def test_a_ledger_behind_sentinel_follows_a_failover(
+    redis_server_ready: str, tmp_path: Path, closing: None
+) -> None:
+    """A master, its replica and a Sentinel: the ledger finds the master through the Sentinel,
+    and once the master dies and the replica is promoted it carries on with what was held."""
+    with ExitStack() as stack:
+        master = stack.enter_context(RedisServer(tmp_path))
+        replica = stack.enter_context(RedisServer(tmp_path, replica_of=master.port))
+        sentinel = stack.enter_context(RedisSentinel(tmp_path, master_port=master.port))
+        ledger = RedisLedger(
+            connect(sentinel.url), name="u", pricing=pricing(), lease=Lease(ttl=30)
+        )
+        _OPEN.append(ledger)
+        await ledger.join()
+        held = await ledger.try_admit(0, 4000)
+        assert held is not None
+        for _ in range(20):  # on the replica too, once it has synced
+            if await ledger.client.execute_command("WAIT", 1, 500) == 1:
+                break
+        else:
+            pytest.fail("the replica never caught up")
+        master.stop()
+        with anyio.fail_after(30):  # Sentinel: down after 0.3 s, then the promotion
+            while True:
+                try:
+                    load = await ledger.load()
+                    break
+                except LedgerUnavailable:
+                    await anyio.sleep(0.2)
+        assert load == (held.reserved_tokens, 1)
+        assert (await ledger.client.config_get("port"))["port"] == str(replica.port)
+        await ledger.release(held)
+        assert await ledger.load() == (0, 0)
+        assert await ledger.try_admit(0, 8000) is not None
+
+
+def test_a_sentinel_url_names_its_sentinels_and_service() -> None:
+    client = connect("redis+sentinel://:secret@10.0.0.1:26379,[::1]:26380/ledger/2")
+    kwargs = client.connection_pool.connection_kwargs
+    assert (kwargs["password"], kwargs["db"]) == ("secret", 2)
+    sentinels = client.connection_pool.sentinel_manager.sentinels
+    hosts = [s.connection_pool.connection_kwargs["host"] for s in sentinels]
+    assert hosts == ["10.0.0.1", "::1"]
+    for bad in ("redis+sentinel://h:1", "redis+sentinel://h/ledger", "redis+sentinel://h:1/l/x"):
+        with pytest.raises(ValueError, match="--ledger"):
+            connect(bad)
 
 
 def test_a_ledger_url_must_be_redis() -> None:
