@@ -70,6 +70,12 @@ async def _holder(url: str, rounds: int, pipe: Connection) -> list[float]:
     return delays
 
 
+async def _admit(queue: SharedQueue, admitted: list[float]) -> None:
+    handle = await queue.acquire(0, WAIT)
+    admitted.append(time.monotonic())
+    await queue.release(handle)
+
+
 async def _waiter(url: str, rounds: int, pubsub: bool, pipe: Connection) -> None:
     ledger = await _ledger(url)
     wakeups = Wakeups(ledger.client) if pubsub else None
@@ -77,19 +83,15 @@ async def _waiter(url: str, rounds: int, pubsub: bool, pipe: Connection) -> None
     async with anyio.create_task_group() as group:
         if wakeups is not None:
             group.start_soon(wakeups.run)
-            while not wakeups.subscribed:
+            for _ in range(500):
+                if wakeups.subscribed:
+                    break
                 await anyio.sleep(0.01)
         for _ in range(rounds):
             await anyio.to_thread.run_sync(pipe.recv)
             admitted: list[float] = []
-
-            async def wait() -> None:
-                handle = await queue.acquire(0, WAIT)
-                admitted.append(time.monotonic())
-                await queue.release(handle)
-
             async with anyio.create_task_group() as one:
-                one.start_soon(wait)
+                one.start_soon(_admit, queue, admitted)
                 await anyio.sleep(0.03)  # its first try found no room: it waits in the queue
                 pipe.send("waiting")
             pipe.send(admitted[0])
