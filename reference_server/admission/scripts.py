@@ -1,14 +1,14 @@
 """The shared ledger's Lua scripts: each operation is one script, run atomically by Redis.
 
-Keys, per upstream (one hash tag, so they live on one node): ``holders`` (a hash: reservation
--> ``"lease tokens cap admitted_ms"``), ``reserved`` (their tokens summed), ``queue`` (a sorted
-set of waiting tickets in arrival order), ``seq`` (the arrival counter), ``leases`` (a sorted set:
-lease -> expiry in ms of the Redis clock), ``config`` (the budget's fingerprint), ``gone``
-(the leases swept for expiring, remembered for an hour); and one pub/sub channel, ``released``,
-told of every change as ``"wake reserved holders queued"``: the totals after it (tokens
-reserved, reservations, tokens the queue waits for), and ``wake`` 1 when the change may let a
-waiter in (a release, a shrink, a lease swept, a ticket leaving the queue or admitted from its
-head with others behind it), so that waiters in every process wake and every process knows the
+Keys, per upstream (one hash tag, so they live on one node): ``holders`` (a hash: reservation ->
+``"lease tokens cap admitted_ms"``), ``reserved`` (their tokens summed), ``queue`` (a sorted set of
+waiting tickets in arrival order), ``queued`` (their needs summed), ``seq`` (the arrival counter),
+``leases`` (a sorted set: lease -> expiry in ms of the Redis clock), ``config`` (the budget's
+fingerprint), ``gone`` (the leases swept for expiring, remembered for an hour); and one pub/sub
+channel, ``released``, told of every change as ``"wake reserved holders queued"``: the totals after
+it (tokens reserved, reservations, tokens the queue waits for), and ``wake`` 1 when the change may
+let a waiter in (a release, a shrink, a lease swept, a ticket leaving the queue or admitted from
+its head with others behind it), so that waiters in every process wake and every process knows the
 shared room.
 
 A reservation and a ticket are both named ``lease:n:need``, so the holders and waiters of a lease
@@ -36,12 +36,25 @@ __all__ = [
 #: A lease not renewed for this long is expired: its reservations come back.
 DEFAULT_LEASE_SECONDS = 5.0
 
-KEY_NAMES = ("holders", "reserved", "queue", "seq", "leases", "config", "gone", "released")
+KEY_NAMES = (
+    "holders", "reserved", "queue", "seq", "leases", "config", "gone", "released", "queued"
+)  # fmt: skip
 
 _PRELUDE = """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function enqueue(ticket)
+  redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), ticket)
+  redis.call('INCRBY', KEYS[9], string.match(ticket, ':(%d+)$'))
+end
+local function dequeue(ticket)
+  if redis.call('ZREM', KEYS[3], ticket) == 0 then
+    return false
+  end
+  redis.call('DECRBY', KEYS[9], string.match(ticket, ':(%d+)$'))
+  return true
 end
 local function drop_lease(lease)
   local prefix = lease .. ':'
@@ -56,16 +69,13 @@ local function drop_lease(lease)
   local tickets = redis.call('ZRANGE', KEYS[3], 0, -1)
   for _, ticket in ipairs(tickets) do
     if string.sub(ticket, 1, #prefix) == prefix then
-      redis.call('ZREM', KEYS[3], ticket)
+      dequeue(ticket)
     end
   end
 end
 local function state()
-  local queued = 0
-  for _, ticket in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
-    queued = queued + tonumber(string.match(ticket, ':(%d+)$'))
-  end
-  return (redis.call('GET', KEYS[2]) or '0') .. ' ' .. redis.call('HLEN', KEYS[1]) .. ' ' .. queued
+  return (redis.call('GET', KEYS[2]) or '0') .. ' ' .. redis.call('HLEN', KEYS[1]) .. ' '
+    .. (redis.call('GET', KEYS[9]) or '0')
 end
 local function tell(wake)
   redis.call('PUBLISH', KEYS[8], wake .. ' ' .. state())
@@ -116,14 +126,13 @@ if head == nil or head == ticket then
       and (most == 0 or redis.call('HLEN', KEYS[1]) < most) then
     redis.call('HSET', KEYS[1], ticket, lease .. ' ' .. need .. ' ' .. ARGV[4] .. ' ' .. now)
     redis.call('INCRBY', KEYS[2], need)
-    local next_may_fit = redis.call('ZREM', KEYS[3], ticket) == 1
-      and redis.call('ZCARD', KEYS[3]) > 0
+    local next_may_fit = dequeue(ticket) and redis.call('ZCARD', KEYS[3]) > 0
     tell(next_may_fit and 1 or 0)
     return {1, now, state()}
   end
 end
 if ARGV[7] == '1' and not redis.call('ZSCORE', KEYS[3], ticket) then
-  redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), ticket)
+  enqueue(ticket)
   tell(0)
 end
 return {0, now, state()}
@@ -170,11 +179,11 @@ LEAVE = (
     _PRELUDE
     + """
 sweep(now_ms())
-local left = redis.call('ZREM', KEYS[3], ARGV[1])
-if left == 1 then
+if dequeue(ARGV[1]) then
   tell(1)
+  return 1
 end
-return left
+return 0
 """
 )
 

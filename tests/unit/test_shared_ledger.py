@@ -26,6 +26,7 @@ from reference_server.admission.shared import (
     Lease,
     LedgerConflict,
     RedisLedger,
+    SharedState,
     Wakeups,
     connect,
     fingerprint,
@@ -133,6 +134,29 @@ async def test_retry_after_follows_the_measured_speed_of_the_pricing_ledger(
     assert await a.try_admit(0, 4000) is not None
     wait, _ = await b.retry_after(5000)
     assert 59.0 < wait <= 60.1
+
+
+@pytest.mark.anyio
+async def test_the_shared_totals_count_every_gateways_holders_and_waiters(
+    redis_server: RedisServer, closing: None
+) -> None:
+    dead = await shared(redis_server, "u", ttl=0.3)  # never renewed: it dies
+    b = await shared(redis_server, "u")
+    held = await dead.try_admit(0, 8000)
+    assert held is not None
+    assert dead.seen == SharedState(held.reserved_tokens, 1, 0)
+    need = b.pricing.need_tokens(0, 2000)
+    ticket = b.ticket(need)
+    assert await b.try_admit(0, 2000, ticket=ticket, enqueue=True) is None
+    assert b.seen == SharedState(held.reserved_tokens, 1, need)
+    assert await dead.try_admit(0, 100, enqueue=True) is None
+    assert dead.seen == SharedState(held.reserved_tokens, 1, need + 112)
+    await asyncio.sleep(0.4)  # the dead gateway's reservation and ticket are swept
+    assert await b.try_admit(0, 10) is None  # b's own ticket is ahead
+    assert b.seen == SharedState(0, 0, need)
+    await b.leave(ticket)
+    assert await b.try_admit(0, 10) is not None
+    assert b.seen == SharedState(16, 1, 0)
 
 
 @pytest.mark.anyio
