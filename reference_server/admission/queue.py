@@ -74,6 +74,10 @@ class AdmissionQueue:
         """The queue's clock: the one the ledger's due times are on."""
         return self._clock()
 
+    def load(self) -> tuple[int, int]:
+        """(tokens reserved, requests in flight) in the budget this queue admits against."""
+        return self.ledger.load()
+
     def headroom(self, releasing: Handle | None = None) -> Headroom:
         """The room a newcomer sees now (the RateLimit headers): those queued wait ahead of it."""
         return self.ledger.headroom(self.now(), releasing=releasing, queued=self.waiting_tokens)

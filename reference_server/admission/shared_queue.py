@@ -80,6 +80,10 @@ class SharedQueue(AdmissionQueue):
     def waiting(self) -> int:
         return len(self._wakes)
 
+    def load(self) -> tuple[int, int]:
+        """Every gateway's (tokens reserved, requests in flight), as last heard from Redis."""
+        return self.shared.seen.reserved, self.shared.seen.inflight
+
     def headroom(self, releasing: Handle | None = None) -> Headroom:
         """The room in the shared budget, every gateway's holders and waiters counted, as last
         heard from Redis (this process's last script, or the last change any gateway published).

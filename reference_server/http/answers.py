@@ -116,14 +116,14 @@ def too_busy(
 ) -> JSONResponse:
     """The 429 for a request the budget cannot take now, with Retry-After and retry-after-ms,
     and the room left (RateLimit headers)."""
-    stats = ledger.stats()
+    reserved, inflight = queue.load() if queue is not None else ledger.load()
     seconds, millis = retry_after_header(rejected.retry_after)
     queued = f", {rejected.queued_ahead} queued ahead" if rejected.queued_ahead else ""
     return APIError(
         429,
         f"KV cache budget exhausted: this request needs {rejected.need} tokens "
-        f"({prompt_tokens} prompt + {cap} output cap) and {stats.reserved_tokens} of "
-        f"{stats.usable_tokens} usable tokens are reserved by {stats.inflight} in-flight "
+        f"({prompt_tokens} prompt + {cap} output cap) and {reserved} of "
+        f"{ledger.usable_tokens} usable tokens are reserved by {inflight} in-flight "
         f"requests{queued}. Retry after {int(millis) / 1000:.3f} seconds.",
         type="rate_limit_error",
         code="rate_limit_exceeded",
