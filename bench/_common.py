@@ -6,7 +6,6 @@ import contextlib
 import json
 import platform
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
@@ -69,31 +68,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-
-
-@contextlib.contextmanager
-def serve_app(app: Any) -> Iterator[str]:
-    """Serve an ASGI app with uvicorn on a free loopback port in a thread; yields its URL."""
-    import uvicorn
-
-    port = free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, http="h11", loop="asyncio", log_level="error",
-        lifespan="off",
-    )  # fmt: skip
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @contextlib.contextmanager

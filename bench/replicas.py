@@ -20,7 +20,7 @@ error within its deadline; none lost (no record) or hung (past its deadline).
 
     python bench/replicas.py [--quick]
 
-``--quick`` (the smoke test in tests/e2e/test_bench_scripts.py) runs a short trace against servers
+``--quick`` (the smoke test in tests/bench/test_bench_scripts.py) runs a short trace against servers
 in this process, ten times as fast, and stops the "killed" one gracefully instead.
 """
 

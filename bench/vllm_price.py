@@ -6,17 +6,24 @@ window over 3,072 KV tokens, 8 sequences at most), through ``kvclient.AsyncClien
 
 - **direct**: vLLM admits everything its scheduler can fit and preempts sequences when their KV
   outgrows the pool (recomputing them later);
-- **gateway**: ``kvclient gateway`` in front of the same vLLM, its defaults: what does not fit
-  waits in its FIFO queue (``--max-queue-wait`` 300 s) and is admitted the moment a release
-  lands; kvclient says how long it will wait (``Prefer: wait``);
-- **gateway, no queue**: the same with ``--max-queue-wait 0``: a 429 + Retry-After at once, the
-  client pacing itself from the RateLimit room.
+- **gateway**: ``kvclient gateway --max-running 8`` in front of the same vLLM, its defaults:
+  the peak rule (admit by the most the holders can hold at once, from each one's progress as
+  its stream shows it), and what does not fit waits in its FIFO queue (``--max-queue-wait``
+  300 s), admitted the moment there is room; kvclient says how long it will wait (``Prefer:
+  wait``);
+- **caps**: the same with ``--admission caps``: every holder counts its whole reservation;
+- **gateway, no queue**: the peak rule with ``--max-queue-wait 0``: a 429 + Retry-After at
+  once, the client pacing itself from the RateLimit room.
+
+``--mix prefix``: the prefix-heavy mix instead: two shared prefixes of 512 tokens, a 64-token
+suffix each, ``max_tokens`` 300 (vLLM shares the prefixes' KV blocks; the gateway counts them
+once where a holder past its prefill has them).
 
 Reported side by side: completed requests, output tokens per second (completion tokens over the
 burst's wall time), p50/p99 latency, attempts per completed request (every POST the client's
 transport sent), 429s, and vLLM's preemptions during the run (``vllm:num_preemptions_total``).
 
-    python bench/vllm_price.py [--requests 32] [--runs direct,gateway,no-queue]
+    python bench/vllm_price.py [--requests 32] [--runs direct,gateway,caps,no-queue] [--mix prefix]
 
 About 10 minutes on 2 cores (vLLM's start-up included). Needs vLLM installed by
 ``python scripts/test_setup.py`` (or ``python scripts/vllm_engine.py ensure``).
@@ -43,15 +50,19 @@ from kvclient import AsyncClient, HuggingFaceCounter, RetryPolicy
 from kvclient._dialects import preemptions_from_vllm_metrics
 from kvclient.loadgen import percentile
 from reference_server.gateway import GatewayConfig
+from reference_server.gateway.config import DEFAULT_MAX_QUEUE_WAIT
 from reference_server.testing import running_gateway
 
 SEED = 7
 DEADLINE = 900.0
 LABELS = {
     "direct": "direct to vLLM",
-    "gateway": "through kvclient gateway (defaults: a FIFO queue)",
+    "gateway": "through kvclient gateway (defaults: peak rule, a FIFO queue)",
+    "caps": "through kvclient gateway --admission caps",
     "no-queue": "through kvclient gateway --max-queue-wait 0 (429 at once)",
 }
+#: The prefix-heavy mix: shared prefixes, each request's own suffix, one output cap.
+PREFIXES, PREFIX_TOKENS, SUFFIX_TOKENS, PREFIX_CAP = 2, 512, 64, 300
 
 
 def workload(requests: int, low: int, high: int) -> list[tuple[str, int]]:
@@ -61,6 +72,23 @@ def workload(requests: int, low: int, high: int) -> list[tuple[str, int]]:
     return [
         (f"Tell a long story about {' and '.join(rng.sample(words, 3))}.", rng.randint(low, high))
         for _ in range(requests)
+    ]
+
+
+def prefix_workload(requests: int) -> list[tuple[str, int]]:
+    """Seeded prompts of one of two 512-word prefixes (one token a word for Llama 3's
+    tokenizer) and a 64-word suffix of their own, each with ``max_tokens`` 300."""
+    rng = random.Random(SEED)
+    words = "story river mountain lamp garden engine winter market letter harbor".split()
+    prefixes = [" ".join(rng.choice(words) for _ in range(PREFIX_TOKENS)) for _ in range(PREFIXES)]
+    return [
+        (
+            prefixes[i % PREFIXES]
+            + " "
+            + " ".join(rng.choice(words) for _ in range(SUFFIX_TOKENS)),
+            PREFIX_CAP,
+        )
+        for i in range(requests)
     ]
 
 
@@ -138,9 +166,12 @@ def run(name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]])
     if name == "direct":
         result = anyio.run(burst, engine.url, items, counter)
     else:
-        config = GatewayConfig(upstreams=(engine.url,))
-        if name == "no-queue":
-            config = GatewayConfig(upstreams=(engine.url,), max_queue_wait=0.0)
+        config = GatewayConfig(
+            upstreams=(engine.url,),
+            max_running=(engine.max_num_seqs,),
+            admission="caps" if name == "caps" else "peak",
+            max_queue_wait=0.0 if name == "no-queue" else DEFAULT_MAX_QUEUE_WAIT,
+        )
         with running_gateway(config) as gateway:
             result = anyio.run(burst, gateway.base_url, items, counter)
             upstream = gateway.gateway.upstreams[0]
@@ -150,6 +181,12 @@ def run(name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]])
                 if speed is None
                 else {"decode_rate": speed.decode_rate, "throughput": speed.throughput}
             )
+            stats = upstream.known.ledger.stats() if upstream.known else None
+            result["most_running"] = stats.peak_inflight if stats else None
+            if upstream.known is not None:
+                held, busy, _ = upstream.known.ledger.occupancy(time.monotonic())
+                result["mean_running"] = held / busy if busy else None
+            result["lockstep_breaks"] = upstream.lockstep_breaks
     result["preemptions"] = preemptions(engine.url) - before
     result["run"] = name
     return result
@@ -166,12 +203,20 @@ def main() -> None:
     parser.add_argument("--high", type=int, default=800, help="largest max_tokens")
     parser.add_argument(
         "--runs",
-        default="direct,gateway,no-queue",
-        help="comma-separated: direct, gateway, no-queue",
+        default="direct,gateway,caps,no-queue",
+        help="comma-separated: direct, gateway, caps, no-queue",
     )
+    parser.add_argument(
+        "--mix", choices=("caps", "prefix"), default="caps",
+        help="caps: short prompts, caps from --low to --high; prefix: two shared 512-token "
+        "prefixes, 64-token suffixes, max_tokens 300",
+    )  # fmt: skip
     args = parser.parse_args()
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
-    items = workload(args.requests, args.low, args.high)
+    if args.mix == "prefix":
+        items = prefix_workload(args.requests)
+    else:
+        items = workload(args.requests, args.low, args.high)
     print("… starting vLLM (a minute or two)", flush=True)
     results = []
     with vllm_engine.VllmServer() as engine:
@@ -189,11 +234,18 @@ def main() -> None:
             fmt(r["attempts_per_completed"], ".2f"),
             str(r["http_429"]),
             f"{r['preemptions']:.0f}",
+            str(r.get("most_running") or "-"),
         ]
         for r in results
     ]
+    what = (
+        f"{args.requests} requests of {PREFIXES} shared {PREFIX_TOKENS}-token prefixes, "
+        f"max_tokens {PREFIX_CAP}"
+        if args.mix == "prefix"
+        else f"{args.requests} requests with max_tokens {args.low}-{args.high}"
+    )
     print_table(
-        f"{args.requests} requests with max_tokens {args.low}-{args.high} sent at once, real vLLM "
+        f"{what} sent at once, real vLLM "
         f"{vllm_engine.VLLM_VERSION} on CPU (3,072 KV tokens, window 2,048, 8 sequences at most)",
         [
             "run",
@@ -204,13 +256,14 @@ def main() -> None:
             "attempts / completed",
             "429s",
             "preemptions",
+            "most running",
         ],
         rows,
     )
     write_json(
-        "vllm_price",
+        "vllm_price" if args.mix == "caps" else "vllm_price_prefix",
         {"machine": machine(), "requests": args.requests, "caps": [args.low, args.high],
-         "results": results},
+         "mix": args.mix, "results": results},
     )  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """The options several ``kvclient`` commands share, defined once.
 
 One spelling, one metavar, one meaning and the same environment variables in every command that
-takes them (``tests/e2e/test_cli_options.py`` walks every parser to keep it so). Also the logging
+takes them (``tests/cli/test_cli_options.py`` walks every parser to keep it so). Also the logging
 set-up of the command-line entry points: library code never configures logging; a command does,
 once, from ``--log-level``.
 """

@@ -51,6 +51,7 @@ __all__ = [
     "LENGTH_FIELDS",
     "METRICS",
     "MIN_LENGTH_FIELDS",
+    "PROGRESS_ENGINES",
     "PROMPT_SHARING_ENGINES",
     "RENDER_FIELDS",
     "RETRYABLE_STATUSES",
@@ -65,9 +66,11 @@ __all__ = [
     "ErrorClass",
     "ErrorDetails",
     "KVLosses",
+    "Lockstep",
     "Probe",
     "Spend",
     "SpendError",
+    "Tokenized",
     "classify_error",
     "count_by_tokenize",
     "countable_render_fields",
@@ -76,12 +79,15 @@ __all__ = [
     "discover_context",
     "is_kv_exhaustion",
     "kv_losses_from_metrics",
+    "lockstep_from_metrics",
     "parse_error_body",
     "preemptions_from_vllm_metrics",
+    "prefix_caching_from_vllm_metrics",
     "prometheus_samples",
     "request_spend",
     "run_to_cap_fields",
     "runs_on_after_reset",
+    "tokenize",
 ]
 
 # --- error answers ----------------------------------------------------------------------------
@@ -520,9 +526,23 @@ def discover_context(
 TOKENIZE_ENGINES = frozenset({"vllm", "llama.cpp", "tgi"})
 
 
-def _token_list_length(payload: Any, key: str | None) -> int | None:
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    """A server's own tokenization of a prompt: its count, and its token ids when it gave them
+    (each a whole number, as many as the count; None otherwise)."""
+
+    count: int
+    ids: tuple[int, ...] | None = None
+
+
+def _token_list(payload: Any, key: str | None, count: int | None = None) -> Tokenized | None:
     tokens = payload.get(key) if key is not None and isinstance(payload, dict) else payload
-    return len(tokens) if isinstance(tokens, list) else None
+    if not isinstance(tokens, list):
+        return None if count is None else Tokenized(count)
+    if count is not None and count != len(tokens):
+        return Tokenized(count)
+    whole = all(type(t) is int and t >= 0 for t in tokens)
+    return Tokenized(len(tokens), tuple(tokens) if whole else None)
 
 
 def count_by_tokenize(
@@ -535,7 +555,24 @@ def count_by_tokenize(
     render: Mapping[str, Any] | None = None,
 ) -> Generator[Probe, Answer, int | None]:
     """The server's own count of a prompt or a chat request (its template applied), or None
-    when its ``/tokenize`` cannot say. A driver like :func:`discover_context`.
+    when its ``/tokenize`` cannot say: :func:`tokenize`'s count."""
+    found = yield from tokenize(
+        engine, prompt=prompt, messages=messages, model=model, tools=tools, render=render
+    )
+    return None if found is None else found.count
+
+
+def tokenize(
+    engine: str | None,
+    *,
+    prompt: str | None = None,
+    messages: list[Any] | None = None,
+    model: str | None = None,
+    tools: list[Any] | None = None,
+    render: Mapping[str, Any] | None = None,
+) -> Generator[Probe, Answer, Tokenized | None]:
+    """The server's own tokenization of a prompt or a chat request (its template applied), or
+    None when its ``/tokenize`` cannot say. A driver like :func:`discover_context`.
 
     ``render``: the chat request's own fields that change the rendered prompt
     (:data:`RENDER_FIELDS`, see :func:`countable_render_fields`), sent with its messages.
@@ -567,8 +604,8 @@ def count_by_tokenize(
             return None
         count = answer.payload.get("count")
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-            return count
-        return _token_list_length(answer.payload, "tokens")
+            return _token_list(answer.payload, "tokens", count)
+        return _token_list(answer.payload, "tokens")
     if engine == "llama.cpp":
         text = prompt
         if messages is not None:
@@ -584,10 +621,10 @@ def count_by_tokenize(
             text = rendered
         body = {"content": text, "add_special": True}
         answer = yield Probe("POST", "/tokenize", body, engines="llama.cpp")
-        return _token_list_length(answer.payload, "tokens") if answer.status == 200 else None
+        return _token_list(answer.payload, "tokens") if answer.status == 200 else None
     if engine == "tgi" and prompt is not None:
         answer = yield Probe("POST", "/tokenize", {"inputs": prompt}, engines="TGI")
-        return _token_list_length(answer.payload, None) if answer.status == 200 else None
+        return _token_list(answer.payload, None) if answer.status == 200 else None
     return None
 
 
@@ -754,6 +791,9 @@ class Budget:
     engine: str | None = None
     source: str | None = None
     tried: tuple[str, ...] = ()
+    #: Whether it shares the KV blocks of identical prompt prefixes among running requests
+    #: (vLLM's ``enable_prefix_caching``, ours); None when it does not say.
+    prefix_caching: bool | None = None
 
 
 METRICS = Probe("GET", "/metrics", engines="vLLM, TGI, llama.cpp (--metrics), ours")
@@ -797,6 +837,16 @@ def budget_from_vllm_metrics(text: str) -> tuple[int, int] | None:
             continue
         if _positive(size, _MAX_BLOCK) and _positive(blocks) and _positive(blocks * size):
             return blocks * size, size
+    return None
+
+
+def prefix_caching_from_vllm_metrics(text: str) -> bool | None:
+    """vLLM ``/metrics``: ``vllm:cache_config_info``'s ``enable_prefix_caching`` label (``True``
+    or ``False``); None when absent."""
+    for labels, _ in prometheus_samples(text, "vllm:cache_config_info"):
+        value = labels.get("enable_prefix_caching")
+        if value in ("True", "False"):
+            return value == "True"
     return None
 
 
@@ -860,6 +910,34 @@ def decode_counters(text: str) -> DecodeCounters | None:
     if steps is not None and busy is not None:
         return DecodeCounters(steps * busy, steps)
     return None
+
+
+# --- running in lockstep: what the peak admission rule needs --------------------------------------
+
+#: Engines whose streams report, in every chunk, how many tokens the request has generated so
+#: far, when asked with ``stream_options: {"include_usage": true, "continuous_usage_stats":
+#: true}``: vLLM's OpenAI server, and ours. The gateway's peak rule follows each holder's
+#: progress from them; other engines' holders count at their whole caps.
+PROGRESS_ENGINES = frozenset({"vllm", "kvclient"})
+
+
+@dataclass(frozen=True, slots=True)
+class Lockstep:
+    """What an engine's ``/metrics`` says of whether it runs every admitted request at each
+    step: requests waiting for a place in its batch now, and preemptions so far (a counter).
+    None where it does not say."""
+
+    waiting: float | None
+    preemptions: float | None
+
+
+def lockstep_from_metrics(text: str) -> Lockstep:
+    """vLLM's ``vllm:num_requests_waiting`` and ``vllm:num_preemptions_total``; ours'
+    ``kv_engine_requests_waiting``."""
+    waiting = _metric_sum(text, "vllm:num_requests_waiting")
+    if waiting is None:
+        waiting = _metric_sum(text, "kv_engine_requests_waiting")
+    return Lockstep(waiting=waiting, preemptions=preemptions_from_vllm_metrics(text))
 
 
 # --- what an engine lost for lack of KV ----------------------------------------------------------
@@ -979,6 +1057,14 @@ def is_kv_exhaustion(code: str | None, message: str | None) -> bool:
     return message is not None and _KV_EXHAUSTION_MESSAGES.search(message) is not None
 
 
+def _metric_whole(text: str, name: str) -> int | None:
+    """The first sample of ``name`` that is a whole number >= 0, or None."""
+    for _, value in prometheus_samples(text, name):
+        if (whole := _whole_sample(value)) is not None:
+            return whole
+    return None
+
+
 def budget_from_reference_metrics(text: str) -> int | None:
     """Our reference server's ``/metrics``: ``kv_physical_capacity_tokens`` (its KV blocks are
     16 tokens)."""
@@ -1023,14 +1109,22 @@ def discover_budget() -> Generator[Probe, Answer, Budget]:
     answer = yield METRICS
     tried.append(f"{METRICS} -> {answer.status}")
     if answer.status == 200 and isinstance(answer.payload, str):
-        vllm = budget_from_vllm_metrics(answer.payload)
+        text = answer.payload
+        vllm = budget_from_vllm_metrics(text)
         if vllm is not None:
             source = f"{METRICS} vllm:cache_config_info num_gpu_blocks x block_size"
-            return Budget(vllm[0], vllm[1], None, "vllm", source, tuple(tried))
-        ours = budget_from_reference_metrics(answer.payload)
+            sharing = prefix_caching_from_vllm_metrics(text)
+            return Budget(vllm[0], vllm[1], None, "vllm", source, tuple(tried), sharing)
+        ours = budget_from_reference_metrics(text)
         if ours is not None:
             source = f"{METRICS} kv_physical_capacity_tokens"
-            return Budget(ours, 16, None, "kvclient", source, tuple(tried))
+            block = _metric_whole(text, "kv_engine_block_size") or 16
+            running = _metric_whole(text, "kv_engine_max_running")
+            shares = _metric_whole(text, "kv_engine_prefix_caching")
+            return Budget(
+                ours, block, running, "kvclient", source, tuple(tried),
+                None if shares is None else shares == 1,
+            )  # fmt: skip
         tgi = budget_from_tgi_metrics(answer.payload)
         if tgi is not None:
             source = f"{METRICS} tgi_batch_max_total_tokens"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Endpoint", "Health", "choose", "pick", "ranked"]
+__all__ = ["Endpoint", "Health", "pick", "ranked"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,18 +44,13 @@ def _key(e: Endpoint, need: int, i: int) -> tuple[float, int, int, int]:
     return (-room, e.in_flight_tokens, e.in_flight, i)
 
 
-def choose(endpoints: Sequence[Endpoint], need: int) -> int | None:
-    """The endpoint for a request of ``need`` tokens, or None when it fits nowhere now."""
-    order = ranked(endpoints, need)
-    return order[0] if order else None
-
-
 def pick(endpoints: Sequence[Endpoint], need: int) -> int | None:
-    """:func:`choose` when ``need`` fits somewhere; else the in-service endpoint with the most
-    room (the request waits there, paced, for room to free); None when none is in service."""
-    best = choose(endpoints, need)
-    if best is not None:
-        return best
+    """The first of :func:`ranked` when ``need`` fits somewhere; else the in-service endpoint
+    with the most room (the request waits there, paced, for room to free); None when none is in
+    service."""
+    order = ranked(endpoints, need)
+    if order:
+        return order[0]
     serving = [i for i, e in enumerate(endpoints) if e.in_service]
     return min(serving, key=lambda i: _key(endpoints[i], need, i), default=None)
 

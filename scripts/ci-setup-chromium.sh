@@ -1,6 +1,6 @@
 #!/bin/sh
 # Install Debian's headless Chromium for the HTML report's screenshot test
-# (tests/e2e/test_loadgen_html.py), which fails rather than skips when CI=true and it is missing.
+# (tests/docs/test_loadgen_html.py), which fails rather than skips when CI=true and it is missing.
 # Idempotent: does nothing when /usr/bin/chromium exists. Needs root (or sudo) and apt.
 set -eu
 

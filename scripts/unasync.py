@@ -43,7 +43,8 @@ run ``python scripts/unasync.py``. Every decision is :class:`~kvclient._client.B
         '''"""``Transport``: kvclient between an OpenAI-style sync client and the server (I/O only).
 
 Generated from ``kvclient/openai/_async_transport.py`` by ``scripts/unasync.py``: edit that
-file, then run ``python scripts/unasync.py``. What both do without I/O is ``_transport._Shared``.
+file, then run ``python scripts/unasync.py``. What both do without I/O is
+``_base_transport._Shared``.
 """''',
     ),
     (

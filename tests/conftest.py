@@ -89,19 +89,28 @@ def redis_server_ready() -> str:
 
 @pytest.fixture
 def redis_server(
-    redis_server_ready: str, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    redis_server_ready: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RedisServer]:
-    """A fresh real Redis on a free loopback port, for one test."""
+    """A fresh real Redis on a free loopback port, for one test (marked ``redis``, so that
+    ``-m "not redis"`` leaves it out)."""
+    if request.node.get_closest_marker("redis") is None:
+        pytest.fail("a test that starts a real Redis is marked @pytest.mark.redis")
     with RedisServer(tmp_path_factory.mktemp("redis")) as server:
         yield server
 
 
 @pytest.fixture
 def tls_redis(
-    redis_server_ready: str, tmp_path_factory: pytest.TempPathFactory
+    redis_server_ready: str,
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[RedisServer, TLSFiles]]:
     """A fresh real Redis over TLS only, with a CA made for the test (by ``openssl``), asking
     clients for a certificate."""
+    if request.node.get_closest_marker("redis") is None:
+        pytest.fail("a test that starts a real Redis is marked @pytest.mark.redis")
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed: the test's certificates are made with it")
     directory = tmp_path_factory.mktemp("redis-tls")
@@ -120,7 +129,7 @@ def llama(llama_engine_ready: None) -> Iterator[llama_engine.LlamaServer]:
 # --- the real vLLM engine ---------------------------------------------------------------------
 
 #: Test modules whose tests must share one xdist worker: each starts an engine once per process.
-ONE_WORKER_MODULES = ("tests/e2e/test_vllm.py",)
+ONE_WORKER_MODULES = ("tests/engines/test_vllm.py",)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import httpx
 
-from ._checks import CHECKS, Session
+from ._checks import CHECKS
 from ._judge import RetryAfterAdvice, judge_retry_after
 from ._results import (
     CHECK_NAMES,
@@ -30,6 +30,7 @@ from ._results import (
     ContractOptions,
     ContractReport,
 )
+from ._session import Session
 
 __all__ = [
     "CHECK_NAMES",

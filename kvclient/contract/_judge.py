@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._dialects import is_kv_exhaustion
+from .._prometheus import parse_samples
 from ._results import CheckStatus
 
 __all__ = [
@@ -246,17 +247,11 @@ def judge_completion_tokens(completion_tokens: int | None, limit: int, what: str
 
 
 def prometheus_value(text: str, name: str) -> float | None:
-    """The value of an unlabelled sample ``name`` in Prometheus text format, or None."""
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] == name:
-            try:
-                value = float(parts[1])
-            except ValueError:
-                return None
-            return value if math.isfinite(value) else None
+    """The value of an unlabelled sample ``name`` in Prometheus text format (read by
+    :func:`kvclient._prometheus.parse_samples`), or None; None too for NaN and infinities."""
+    for sample in parse_samples(text):
+        if sample.name == name and not sample.labels:
+            return sample.value if math.isfinite(sample.value) else None
     return None
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from ._metrics import RequestRecord, Summary
 from ._report import summary_rows
+from ._results import Sample
 
-__all__ = ["COLORS", "Sample", "Series", "render_html", "svg_chart"]
+__all__ = ["COLORS", "Series", "render_html", "svg_chart"]
 
 #: One colour per plotted quantity (the screenshot test looks for them).
 COLORS = {
@@ -39,15 +40,6 @@ _SWATCH = 26
 #: Width of a legend label in em (a generous average for sans-serif glyphs): labels must not run
 #: into each other, and a row too long wraps.
 _EM_PER_CHAR = 0.56
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """The server's gauges at one moment of the run (seconds from its start)."""
-
-    t: float
-    kv_reserved: float | None
-    refused_total: float | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,10 +141,6 @@ class RecordTimer:
         if self.record.sent is None:
             self.record.sent = self.now()
 
-    def mark_first_token(self) -> None:
-        if self.record.first_token is None:
-            self.record.first_token = self.now()
-
     def mark_token(self) -> None:
         t = self.now()
         if self.record.first_token is None:

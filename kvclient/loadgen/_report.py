@@ -7,20 +7,25 @@ otherwise, so a report never needs more than the core install.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import IO
 
 from .._dialects import KVLosses, kv_losses_from_metrics
+from .._prometheus import parse_samples
 from ._metrics import Distribution, Summary
+from ._results import BenchResult, SweepResult
 
 __all__ = [
+    "SWEEP_HEADERS",
     "format_count",
     "format_seconds",
     "kv_losses_during",
     "parse_prometheus_text",
+    "print_result",
     "print_table",
+    "result_rows",
     "summary_rows",
+    "sweep_rows",
 ]
 
 
@@ -135,25 +140,64 @@ def _print_plain(
     print("\n".join(lines), file=file)
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+def result_rows(result: BenchResult) -> list[tuple[str, str]]:
+    """A run's summary, then what the server's own counters said changed during it."""
+    rows = summary_rows(result.summary)
+    for name, value in result.server_metrics.items():
+        if value is not None:
+            rows.append((f"server: {name} (this run)", f"{value:,.0f}"))
+    losses = result.server_losses
+    if losses is not None:
+        rows.append((f"server: {losses.kind} ({losses.metric}, this run)", f"{losses.total:,.0f}"))
+    return rows
+
+
+def print_result(result: BenchResult, *, title: str = "kvclient bench") -> None:
+    print_table(title, ["metric", "value"], result_rows(result))
+    for warning in result.summary.warnings:
+        print(f"warning: {warning}")
+
+
+SWEEP_HEADERS = [
+    "offered req/s",
+    "completed req/s",
+    "goodput req/s",
+    "within SLOs",
+    "p50 latency",
+    "p99 latency (all)",
+    "429s",
+    "verdict",
+]
+
+
+def sweep_rows(sweep: SweepResult) -> list[list[str]]:
+    """One row per rate tried (under ``SWEEP_HEADERS``), lowest rate first."""
+    rows = []
+    for point, run in sorted(zip(sweep.points, sweep.runs, strict=True), key=lambda pr: pr[0].rate):
+        s = run.summary
+        rows.append(
+            [
+                f"{point.rate:.2f}",
+                f"{s.request_throughput:.2f}",
+                f"{s.goodput or 0:.2f}",
+                f"{s.slo_attainment or 0:.0%}",
+                format_seconds(s.latency.p50),
+                format_seconds(s.latency_all.p99),
+                format_count(s.http_429),
+                ("knee" if point.rate == sweep.knee else "pass") if point.passed else "fail",
+            ]
+        )
+    return rows
 
 
 def parse_prometheus_text(text: str) -> dict[str, float]:
-    """Unlabelled samples of a Prometheus text exposition, by name (labelled ones are skipped).
+    """Unlabelled samples of a Prometheus text exposition, by name (labelled ones are skipped;
+    read by :func:`kvclient._prometheus.parse_samples`).
 
     >>> parse_prometheus_text("# HELP x y\\nkv_rejected_total 3.0\\n")
     {'kv_rejected_total': 3.0}
     """
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None or match.group(2):
-            continue
-        try:
-            samples[match.group(1)] = float(match.group(3))
-        except ValueError:
-            continue
-    return samples
+    return {sample.name: sample.value for sample in parse_samples(text) if not sample.labels}
 
 
 def metric_delta(

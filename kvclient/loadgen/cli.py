@@ -11,12 +11,9 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import anyio
-import httpx
 
 from .._cli_options import (
     add_api_key,
@@ -34,36 +31,32 @@ from .._cli_options import (
     to_stdout,
     write_json,
 )
-from .._dialects import Answer, Budget, KVLosses, Probe, discover_budget
 from .._exceptions import KVClientError
 from .._help import HelpFormatter
 from .._tokens import TiktokenCounter, TokenCounter
-from ._html import Sample, render_html
-from ._metrics import SLO, RequestRecord, Summary, summarize
-from ._preflight import PreflightError, Served, preflight
-from ._report import (
-    format_count,
-    format_seconds,
-    kv_losses_during,
-    metric_delta,
-    parse_prometheus_text,
-    print_table,
-    summary_rows,
+from ._bench import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_NUM_REQUESTS,
+    DEFAULT_PROBE_CONCURRENCY,
+    DEFAULT_SWEEP_POINTS,
+    DEFAULT_SWEEP_SECONDS,
+    MAX_DEFAULT_CONCURRENCY,
+    BenchConfig,
+    NothingToSweep,
+    default_concurrency,
+    find_budget,
+    run_one,
+    run_sweep,
 )
-from ._schedule import arrival_offsets
-from ._sweep import DEFAULT_ATTAINMENT, SweepPoint, knee, next_rate, passes
-from ._workload import MIXED, Shape, SyntheticWorkload, WorkItem, cycle, load_dataset
+from ._html import render_html
+from ._metrics import SLO
+from ._plots import plot_run, plot_sweep
+from ._preflight import PreflightError, preflight
+from ._report import SWEEP_HEADERS, print_result, print_table, sweep_rows
+from ._results import BenchResult, SweepResult
+from ._sweep import DEFAULT_ATTAINMENT
 
-DEFAULT_NUM_REQUESTS = 100
 DEFAULT_MAX_FAILURE_RATE = 0.01
-DEFAULT_SWEEP_POINTS = 6
-DEFAULT_SWEEP_SECONDS = 10.0
-DEFAULT_PROBE_CONCURRENCY = 32
-#: Without an arrival mode: the closed loop's concurrency when the KV pool is not discovered,
-#: and the most it is set to when it is.
-DEFAULT_CONCURRENCY = 8
-MAX_DEFAULT_CONCURRENCY = 64
-SAMPLE_INTERVAL = 0.25
 EXIT_FAILURES = 1
 EXIT_USAGE = 2
 
@@ -257,65 +250,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-@dataclass(frozen=True, slots=True)
-class BenchResult:
-    summary: Summary
-    records: list[RequestRecord]
-    server_metrics: dict[str, float | None]
-    samples: list[Sample] = field(default_factory=list)
-    #: What the engine's own /metrics counted lost for lack of KV during the run (vLLM's
-    #: preemptions, our OOM-failed requests, ...); None when it exposes no such counter.
-    server_losses: KVLosses | None = None
-
-    def to_json(self, *, with_records: bool = False) -> dict[str, Any]:
-        data: dict[str, Any] = {"summary": self.summary.to_json()}
-        data["server"] = self.server_metrics
-        if self.server_losses is not None:
-            losses = self.server_losses
-            data["server_kv_losses"] = {
-                "count": losses.total,
-                "kind": losses.kind,
-                "metric": losses.metric,
-                "engine": losses.engine,
-            }
-        if with_records:
-            data["records"] = [r.to_json() for r in self.records]
-        return data
-
-
-@dataclass(frozen=True, slots=True)
-class SweepResult:
-    probe: BenchResult
-    points: list[SweepPoint]
-    runs: list[BenchResult]
-    knee: float | None
-
-    @property
-    def capacity(self) -> float:
-        return self.probe.summary.request_throughput
-
-    def at_knee(self) -> BenchResult | None:
-        for point, run in zip(self.points, self.runs, strict=True):
-            if point.rate == self.knee:
-                return run
-        return None
-
-    def to_json(self, *, with_records: bool = False) -> dict[str, Any]:
-        return {
-            "sweep": {
-                "probe_completed_per_second": self.capacity,
-                "probe": self.probe.to_json(),
-                "knee_rate": self.knee,
-                "points": [
-                    {"rate": p.rate, "passed": p.passed, **run.to_json(with_records=with_records)}
-                    for p, run in sorted(
-                        zip(self.points, self.runs, strict=True), key=lambda pr: pr[0].rate
-                    )
-                ],
-            }
-        }
-
-
 # --- checks before anything runs --------------------------------------------------------------
 
 
@@ -361,113 +295,6 @@ def make_counter(tokenizer: Path | None) -> TokenCounter:
         raise UsageError(str(exc)) from None
 
 
-def default_concurrency(budget: Budget, context_window: int) -> tuple[int, str]:
-    """The closed loop's concurrency when no arrival mode is given, and why (pure): the requests
-    the KV pool holds when each reserves a whole context window (llama.cpp: its slots)."""
-    if budget.max_concurrency is not None:
-        n = budget.max_concurrency
-        why = f"the server's {n} slots"
-    elif budget.kv_tokens is not None and context_window > 0:
-        n = budget.kv_tokens // context_window
-        why = (
-            f"its KV pool of {budget.kv_tokens:,} tokens holds {n} whole "
-            f"{context_window:,}-token context windows"
-        )
-    else:
-        return DEFAULT_CONCURRENCY, "the server's KV pool was not discovered"
-    if n > MAX_DEFAULT_CONCURRENCY:
-        return MAX_DEFAULT_CONCURRENCY, f"{why}; at most {MAX_DEFAULT_CONCURRENCY}"
-    return max(1, n), why
-
-
-async def find_budget(url: str, api_key: str | None) -> Budget:
-    """The server's KV pool, through the engine dialects' probes; an unknown pool when it does
-    not say (or cannot be reached)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    driver = discover_budget()
-    async with httpx.AsyncClient(
-        base_url=url.rstrip("/").removesuffix("/v1"), headers=headers, timeout=10.0
-    ) as http:
-        probe: Probe = next(driver)
-        while True:
-            try:
-                response = await http.request(probe.method, probe.path, json=probe.json)
-            except httpx.HTTPError:
-                return Budget(None)
-            payload: Any = response.text
-            if probe.path != "/metrics":
-                try:
-                    payload = response.json()
-                except ValueError:
-                    payload = None
-            try:
-                probe = driver.send(Answer(response.status_code, payload))
-            except StopIteration as stop:
-                found: Budget = stop.value
-                return found
-
-
-def build_items(args: argparse.Namespace, count: int, counter: TokenCounter) -> list[WorkItem]:
-    if args.dataset is not None:
-        return list(cycle(load_dataset(args.dataset, counter, chat=args.chat), count))
-    if args.prompt_tokens is None and args.max_tokens_range is None:
-        shapes: Sequence[Shape] = MIXED
-    else:
-        shapes = [
-            Shape(
-                prompt_tokens=args.prompt_tokens or (100, 1000),
-                max_tokens=args.max_tokens_range or (50, 500),
-                unset_cap_share=args.unset_cap_share,
-            )
-        ]
-    return SyntheticWorkload(shapes=shapes, chat=args.chat, seed=args.seed).items(count, counter)
-
-
-# --- running ----------------------------------------------------------------------------------
-
-
-async def _scrape_text(http: httpx.AsyncClient) -> str | None:
-    try:
-        response = await http.get("/metrics", timeout=5.0)
-    except httpx.HTTPError:
-        return None
-    return response.text if response.status_code == 200 else None
-
-
-async def _scrape(http: httpx.AsyncClient) -> dict[str, float]:
-    text = await _scrape_text(http)
-    return {} if text is None else parse_prometheus_text(text)
-
-
-SERVER_COUNTERS = ("kv_rejected_total", "kv_admitted_total", "kv_oom_events_total")
-
-
-class _Sampler:
-    """The server's reserved-KV gauge and refusal counter every SAMPLE_INTERVAL (for --html)."""
-
-    def __init__(self, http: httpx.AsyncClient) -> None:
-        self._http = http
-        self.samples: list[Sample] = []
-        self._base: float | None = None
-
-    async def run(self, origin: float) -> None:
-        while True:
-            metrics = await _scrape(self._http)
-            if "kv_reserved_tokens" not in metrics and "kv_rejected_total" not in metrics:
-                return  # not our server's gauges: the page uses the client's estimate
-            refused = metrics.get("kv_rejected_total")
-            if refused is not None and self._base is None:
-                self._base = refused
-            self.samples.append(
-                Sample(
-                    t=anyio.current_time() - origin,
-                    kv_reserved=metrics.get("kv_reserved_tokens"),
-                    refused_total=None if refused is None else refused - (self._base or 0.0),
-                )
-            )
-            await anyio.sleep(SAMPLE_INTERVAL)
-
-
 def _slo(args: argparse.Namespace) -> SLO | None:
     if args.slo_ttft or args.slo_tpot or args.slo_latency:
         return SLO(ttft=args.slo_ttft, tpot=args.slo_tpot, latency=args.slo_latency)
@@ -481,299 +308,38 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
-async def run_bench(
-    args: argparse.Namespace,
-    served: Served,
-    items: Sequence[WorkItem],
-    *,
-    offsets: list[float] | None,
-    concurrency: int | None,
-    duration: float | None,
-    sample: bool = False,
-    progress: bool = True,
-) -> BenchResult:
-    """One run as the arguments say, against a server the preflight has checked."""
-    from .._async_client import AsyncClient
-    from .._retry import RetryPolicy
-    from ._kvsender import KVClientSender
-    from ._naive import NaiveSender
-    from ._runner import run_load
-
-    api_key = _api_key(args)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    timeout = httpx.Timeout(args.request_deadline, connect=10.0)
-    async with httpx.AsyncClient(
-        base_url=args.url.rstrip("/").removesuffix("/v1"),
-        headers=headers,
-        limits=limits,
-        timeout=timeout,
-    ) as http:
-        before_text = await _scrape_text(http)
-        before = parse_prometheus_text(before_text or "")
-        sender: Any
-        if args.naive:
-            sender = NaiveSender(
-                http,
-                model=served.model,
-                max_attempts=args.max_attempts,
-                deadline=args.request_deadline,
-            )
-        else:
-            client = AsyncClient(
-                base_url=args.url,
-                model=served.model,
-                api_key=api_key,
-                context_window=served.context_window,
-                counter=args.counter,
-                retry=RetryPolicy(max_attempts=args.max_attempts, deadline=args.request_deadline),
-                http_client=http,
-            )
-            sender = KVClientSender(client, stream=not args.no_stream)
-        sampler = _Sampler(http)
-        bar = _Progress(len(items), enabled=progress and not args.no_progress)
-        async with anyio.create_task_group() as tg:
-            if sample:
-                tg.start_soon(sampler.run, anyio.current_time())
-            with bar:
-                records, wall = await run_load(
-                    items,
-                    sender,
-                    offsets=offsets,
-                    concurrency=concurrency,
-                    duration=duration,
-                    grace=args.grace,
-                    on_done=bar.advance,
-                )
-            tg.cancel_scope.cancel()
-        after_text = await _scrape_text(http)
-    after = parse_prometheus_text(after_text or "")
-    server = {name: metric_delta(before, after, name) for name in SERVER_COUNTERS}
-    summary = summarize(records, duration=wall, slo=_slo(args), deadline=args.request_deadline)
-    losses = kv_losses_during(before_text, after_text)
-    return BenchResult(summary, records, server, sampler.samples, losses)
-
-
-def _schedule(args: argparse.Namespace, rate: float, duration: float | None) -> list[float]:
-    count = args.num_requests
-    if count is None and duration is None:
-        count = DEFAULT_NUM_REQUESTS
-    return arrival_offsets(
-        rate=rate,
-        kind=args.arrival,
-        num_requests=count,
-        duration=duration,
-        burstiness=args.burstiness,
+def config_from(args: argparse.Namespace) -> BenchConfig:
+    """The runs' config from the checked options (``args.counter`` made, the arrival mode
+    chosen)."""
+    return BenchConfig(
+        url=args.url,
+        counter=args.counter,
+        api_key=_api_key(args),
+        dataset=args.dataset,
+        chat=args.chat,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens_range=args.max_tokens_range,
+        unset_cap_share=args.unset_cap_share,
         seed=args.seed,
-    )
-
-
-async def run_one(args: argparse.Namespace, served: Served) -> BenchResult:
-    if args.rate is not None:
-        offsets = _schedule(args, args.rate, args.duration)
-        items = build_items(args, len(offsets), args.counter)
-        return await run_bench(
-            args,
-            served,
-            items,
-            offsets=offsets,
-            concurrency=None,
-            duration=args.duration,
-            sample=args.html is not None,
-        )
-    count = args.num_requests
-    if count is None:
-        count = DEFAULT_NUM_REQUESTS if args.duration is None else 100_000
-    items = build_items(args, min(count, 100_000), args.counter)
-    return await run_bench(
-        args,
-        served,
-        items,
-        offsets=None,
+        naive=args.naive,
+        stream=not args.no_stream,
+        max_attempts=args.max_attempts,
+        request_deadline=args.request_deadline,
+        rate=args.rate,
         concurrency=args.concurrency,
+        arrival=args.arrival,
+        burstiness=args.burstiness,
+        num_requests=args.num_requests,
         duration=args.duration,
+        grace=args.grace,
+        sweep_points=args.sweep_points,
+        sweep_attainment=args.sweep_attainment,
+        probe_concurrency=args.probe_concurrency,
+        probe_requests=args.probe_requests,
+        slo=_slo(args),
         sample=args.html is not None,
+        progress=not args.no_progress,
     )
-
-
-async def run_sweep(
-    args: argparse.Namespace, served: Served, say: Callable[[str], None]
-) -> SweepResult:
-    """The probe, then up to ``--sweep-points`` open loops (see :mod:`._sweep`)."""
-    probe_n = args.probe_requests or 4 * args.probe_concurrency
-    say(f"… probe: {probe_n} requests, closed loop at concurrency {args.probe_concurrency}")
-    probe = await run_bench(
-        args,
-        served,
-        build_items(args, probe_n, args.counter),
-        offsets=None,
-        concurrency=args.probe_concurrency,
-        duration=None,
-        progress=False,
-    )
-    capacity = probe.summary.request_throughput
-    if capacity <= 0:
-        raise UsageError("the probe completed no request: nothing to sweep around")
-    say(f"  flat out: {capacity:.2f} completed req/s")
-    seconds = args.duration if args.duration is not None else DEFAULT_SWEEP_SECONDS
-    points: list[SweepPoint] = []
-    runs: list[BenchResult] = []
-    while (rate := next_rate(points, capacity, args.sweep_points)) is not None:
-        offsets = arrival_offsets(
-            rate=rate,
-            kind=args.arrival,
-            duration=seconds,
-            num_requests=args.num_requests,
-            burstiness=args.burstiness,
-            seed=args.seed + len(points),
-        )
-        items = build_items(args, len(offsets), args.counter)
-        run = await run_bench(
-            args,
-            served,
-            items,
-            offsets=offsets,
-            concurrency=None,
-            duration=None,
-            sample=args.html is not None,
-            progress=False,
-        )
-        point = SweepPoint(rate, run.summary, passes(run.summary, args.sweep_attainment))
-        points.append(point)
-        runs.append(run)
-        share = run.summary.slo_attainment or 0.0
-        say(
-            f"  {rate:.2f} req/s: {share:.0%} within the SLOs -> "
-            f"{'pass' if point.passed else 'fail'}"
-        )
-    return SweepResult(probe, points, runs, knee(points))
-
-
-class _Progress:
-    """A live progress bar with rich when installed; silent otherwise."""
-
-    def __init__(self, total: int, *, enabled: bool) -> None:
-        self._bar: Any = None
-        self._task: Any = None
-        self._failed = 0
-        if enabled and sys.stderr.isatty():
-            try:
-                from rich.progress import Progress
-            except ImportError:
-                return
-            self._bar = Progress(transient=True)
-            self._task = self._bar.add_task("requests", total=total)
-
-    def __enter__(self) -> _Progress:
-        if self._bar is not None:
-            self._bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-    def advance(self, record: RequestRecord) -> None:
-        if self._bar is None:
-            return
-        self._failed += not record.ok
-        self._bar.update(self._task, advance=1, description=f"requests ({self._failed} failed)")
-
-
-# --- reporting --------------------------------------------------------------------------------
-
-
-def _plot(records: list[RequestRecord], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
-    ok = [r for r in records if r.ok and r.latency is not None]
-    top.scatter([r.planned for r in ok], [r.latency for r in ok], s=6, label="completed")
-    failed = [r for r in records if not r.ok and r.end is not None]
-    top.scatter(
-        [r.planned for r in failed], [r.latency for r in failed], s=10, c="red", label="failed"
-    )
-    top.set_ylabel("end-to-end latency (s)")
-    top.legend()
-    bottom.bar([r.planned for r in records], [r.http_429 for r in records], width=0.05)
-    bottom.set_ylabel("429s received")
-    bottom.set_xlabel("planned send time (s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _plot_sweep(sweep: SweepResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pts = sorted(zip(sweep.points, sweep.runs, strict=True), key=lambda pr: pr[0].rate)
-    rates = [p.rate for p, _ in pts]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    ax.plot(rates, rates, color="#bbbbbb", label="offered = served (ideal)")
-    ax.plot(rates, [r.summary.request_throughput for _, r in pts], "o-", label="completed")
-    ax.plot(rates, [r.summary.goodput or 0 for _, r in pts], "o-", label="goodput (SLOs met)")
-    if sweep.knee is not None:
-        ax.axvline(sweep.knee, linestyle="--", color="#333", label=f"knee {sweep.knee:.3g}")
-    ax.set_xlabel("offered arrival rate (req/s)")
-    ax.set_ylabel("req/s")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def result_rows(result: BenchResult) -> list[tuple[str, str]]:
-    rows = summary_rows(result.summary)
-    for name, value in result.server_metrics.items():
-        if value is not None:
-            rows.append((f"server: {name} (this run)", f"{value:,.0f}"))
-    losses = result.server_losses
-    if losses is not None:
-        rows.append((f"server: {losses.kind} ({losses.metric}, this run)", f"{losses.total:,.0f}"))
-    return rows
-
-
-def print_result(result: BenchResult, *, title: str = "kvclient bench") -> None:
-    print_table(title, ["metric", "value"], result_rows(result))
-    for warning in result.summary.warnings:
-        print(f"warning: {warning}")
-
-
-SWEEP_HEADERS = [
-    "offered req/s",
-    "completed req/s",
-    "goodput req/s",
-    "within SLOs",
-    "p50 latency",
-    "p99 latency (all)",
-    "429s",
-    "verdict",
-]
-
-
-def sweep_rows(sweep: SweepResult) -> list[list[str]]:
-    rows = []
-    for point, run in sorted(zip(sweep.points, sweep.runs, strict=True), key=lambda pr: pr[0].rate):
-        s = run.summary
-        rows.append(
-            [
-                f"{point.rate:.2f}",
-                f"{s.request_throughput:.2f}",
-                f"{s.goodput or 0:.2f}",
-                f"{s.slo_attainment or 0:.0%}",
-                format_seconds(s.latency.p50),
-                format_seconds(s.latency_all.p99),
-                format_count(s.http_429),
-                ("knee" if point.rate == sweep.knee else "pass") if point.passed else "fail",
-            ]
-        )
-    return rows
 
 
 def _fail(message: str) -> int:
@@ -806,12 +372,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, PreflightError, KVClientError, ValueError, OSError) as exc:
         return _fail(str(exc))
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    config = config_from(args)
     try:
         if args.sweep:
-            sweep = anyio.run(run_sweep, args, served, say)
+            sweep = anyio.run(run_sweep, config, served, say)
             return _report_sweep(args, sweep)
-        result = anyio.run(run_one, args, served)
-    except (UsageError, KVClientError, ValueError, OSError) as exc:
+        result = anyio.run(run_one, config, served)
+    except (NothingToSweep, KVClientError, ValueError, OSError) as exc:
         return _fail(str(exc))
     return _report_one(args, result)
 
@@ -822,7 +389,7 @@ def _report_one(args: argparse.Namespace, result: BenchResult) -> int:
     if args.json_path is not None:
         write_json(args.json_path, result.to_json(with_records=args.records))
     if args.plot is not None:
-        _plot(result.records, args.plot)
+        plot_run(result.records, args.plot)
     if args.html is not None:
         page = render_html(
             title=f"kvclient bench {args.url}",
@@ -868,7 +435,7 @@ def _report_sweep(args: argparse.Namespace, sweep: SweepResult) -> int:
     if args.json_path is not None:
         write_json(args.json_path, sweep.to_json(with_records=args.records))
     if args.plot is not None:
-        _plot_sweep(sweep, args.plot)
+        plot_sweep(sweep, args.plot)
     if args.html is not None:
         shown = at_knee or sweep.runs[0]
         curve = [
@@ -891,4 +458,4 @@ def _report_sweep(args: argparse.Namespace, sweep: SweepResult) -> int:
     return 0 if sweep.knee is not None else EXIT_FAILURES
 
 
-__all__ = ["BenchResult", "SweepResult", "main", "run_bench", "run_sweep"]
+__all__ = ["config_from", "main"]

@@ -21,24 +21,28 @@ imports this module.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._async_transport import AsyncTransport
 from ._plan import LOCAL_HEADER
-from ._transport import AsyncTransport, Transport
+from ._sync_transport import Transport
 
 if TYPE_CHECKING:
-    from ._clients import AsyncOpenAI, OpenAI
+    from ._async_clients import AsyncOpenAI
+    from ._sync_clients import OpenAI
 
 __all__ = ["LOCAL_HEADER", "AsyncOpenAI", "AsyncTransport", "OpenAI", "Transport"]
 
 
 def __getattr__(name: str) -> Any:
     if name in ("OpenAI", "AsyncOpenAI"):
+        implementation = "._sync_clients" if name == "OpenAI" else "._async_clients"
         try:
-            from . import _clients
+            module = importlib.import_module(implementation, __name__)
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError(
                 f"kvclient.openai.{name} needs the openai package: pip install 'kvclient[openai]'"
             ) from exc
-        return getattr(_clients, name)
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

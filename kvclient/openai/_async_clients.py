@@ -16,7 +16,7 @@ from .._models import RetryEvent
 from .._retry import RetryPolicy
 from .._tokens import TokenCounter
 from ._async_transport import AsyncTransport
-from ._clients import _check_retries, _existing, _replicas, _sdk_base_url
+from ._base_clients import _check_retries, _existing, _replicas, _sdk_base_url
 
 __all__ = ["AsyncOpenAI"]
 

@@ -2,7 +2,7 @@
 
 The source of ``_sync_transport.py`` (``Transport``): ``python scripts/unasync.py`` writes that
 file from this one, and ``--check`` fails when they differ; edit this one. What both do without
-I/O is ``_transport._Shared``.
+I/O is ``_base_transport._Shared``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from .._exceptions import APIConnectionError, KVClientError
 from .._models import RetryEvent
 from .._retry import RetryPolicy
 from .._tokens import TokenCounter
+from ._base_transport import _UNKNOWN_BASE_URL, DEFAULT_LIMITS, _parse, _Shared
 from ._plan import generation_kind
-from ._transport import _UNKNOWN_BASE_URL, DEFAULT_LIMITS, _parse, _Shared
 
 __all__ = ["AsyncTransport"]
 

@@ -40,7 +40,8 @@ NO_RETRY_HEADER = "x-should-retry"
 #: Marks an answer that kvclient made up itself: no byte of the request reached the server.
 LOCAL_HEADER = "x-kvclient-local"
 #: Ends the reason phrase of such an answer. The SDK's httpx client logs every answer its
-#: transport returns as an "HTTP Request" line; ``_transport`` drops the lines of these ones.
+#: transport returns as an "HTTP Request" line; ``_base_transport`` drops the lines of these
+#: ones.
 LOCAL_REASON = "(answered by kvclient, not sent)"
 
 _CHAT_SUFFIX = "/chat/completions"

@@ -17,7 +17,7 @@ import openai
 from .._models import RetryEvent
 from .._retry import RetryPolicy
 from .._tokens import TokenCounter
-from ._clients import _check_retries, _existing, _replicas, _sdk_base_url
+from ._base_clients import _check_retries, _existing, _replicas, _sdk_base_url
 from ._sync_transport import Transport
 
 __all__ = ["OpenAI"]

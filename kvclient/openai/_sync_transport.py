@@ -3,7 +3,8 @@
 """``Transport``: kvclient between an OpenAI-style sync client and the server (I/O only).
 
 Generated from ``kvclient/openai/_async_transport.py`` by ``scripts/unasync.py``: edit that
-file, then run ``python scripts/unasync.py``. What both do without I/O is ``_transport._Shared``.
+file, then run ``python scripts/unasync.py``. What both do without I/O is
+``_base_transport._Shared``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from .._models import RetryEvent
 from .._retry import RetryPolicy
 from .._sync_client import Client
 from .._tokens import TokenCounter
+from ._base_transport import _UNKNOWN_BASE_URL, DEFAULT_LIMITS, _parse, _Shared
 from ._plan import generation_kind
-from ._transport import _UNKNOWN_BASE_URL, DEFAULT_LIMITS, _parse, _Shared
 
 __all__ = ["Transport"]
 

@@ -10,6 +10,14 @@ Three admission strategies share one ledger so their failure modes can be measur
 ``prompt``       the prompt's blocks only: blind to the output the request may still generate.
 ``concurrency``  a request count against ``max_concurrency``: blind to sizes.
 
+Under ``reserve`` the budget is checked by one of two rules (``rule``):
+
+``caps``   the sum of every holder's whole reservation: safe whatever the engine does.
+``peak``   the worst-case peak of the holders' sum over the coming decode steps, from each
+           holder's relayed progress (:mod:`.peak`): safe while the engine runs every admitted
+           sequence in lockstep, which the server watches; when it sees otherwise it runs on
+           caps until the holders admitted before have all gone (:meth:`run_on_caps`).
+
 >>> ledger = KVAdmissionController(total_kv_tokens=1000, context_window=512, decode_rate=100.0)
 >>> ledger.usable_tokens
 900
@@ -28,16 +36,18 @@ import itertools
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Literal, get_args
 
 from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
 
+from .peak import Holder, peak, prefix_blocks
 from .values import Handle, Headroom, LedgerEvent, LedgerStats, _Promise
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_SAFETY_FRACTION",
+    "RULES",
     "STAGGER_ROUNDS",
     "STRATEGIES",
     "Handle",
@@ -45,11 +55,26 @@ __all__ = [
     "KVAdmissionController",
     "LedgerEvent",
     "LedgerStats",
+    "Rule",
     "Strategy",
 ]
 
 Strategy = Literal["reserve", "prompt", "concurrency"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
+Rule = Literal["peak", "caps"]
+RULES: tuple[str, ...] = get_args(Rule)
+
+#: The longest a token may take from the engine's decode step to the server's reading of it
+#: (the engine's API process, the socket, the relay's loop), in seconds. A holder is taken to
+#: have made, beyond the tokens relayed, as many as it could decode in that time plus the time
+#: since its latest count: see :meth:`KVAdmissionController._lag_tokens`.
+DEFAULT_RELAY_LAG = 0.25
+#: How much faster than measured a sequence is allowed to decode, for that margin: the speed
+#: is measured over seconds, and a batch that thins out decodes faster.
+_LAG_RATE_FACTOR = 2.0
+#: Seconds of a holder's own stream before its own speed counts for that margin: chunks come in
+#: bursts (an engine's API process catching up), and a burst's rate is no speed.
+_OWN_RATE_SPAN = 0.5
 
 #: Real runtimes lose memory to fragmentation and activations; admit to 90% of the KV pool.
 DEFAULT_SAFETY_FRACTION = 0.9
@@ -102,6 +127,8 @@ class KVAdmissionController:
         overrun: float = 0.0,
         throughput: float | None = None,
         on_event: Callable[[LedgerEvent], None] | None = None,
+        rule: Rule = "caps",
+        relay_lag: float = DEFAULT_RELAY_LAG,
     ) -> None:
         if total_kv_tokens < 1:
             raise ValueError(f"total_kv_tokens must be >= 1, got {total_kv_tokens}")
@@ -119,6 +146,10 @@ class KVAdmissionController:
             raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
         if not (0.0 <= overrun < math.inf):
             raise ValueError(f"overrun must be a finite number >= 0, got {overrun}")
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
+        if not (0.0 <= relay_lag < math.inf):
+            raise ValueError(f"relay_lag must be a finite number >= 0, got {relay_lag}")
         _check_speed(decode_rate, throughput)
         self.total_kv_tokens = total_kv_tokens
         self.context_window = context_window
@@ -136,6 +167,18 @@ class KVAdmissionController:
         self.overrun = float(overrun)
         self._on_event = on_event
         self.usable_tokens = max(1, math.floor(total_kv_tokens * safety_fraction))
+        self.rule: Rule = rule
+        self.relay_lag = float(relay_lag)
+        #: Why a ``peak`` ledger runs on caps for good (the engine does not qualify).
+        self._caps_for_good: str | None = None
+        #: Why it runs on caps for now, and the holders that must go before it stops.
+        self._caps_for_now: str | None = None
+        self._draining: set[int] = set()
+        #: Whether the engine shares the KV blocks of identical prompt prefixes (set by the
+        #: server that knows it): then the peak rule counts them once (:meth:`prefix_keys`).
+        self.shares_prefixes = False
+        #: Prefix blocks of which a copy was let go while another was held (see ``peak.py``).
+        self._tainted: set[Hashable] = set()
 
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -236,10 +279,162 @@ class KVAdmissionController:
 
     # --- admission ---------------------------------------------------------------------------
 
-    def _fits(self, need: int) -> bool:
+    # --- the peak rule -----------------------------------------------------------------------
+
+    def _peak_in_force(self) -> bool:
+        return (
+            self.rule == "peak"
+            and self.strategy == "reserve"
+            and self._caps_for_good is None
+            and self._caps_for_now is None
+        )
+
+    @property
+    def tracks_progress(self) -> bool:
+        """Whether holders' progress is worth relaying: the peak rule may count it (it is
+        configured and the engine qualifies; it may be on caps for now, until drained)."""
+        return self.rule == "peak" and self.strategy == "reserve" and self._caps_for_good is None
+
+    def prefix_keys(self, token_ids: Sequence[int] | None, salt: Hashable) -> tuple[Hashable, ...]:
+        """The keys of a prompt's shareable blocks where the engine shares them and the peak
+        rule may count them once; () otherwise (see :func:`.peak.prefix_blocks`)."""
+        if not token_ids or not self.shares_prefixes or not self.tracks_progress:
+            return ()
+        return prefix_blocks(token_ids, self.block_size, salt)
+
+    @property
+    def caps_reason(self) -> str | None:
+        """Why a ledger configured for ``peak`` counts whole caps now (None when it does not)."""
+        with self._lock:
+            if self.rule != "peak":
+                return None
+            if self.strategy != "reserve":
+                return f"the {self.strategy} strategy counts no caps to begin with"
+            return self._caps_for_good or self._caps_for_now
+
+    def set_caps_for_good(self, reason: str | None) -> None:
+        """Run on caps whatever happens, for ``reason`` (the engine does not qualify for the
+        peak rule); None lifts it."""
+        with self._lock:
+            self._caps_for_good = reason
+
+    def run_on_caps(self, reason: str) -> None:
+        """The engine was seen not to run every holder in lockstep (requests waiting inside it,
+        a preemption, a stalled stream): count whole caps until every holder live now has
+        gone. Said again while it lasts, it waits for the holders live then."""
+        with self._lock:
+            self._caps_for_now = reason
+            self._draining = set(self._live)
+            if not self._draining:
+                self._caps_for_now = None
+
+    def progress(self, handle: Handle, generated: int, now: float) -> bool:
+        """``handle`` has had ``generated`` tokens relayed by ``now`` (counted from the engine's
+        own stream). True when they are its first: the room a queue waits for may have grown."""
+        with self._lock:
+            if handle.released or not handle.tracked:
+                return False
+            first = handle.generated is None
+            if first:
+                handle.first_seen_at = now
+            elif generated <= (handle.generated or 0):
+                return False
+            handle.generated = min(max(0, generated), handle.output_cap)
+            handle.seen_at = now
+            return first
+
+    def stalled(self, now: float, seconds: float) -> list[Handle]:
+        """Tracked holders with tokens still to make whose count has not moved for ``seconds``
+        while another's did: the engine is not running them in lockstep."""
+        with self._lock:
+            moving = [h for h in self._live.values() if h.generated is not None]
+            if not any(now - h.seen_at < seconds for h in moving):
+                return []
+            return [
+                h
+                for h in moving
+                if now - h.seen_at >= seconds and (h.generated or 0) < h.output_cap
+            ]
+
+    def _lag_tokens(self, handle: Handle, now: float) -> int:
+        """Tokens ``handle`` may have made beyond those relayed: what it can decode in the relay
+        lag plus the time since its latest count, at twice the faster of the engine's measured
+        speed alone and its own observed speed over at least ``_OWN_RATE_SPAN`` (lock held)."""
+        rate = self.decode_rate
+        span = handle.seen_at - handle.first_seen_at
+        if span >= _OWN_RATE_SPAN and handle.generated:
+            rate = max(rate, (handle.generated - 1) / span)
+        return math.ceil(
+            _LAG_RATE_FACTOR * rate * (max(0.0, now - handle.seen_at) + self.relay_lag)
+        )
+
+    def _holder(self, handle: Handle, now: float, peak: bool) -> Holder:
+        """How the peak sees ``handle`` now (lock held)."""
+        if not peak or handle.generated is None or not handle.tracked:
+            return Holder.flat(handle.reserved_tokens, handle.prefix, handle.borrowed)
+        cap, generated = handle.output_cap, handle.generated
+        made = min(cap, generated + self._lag_tokens(handle, now))
+        return Holder(
+            held=handle.prompt_tokens + made,
+            most=handle.prompt_tokens + cap,
+            # Through the step that makes its last token, at its whole size: it frees after.
+            steps_left=max(0, cap - generated) + 1,
+            prefix=handle.prefix,
+            borrowed=handle.borrowed,
+        )
+
+    def _committed(
+        self, now: float, extra: Holder | None = None, without: Handle | None = None
+    ) -> int:
+        """The most the holders (but ``without``, and with ``extra``) may hold at once from now
+        on (lock held)."""
+        if not self._peak_in_force():
+            live = without is not None and self._live.get(without.id) is without
+            gone = without.reserved_tokens if live and without is not None else 0
+            return self._reserved - gone + (extra.most if extra is not None else 0)
+        holders = [self._holder(h, now, True) for h in self._live.values() if h is not without]
+        if extra is not None:
+            holders.append(extra)
+        if not holders:
+            return 0
+        return peak(holders, block_size=self.block_size, tainted=self._tainted)
+
+    def _borrowable(self, prefix: tuple[Hashable, ...]) -> int:
+        """How many of ``prefix``'s first blocks a holder past its prefill has computed: the
+        engine lends them to a newcomer instead of computing them again (lock held)."""
+        if not prefix:
+            return 0
+        computed: set[Hashable] = set()
+        for handle in self._live.values():
+            if handle.generated is not None:
+                computed.update(handle.prefix)
+        borrowed = 0
+        for key in prefix:
+            if key not in computed:
+                break
+            borrowed += 1
+        return borrowed
+
+    def _let_go(self, gone: Handle) -> None:
+        """``gone``'s prefix blocks are let go (lock held): a block it computed while another
+        holder computed its own copy leaves a freed copy the engine may hand out (tainted);
+        blocks no holder has any more are forgotten."""
+        computed = set(gone.prefix[gone.borrowed :])
+        held: set[Hashable] = set()
+        for handle in self._live.values():
+            held.update(handle.prefix)
+            self._tainted.update(computed.intersection(handle.prefix[handle.borrowed :]))
+        self._tainted &= held
+
+    def _fits(self, need: int, now: float, prefix: tuple[Hashable, ...] = ()) -> bool:
         if self.max_concurrency is not None and len(self._live) >= self.max_concurrency:
             return False
-        return self._reserved + need <= self.usable_tokens
+        if self._reserved + need <= self.usable_tokens:
+            return True  # the sum of the caps is never below the peak
+        if not self._peak_in_force():
+            return False
+        candidate = Holder.flat(need, prefix, self._borrowable(prefix))
+        return self._committed(now, candidate) <= self.usable_tokens
 
     def try_admit(
         self,
@@ -249,17 +444,20 @@ class KVAdmissionController:
         now: float,
         count_rejection: bool = True,
         need: int | None = None,
+        prefix: tuple[Hashable, ...] = (),
     ) -> Handle | None:
         """Reserve for a request, or return ``None`` when the budget is short now.
 
         ``count_rejection=False`` is for a queued request trying again: only its final answer
         counts in ``rejected_total`` (see :meth:`record_rejection`). ``need``: what
-        :meth:`need_tokens` gave for these sizes, when the caller has it already.
+        :meth:`need_tokens` gave for these sizes, when the caller has it already. ``prefix``:
+        the keys of its shareable prompt blocks (:func:`.peak.prefix_blocks`), where the engine
+        shares them; only the ``peak`` rule counts them once.
         """
         if need is None:
             need = self.need_tokens(prompt_tokens, output_cap)
         with self._lock:
-            if not self._fits(need):
+            if not self._fits(need, now, prefix):
                 if count_rejection:
                     self._rejected_total += 1
                 return None
@@ -274,6 +472,8 @@ class KVAdmissionController:
                 due_at=now + output_cap / rate + self.release_margin,
                 progress_at_admit=self._progress,
             )
+            if prefix and self._peak_in_force():
+                handle.prefix, handle.borrowed = prefix, self._borrowable(prefix)
             self._live[handle.id] = handle
             self._keep_promise(need, now)
             self._reserved += need
@@ -315,6 +515,11 @@ class KVAdmissionController:
             if now is not None:
                 self._advance(now)
             del self._live[handle.id]
+            if handle.prefix:
+                self._let_go(handle)
+            self._draining.discard(handle.id)
+            if not self._draining:
+                self._caps_for_now = None
             handle.released = True
             self._reserved -= handle.reserved_tokens
             self._released_total += 1
@@ -395,6 +600,8 @@ class KVAdmissionController:
                 ends.append((max(writing + self.overrun, soonest), handle))  # cut then
                 continue
             generated = self._progress - handle.progress_at_admit
+            if handle.generated is not None:
+                generated = handle.generated  # relayed: exact
             length: float = handle.output_cap
             if ordered is not None:
                 likely = self._quantile_above(ordered, generated)
@@ -488,6 +695,8 @@ class KVAdmissionController:
             ]
             ordered = self._recent_outputs()
             live = self._expected_ends(ordered, now)
+            if self._peak_in_force():
+                return max(0.0, self._earliest_peak_fit(need, now, live) - now)
             horizon = None if ordered is None else self._quantile_above(ordered, -1)
             if horizon is not None:  # a new request's own likely length
                 duration = min(duration, horizon / self.decode_rate)
@@ -520,6 +729,28 @@ class KVAdmissionController:
                 return t
         return candidates[-1]  # by then everything in sight is released
 
+    def _earliest_peak_fit(self, need: int, now: float, live: list[tuple[float, Handle]]) -> float:
+        """The first moment from ``now`` at which ``need`` fits under the peak rule (lock held).
+
+        At a holder's expected end every holder still running has advanced as many steps as
+        it had left (they decode in lockstep): the peak from then on is the peak over the steps
+        after those. Flat holders count until their own expected end. Promised returns are
+        not counted (the gateway does not stagger).
+        """
+        candidate = Holder.flat(need)
+        advanced: list[tuple[float, int]] = [(now, 0)]
+        for end, handle in live:
+            if handle.generated is not None and handle.tracked:
+                advanced.append((end, max(0, handle.output_cap - handle.generated) + 1))
+        for t in sorted({now} | {end for end, _ in live}):
+            steps = max(s for at, s in advanced if at <= t)
+            holders = [self._holder(h, now, True) for end, h in live if end > t]
+            holders.append(candidate)
+            worst = peak(holders, block_size=self.block_size, after=steps, tainted=self._tainted)
+            if worst <= self.usable_tokens:
+                return t
+        return max((end for end, _ in live), default=now)
+
     def outstanding_promises(self) -> int:
         """Clients told to come back whose promised time has not run out."""
         with self._lock:
@@ -535,12 +766,11 @@ class KVAdmissionController:
         newcomer, so they are not free for it.
         """
         with self._lock:
-            reserved = self._reserved
+            reserved = self._committed(now, without=releasing)
             inflight = len(self._live)
             soonest = math.inf
             for end, handle in self._expected_ends(None, now):
                 if handle is releasing:
-                    reserved -= handle.reserved_tokens
                     inflight -= 1
                 elif end < soonest:
                     soonest = end
@@ -580,4 +810,9 @@ class KVAdmissionController:
                 peak_reserved_tokens=self._peak_reserved,
                 peak_inflight=self._peak_inflight,
                 max_concurrency=self.max_concurrency,
+                rule="peak" if self._peak_in_force() else "caps",
+                caps_reason=(
+                    None if self.rule != "peak" else self._caps_for_good or self._caps_for_now
+                ),
+                committed_tokens=self._committed(self._progress_at or 0.0),
             )

@@ -107,6 +107,12 @@ class AdmissionQueue:
         if self._waiters:
             self._waiters[0].event.set()
 
+    def progress(self, handle: Handle, generated: int) -> None:
+        """``handle`` has had ``generated`` tokens relayed: under the peak rule its first token
+        shrinks what it counts for, so the head of the queue tries again."""
+        if self.ledger.progress(handle, generated, self._clock()):
+            self.notify()
+
     async def release(self, handle: Handle) -> None:
         """Give ``handle``'s reservation back and let the head of the queue try again."""
         self.ledger.release(handle, self._clock())
@@ -119,18 +125,25 @@ class AdmissionQueue:
         *,
         client: Hashable | None = None,
         max_wait: float | None = None,
+        prefix: tuple[Hashable, ...] = (),
     ) -> Handle:
         """A handle for the request, or :class:`Rejected` after at most ``max_wait`` seconds.
 
         ``client`` identifies the caller for staggered advice (its connection's address).
         ``max_wait`` shortens the queue's own wait for this request (the client's ``Prefer:
-        wait``); it never lengthens it.
+        wait``); it never lengthens it. ``prefix``: the keys of the request's shareable prompt
+        blocks (see :meth:`KVAdmissionController.try_admit`).
         """
         limit = wait_limit(self.max_wait, max_wait)
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
         if not self._waiters:
             handle = self.ledger.try_admit(
-                prompt_tokens, output_cap, now=self._clock(), count_rejection=False, need=need
+                prompt_tokens,
+                output_cap,
+                now=self._clock(),
+                count_rejection=False,
+                need=need,
+                prefix=prefix,
             )
             if handle is not None:
                 return handle
@@ -151,6 +164,7 @@ class AdmissionQueue:
                             now=self._clock(),
                             count_rejection=False,
                             need=need,
+                            prefix=prefix,
                         )
                         if handle is not None:
                             return handle

@@ -135,6 +135,7 @@ class SharedQueue(AdmissionQueue):
         *,
         client: Hashable | None = None,
         max_wait: float | None = None,
+        prefix: tuple[Hashable, ...] = (),  # the shared ledger counts whole caps: unused
     ) -> Handle:
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
         ticket = self.shared.ticket(need)

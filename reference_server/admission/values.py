@@ -47,17 +47,30 @@ class Handle:
     ``writing_since`` is set by the server while a write of the answer waits on the client (the
     ledger's clock), None otherwise: one waiting longer than the release margin is a client
     that stopped reading, and the holder ends only when the server cuts it.
+
+    For the ``peak`` rule (see :mod:`.peak`): ``tracked`` says the server relays the request's
+    progress exactly (one sequence, its tokens counted from the engine's own stream);
+    ``generated`` is the tokens relayed so far (None before the first), ``first_seen_at`` and
+    ``seen_at`` when the first and the latest count arrived; ``prefix`` the keys of its
+    shareable prompt blocks, the first ``borrowed`` of them computed by another holder. An
+    untracked holder, or one whose first token has not come, counts at its whole reservation.
     """
 
     __slots__ = (
         "admitted_at",
+        "borrowed",
         "due_at",
+        "first_seen_at",
+        "generated",
         "id",
         "output_cap",
+        "prefix",
         "progress_at_admit",
         "prompt_tokens",
         "released",
         "reserved_tokens",
+        "seen_at",
+        "tracked",
         "writing_since",
     )
 
@@ -81,6 +94,12 @@ class Handle:
         self.progress_at_admit = progress_at_admit
         self.released = False
         self.writing_since: float | None = None
+        self.tracked = False
+        self.generated: int | None = None
+        self.first_seen_at = 0.0
+        self.seen_at = 0.0
+        self.prefix: tuple[Hashable, ...] = ()
+        self.borrowed = 0
 
     def __repr__(self) -> str:
         state = "released" if self.released else "live"
@@ -106,6 +125,13 @@ class LedgerStats:
     peak_reserved_tokens: int
     peak_inflight: int
     max_concurrency: int | None
+    #: The admission rule in force: ``"peak"`` (the worst-case peak of the holders' sum) or
+    #: ``"caps"`` (the sum of their whole reservations), and why it is ``"caps"`` when the
+    #: ledger was configured for ``"peak"`` (None otherwise).
+    rule: str = "caps"
+    caps_reason: str | None = None
+    #: Tokens the holders may hold at once at worst (``peak``; under ``caps`` the reserved sum).
+    committed_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

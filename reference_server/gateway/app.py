@@ -45,11 +45,12 @@ class GatewayState:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        overrides = list(config.kv_tokens) + [None] * (
-            len(config.upstreams) - len(config.kv_tokens)
-        )
+        n = len(config.upstreams)
+        overrides = [*config.kv_tokens, *[None] * (n - len(config.kv_tokens))]
+        running = [*config.max_running, *[None] * (n - len(config.max_running))]
         self.upstreams = [
-            Upstream(url, kv, config) for url, kv in zip(config.upstreams, overrides, strict=True)
+            Upstream(url, kv, config, most)
+            for url, kv, most in zip(config.upstreams, overrides, running, strict=True)
         ]
         self.fallback_counter: TokenCounter = config.counter or TiktokenCounter()
         self.backends: list[UpstreamBackend] = []
@@ -195,6 +196,10 @@ async def _health(request: Request) -> Response:
                 "usable_tokens": stats.usable_tokens if stats else None,
                 "reserved_tokens": stats.reserved_tokens if stats else None,
                 "inflight": stats.inflight if stats else None,
+                "admission": stats.rule if stats else None,
+                "caps_reason": stats.caps_reason if stats else None,
+                "committed_tokens": stats.committed_tokens if stats else None,
+                "max_running": stats.max_concurrency if stats else None,
                 "problem": u.discovery_error,
             }
         )

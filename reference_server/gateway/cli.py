@@ -14,7 +14,7 @@ from typing import Any
 from kvclient._cli_options import TOKENIZER_HELP, add_log_level, setup_logging
 from kvclient._help import HelpFormatter
 
-from ..admission.ledger import DEFAULT_SAFETY_FRACTION
+from ..admission.ledger import DEFAULT_SAFETY_FRACTION, RULES
 from ..http.serving import configure, load_tokenizer, serve, serve_workers
 from .config import (
     DEFAULT_DECODE_RATE,
@@ -37,6 +37,13 @@ never run past what was reserved. Out of budget: 429 with Retry-After.
 Each upstream's context window and KV budget are discovered from its own endpoints (vLLM
 /metrics cache_config_info, llama.cpp /props, TGI /metrics, SGLang /get_server_info), or given
 with --kv-tokens, once per --upstream, in the same order.
+
+Two admission rules. caps: the sum of every holder's whole reservation must fit, whatever the
+engine does. peak (the default where the engine qualifies): the most the holders can hold at
+once over the coming decode steps, from the tokens each has generated so far (relayed from the
+engine's stream), must fit; it is exact while the engine runs every admitted sequence in
+lockstep, so the gateway admits no more than the engine runs at once (--max-running) and counts
+whole caps again while it sees requests waiting, a preemption or a stalled stream.
 """
 
 
@@ -54,7 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-tokens", action="append", type=int, default=[], metavar="TOKENS",
         help="the KV budget of the upstream at the same position (default: discovered)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-running", action="append", type=int, default=[], metavar="N",
+        help="how many sequences the upstream at the same position runs at once (vLLM's "
+        "--max-num-seqs; default: discovered where the engine says, else that upstream "
+        "counts whole caps)",
+    )  # fmt: skip
     add = parser.add_argument
+    add(
+        "--admission", choices=RULES, default="peak",
+        help="peak: admit by the most the holders can hold at once from their progress, where "
+        "the engine qualifies; caps: by the sum of their whole reservations (default: "
+        "%(default)s)",
+    )  # fmt: skip
     add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     add("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any)")
     add(
@@ -166,6 +185,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         upstreams=tuple(args.upstream),
         kv_tokens=tuple(args.kv_tokens),
+        max_running=tuple(args.max_running),
+        admission=args.admission,
         context_window=args.context_window,
         safety_fraction=args.safety_fraction,
         max_queue_wait=args.max_queue_wait,

@@ -10,7 +10,7 @@ import yarl
 
 from kvclient import TokenCounter
 
-from ..admission.ledger import DEFAULT_SAFETY_FRACTION
+from ..admission.ledger import DEFAULT_SAFETY_FRACTION, RULES, Rule
 from ..admission.scripts import DEFAULT_LEASE_SECONDS
 from ..http.generation import DEFAULT_SEND_TIMEOUT
 from ..http.requests import DEFAULT_MAX_BODY_BYTES
@@ -103,6 +103,14 @@ class GatewayConfig:
     ledger_ca_file: str | None = None
     ledger_client_cert: str | None = None
     ledger_client_key: str | None = None
+    #: The admission rule (``--admission``): ``"peak"``, the worst-case peak of the holders'
+    #: sum over the coming decode steps from their relayed progress, where the engine qualifies
+    #: (else whole caps, with the reason in /health, /metrics and the log); ``"caps"``, the sum
+    #: of every holder's whole reservation.
+    admission: Rule = "peak"
+    #: ``max_running[i]``: how many sequences upstream ``i`` runs at once (vLLM's
+    #: ``--max-num-seqs``); None: discovered where the engine says (llama.cpp's slots, ours).
+    max_running: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -115,6 +123,13 @@ class GatewayConfig:
         for kv in self.kv_tokens:
             if kv is not None and kv < 1:
                 raise ValueError(f"--kv-tokens must be at least 1, got {kv}")
+        if len(self.max_running) > len(self.upstreams):
+            raise ValueError("more --max-running than --upstream")
+        for running in self.max_running:
+            if running is not None and running < 1:
+                raise ValueError(f"--max-running must be at least 1, got {running}")
+        if self.admission not in RULES:
+            raise ValueError(f"--admission must be one of {', '.join(RULES)}")
         if self.context_window is not None and self.context_window < 1:
             raise ValueError(f"--context-window must be at least 1, got {self.context_window}")
         if not 0.0 < self.safety_fraction <= 1.0:

@@ -83,12 +83,28 @@ class GatewayCollector:
             "kv_upstream_decode_throughput": [
                 (u.known.ledger.throughput or 0) if u.known else 0 for u, _ in rows
             ],
+            # The admission rule in force (1: peak, 0: whole caps) and the most its holders
+            # may hold at once by it (under caps, the reserved sum).
+            "kv_upstream_admission_peak": [
+                1 if s is not None and s.rule == "peak" else 0 for _, s in rows
+            ],
+            "kv_upstream_committed_tokens": [s.committed_tokens if s else 0 for _, s in rows],
         }
         counters: dict[str, list[float]] = {
             "kv_upstream_admitted": [s.admitted_total if s else 0 for _, s in rows],
             "kv_upstream_rejected": [s.rejected_total if s else 0 for _, s in rows],
             "kv_upstream_errors": [u.errors for u, _ in rows],
+            "kv_upstream_lockstep_breaks": [u.lockstep_breaks for u, _ in rows],
         }
+        reasons = GaugeMetricFamily(
+            "kv_upstream_caps_reason",
+            "1, with the reason, for an upstream that counts whole caps under --admission peak.",
+            labels=["upstream", "reason"],
+        )
+        for u, s in rows:
+            if s is not None and s.caps_reason is not None:
+                reasons.add_metric([u.name, s.caps_reason], 1)
+        yield reasons
         shared = self.state.shared
         if shared is not None:
             yield GaugeMetricFamily(

@@ -30,8 +30,10 @@ from starlette.responses import Response
 from starlette.types import Scope, Send
 
 from kvclient._dialects import (
+    PROGRESS_ENGINES,
     PROMPT_SHARING_ENGINES,
     RENDER_FIELDS,
+    Tokenized,
     countable_render_fields,
     runs_on_after_reset,
 )
@@ -44,6 +46,7 @@ from ..http.errors import APIError
 from ..http.generation import Plan, Target
 from ..http.requests import THREAD_TOKENIZE_CHARS, GenerationRequest, count_prompt
 from .assemble import Assembler, BrokenStream, EngineError
+from .progress import ProgressReader, with_progress
 from .rewrite import (
     as_stream,
     assembled_headers,
@@ -129,6 +132,20 @@ def _upstream_error(
     ).response()
 
 
+def _not_final(upstream: Upstream, status: int) -> Response:
+    """An informational status given as the answer (aiohttp hands on a 101 Switching
+    Protocols; the request asked for no upgrade): a broken upstream, a JSON 502 that names it.
+    Nothing of it is relayed: uvicorn cannot frame a 1xx as an answer, and would drop the
+    client's connection."""
+    upstream.failure()
+    return APIError(
+        502,
+        f"upstream {upstream.name} answered {status}, not an answer to the request",
+        type="upstream_error",
+        code="upstream_answer_broken",
+    ).response()
+
+
 def _refuse_uncounted(field: str | None) -> None:
     if field is not None:
         raise APIError(
@@ -190,9 +207,10 @@ class UpstreamBackend:
         render = {k: payload[k] for k in RENDER_FIELDS if k in payload}
         if request.messages is None:
             render = {}  # a prompt is not rendered
-        prompt_tokens = await self._count(
+        counted = await self._count(
             known, request, model if isinstance(model, str) else None, render
         )
+        prompt_tokens = counted.count
         # The most generous upstream decides "never": a request that fits one is retryable.
         roomiest = max(known, key=lambda k: k.ledger.usable_tokens)
         cap = admissible_cap(
@@ -211,6 +229,8 @@ class UpstreamBackend:
             sequences=request.sequences,
             # Sequences share the prompt's blocks only where every upstream forks them.
             shared_prompt=all(k.upstream.engine in PROMPT_SHARING_ENGINES for k in known),
+            token_ids=counted.ids,
+            model=model if isinstance(model, str) else None,
             extra=_Forward(
                 content=with_cap(raw, payload, cap),
                 headers=request_headers(
@@ -236,10 +256,11 @@ class UpstreamBackend:
         request: GenerationRequest,
         model: str | None,
         render: dict[str, Any],
-    ) -> int:
+    ) -> Tokenized:
         """The prompt as the engine will see it, counted: by an upstream's own count (with the
-        request's render fields, where it takes them), else by the configured counter. A
-        request whose rendering cannot be counted is refused rather than under-counted."""
+        request's render fields, where it takes them; its token ids when it gives them), else
+        by the configured counter. A request whose rendering cannot be counted is refused
+        rather than under-counted."""
         state = self.state
         if state.config.counter is None:
             now = time.monotonic()
@@ -258,8 +279,8 @@ class UpstreamBackend:
             _refuse_uncounted(next(iter(render)))
         counter = state.fallback_counter
         if request.size_hint > THREAD_TOKENIZE_CHARS:
-            return await anyio.to_thread.run_sync(count_prompt, request, counter)
-        return count_prompt(request, counter)
+            return Tokenized(await anyio.to_thread.run_sync(count_prompt, request, counter))
+        return Tokenized(count_prompt(request, counter))
 
     # --- route -------------------------------------------------------------------------------
 
@@ -299,13 +320,30 @@ class UpstreamBackend:
         content = plan.extra.content
         chat = _ASSEMBLED.get(self.path)
         engine = upstream.engine
+        # Under the peak rule the holder's progress is followed from the engine's stream (a
+        # plain request goes as a stream, its answer assembled): see ``progress.py``.
+        reader: ProgressReader | None = None
+        if (
+            chat is not None
+            and plan.sequences == 1
+            and engine in PROGRESS_ENGINES
+            and target.ledger.tracks_progress
+        ):
+            content, asked = with_progress(content)
+            reader = ProgressReader(drop_usage_only=stream and not asked)
+            handle.tracked = True
         assembled = (
             not stream
             and chat is not None
-            and runs_on_after_reset(engine, stream=False)
-            and not runs_on_after_reset(engine, stream=True)
+            and (
+                reader is not None
+                or (
+                    runs_on_after_reset(engine, stream=False)
+                    and not runs_on_after_reset(engine, stream=True)
+                )
+            )
         )
-        if assembled:
+        if assembled and reader is None:
             content = as_stream(content)
         holds = not assembled and runs_on_after_reset(engine, stream=stream)
         data: bytes | _Assembled | BaseException | None
@@ -323,18 +361,21 @@ class UpstreamBackend:
             except BaseException:
                 upstream.health.abandoned()
                 raise
-            if holds:
+            if holds and response.status >= 200:
                 data = await self._read_whole(response, upstream)
         # Closed in finally whatever happens: an unfinished answer resets its connection, and
         # engines abort a request whose connection is reset.
         try:
+            if response.status < 200:
+                await send_whole(_not_final(upstream, response.status), send)
+                return True
             if response.status >= 400 or not stream:
                 if assembled and response.status < 400:
-                    data = await self._read_assembled(response, chat is True)
+                    data = await self._read_assembled(response, chat is True, target, handle)
                 elif not holds:
                     data = await self._read_whole(response, upstream)
                 return await self._whole(target, handle, response, data, send, started)
-            await self._stream(target, response, send, started, handle)
+            await self._stream(target, response, send, started, handle, reader)
             return True
         finally:
             release(response)
@@ -349,11 +390,12 @@ class UpstreamBackend:
             return exc
 
     async def _read_assembled(
-        self, response: aiohttp.ClientResponse, chat: bool
+        self, response: aiohttp.ClientResponse, chat: bool, known: Known, handle: Handle
     ) -> _Assembled | BaseException | None:
         """The plain answer of a stream read to its end (None past the answer limit), or the
-        error that broke it."""
+        error that broke it; the holder's progress followed on the way when it is tracked."""
         assembler = Assembler(chat=chat)
+        reader = ProgressReader(drop_usage_only=False) if handle.tracked else None
         limit = self.state.config.max_answer_bytes
         total = 0
         try:
@@ -362,6 +404,10 @@ class UpstreamBackend:
                 if total > limit:
                     return None
                 assembler.feed(piece)
+                if reader is not None:
+                    reader.feed(piece)
+                    if reader.generated:
+                        known.queue.progress(handle, reader.generated)
             answer = assembler.end()
         except EngineError as error:
             return _Assembled(error.status, json.dumps(error.body).encode())
@@ -442,10 +488,13 @@ class UpstreamBackend:
         send: Send,
         started: float,
         handle: Handle,
+        reader: ProgressReader | None = None,
     ) -> None:
         """Relay a stream piece by piece as it arrives; a break becomes an SSE error event, and
         so does a reservation taken back mid-stream (a shared ledger's lapsed lease): the
-        budget is no longer held, so nothing more is relayed."""
+        budget is no longer held, so nothing more is relayed. With a ``reader`` the holder's
+        progress is followed, and whole events are relayed (what the client did not ask for
+        taken out)."""
         upstream = known.upstream
         cap = handle.output_cap
         await send(
@@ -464,6 +513,12 @@ class UpstreamBackend:
                     await send({"type": "http.response.body", "body": _LAPSED, "more_body": False})
                     return
                 before, last = last, piece
+                if reader is not None:
+                    piece = reader.feed(piece)
+                    if reader.generated:
+                        known.queue.progress(handle, reader.generated)
+                    if not piece:
+                        continue
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
         except UPSTREAM_ERRORS:
             upstream.failure()
@@ -477,7 +532,8 @@ class UpstreamBackend:
             await send({"type": "http.response.body", "body": event, "more_body": False})
             return
         upstream.health.succeeded()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        rest = reader.end() if reader is not None else b""
+        await send({"type": "http.response.body", "body": rest, "more_body": False})
         upstream.relayed += 1
         # Tokens by its usage (an event may carry several); no more than the cap it was sent
         # with, whatever the stream says. A stream without usage says nothing of its speed.

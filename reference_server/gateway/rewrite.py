@@ -2,9 +2,9 @@
 
 The body goes upstream with its output cap made explicit and clamped to what was reserved (and,
 for an engine that only stops a stream when its client leaves, a plain request asked as a
-stream); the headers lose what belongs to one hop, what the HTTP client sets itself, and the
-gateway's own credentials; an answer's headers lose the same, and the upstream's RateLimit
-fields (the gateway's ledger says what the gateway will admit).
+stream); of the client's headers only a stated few go on (:data:`FORWARDED_HEADERS`), within
+bounds; an answer's headers lose what belongs to one hop, what the HTTP client sets itself, and
+the upstream's RateLimit fields (the gateway's ledger says what the gateway will admit).
 """
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ from typing import Any
 
 from kvclient._dialects import LENGTH_FIELDS, MIN_LENGTH_FIELDS
 
+from ..http.errors import APIError
+
 __all__ = [
+    "FORWARDED_HEADERS",
+    "MAX_FORWARDED_BYTES",
+    "MAX_FORWARDED_FIELDS",
     "as_stream",
     "assembled_headers",
     "completion_tokens",
@@ -25,27 +30,21 @@ __all__ = [
     "with_cap",
 ]
 
-#: Request headers that belong to one hop (RFC 9110 7.6.1) or that the upstream client sets
-#: itself (ASGI servers give header names lower-cased).
-_HOP_HEADERS = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"content-length",
-        b"accept-encoding",
-        b"expect",
-    }
+#: The client's request headers that go upstream, and no other (ASGI servers give names
+#: lower-cased): what the body is and what the client takes back, and tracing (W3C trace
+#: context; a request id, which vLLM takes for its own). What stays here: what belongs to one
+#: hop, cookies, the client's own headers, ``Prefer`` (the gateway honours it), an engine's
+#: routing hints (vLLM's and SGLang's ``X-Data-Parallel-Rank`` would put KV where the gateway
+#: reserved none).
+FORWARDED_HEADERS = frozenset(
+    {b"content-type", b"accept", b"traceparent", b"tracestate", b"x-request-id"}
 )
-#: The client's credentials for the gateway: checked by the gateway, never sent on.
+#: The client's credentials: checked by the gateway when it has a key, and then never sent on;
+#: without one they are the engine's, and go on.
 _CLIENT_CREDENTIALS = frozenset({b"authorization", b"api-key"})
+#: Bounds on what goes upstream of the client's headers: fields, and bytes of names and values.
+MAX_FORWARDED_FIELDS = 16
+MAX_FORWARDED_BYTES = 8 * 1024
 _RESPONSE_DROP = frozenset(
     {
         b"connection",
@@ -64,9 +63,27 @@ _RESPONSE_DROP = frozenset(
 def request_headers(
     headers: Iterable[tuple[bytes, bytes]], *, drop_credentials: bool
 ) -> list[tuple[bytes, bytes]]:
-    """The client's headers as they go upstream."""
-    dropped = _HOP_HEADERS | _CLIENT_CREDENTIALS if drop_credentials else _HOP_HEADERS
-    return [(name, value) for name, value in headers if name.lower() not in dropped]
+    """The client's headers as they go upstream: those of :data:`FORWARDED_HEADERS` (and its
+    credentials, unless ``drop_credentials``); a 431 naming the header past the bounds
+    (:data:`MAX_FORWARDED_FIELDS`, :data:`MAX_FORWARDED_BYTES`) rather than a part of them."""
+    allowed = FORWARDED_HEADERS if drop_credentials else FORWARDED_HEADERS | _CLIENT_CREDENTIALS
+    forwarded: list[tuple[bytes, bytes]] = []
+    size = 0
+    for name, value in headers:
+        if name.lower() not in allowed:
+            continue
+        size += len(name) + len(value)
+        forwarded.append((name, value))
+        if len(forwarded) > MAX_FORWARDED_FIELDS or size > MAX_FORWARDED_BYTES:
+            header = name.decode("latin-1")
+            raise APIError(
+                431,
+                f"the {header!r} header takes the headers sent on to the engine past "
+                f"{MAX_FORWARDED_FIELDS} fields or {MAX_FORWARDED_BYTES} bytes",
+                code="request_header_fields_too_large",
+                param=header,
+            )
+    return forwarded
 
 
 def response_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -31,15 +31,18 @@ import anyio
 import yarl
 
 from kvclient._dialects import (
+    PROGRESS_ENGINES,
     TOKENIZE_ENGINES,
     Answer,
     Budget,
     Discovery,
     Probe,
-    count_by_tokenize,
+    Tokenized,
     decode_counters,
     discover_budget,
     discover_context,
+    lockstep_from_metrics,
+    tokenize,
 )
 from kvclient._routing import Endpoint, Health
 
@@ -72,6 +75,9 @@ _MIN_RATE_TOKENS = 8
 _RATE_WINDOW = 31
 #: Scrapes in a row without decode counters after which an engine is taken to export none.
 _SPEED_MISSES = 3
+#: Seconds a stream's count may stand still while another's moves before the engine is taken
+#: not to run them in lockstep: many decode steps even for a large batch on a CPU.
+_STALL_SECONDS = 3.0
 
 
 class UpstreamUnavailable(Exception):
@@ -209,8 +215,20 @@ class Known:
 class Upstream:
     """One engine behind the gateway."""
 
-    def __init__(self, url: str, kv_override: int | None, config: GatewayConfig) -> None:
+    def __init__(
+        self,
+        url: str,
+        kv_override: int | None,
+        config: GatewayConfig,
+        max_running: int | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
+        #: How many sequences it runs at once, when told (``--max-running``).
+        self.max_running = max_running
+        #: Times it was seen not to run its holders in lockstep (the peak rule then counted
+        #: whole caps until they had gone), and the engine's preemptions when last scraped.
+        self.lockstep_breaks = 0
+        self._preemptions: float | None = None
         #: The URL as it may be shown: without user and password.
         self.name = public_url(self.url)
         self.kv_override = kv_override
@@ -279,6 +297,8 @@ class Upstream:
             except UPSTREAM_ERRORS:
                 continue  # its health is the requests' business
             text = data.decode("utf-8", "replace") if status == 200 and data else ""
+            if text:
+                self.watch_lockstep(text, time.monotonic())
             counters = decode_counters(text)
             if counters is None:
                 misses += 1
@@ -345,6 +365,7 @@ class Upstream:
         if kv is None:
             tried = "; ".join(budget.tried)
             raise UpstreamUnavailable(f"no KV budget discovered (tried: {tried}); pass --kv-tokens")
+        running = self.max_running if self.max_running is not None else budget.max_concurrency
         try:
             ledger = KVAdmissionController(
                 total_kv_tokens=kv,
@@ -352,11 +373,18 @@ class Upstream:
                 decode_rate=self.config.decode_rate,
                 safety_fraction=self.config.safety_fraction,
                 block_size=budget.block_size,
-                max_concurrency=budget.max_concurrency,
+                max_concurrency=running,
                 release_margin=0.05,
+                rule=self.config.admission,
             )
         except ValueError as exc:
             raise UpstreamUnavailable(f"unusable budget (KV {kv} tokens): {exc}") from None
+        ledger.set_caps_for_good(self._caps_reason(found.engine or budget.engine, running))
+        ledger.shares_prefixes = budget.prefix_caching is True
+        if ledger.caps_reason is not None:
+            logger.warning(
+                "upstream %s: admission counts whole caps: %s", self.name, ledger.caps_reason
+            )
         if ledger.usable_tokens < ledger.block_size:
             raise UpstreamUnavailable(
                 f"its KV budget ({kv} tokens, {ledger.usable_tokens} usable) is under one block "
@@ -373,6 +401,49 @@ class Upstream:
             "--kv-tokens" if self.kv_override is not None else budget.source,
             ledger.usable_tokens,
         )  # fmt: skip
+
+    def _caps_reason(self, engine: str | None, running: int | None) -> str | None:
+        """Why this upstream's holders count at their whole caps under ``--admission peak``,
+        or None when the peak rule may run."""
+        if self.shared is not None:
+            return "the shared ledger counts whole caps"
+        if engine not in PROGRESS_ENGINES:
+            return f"{engine or 'this engine'} does not report each stream's progress exactly"
+        if running is None:
+            return (
+                f"how many sequences {engine} runs at once is not known: give --max-running "
+                "(vLLM's --max-num-seqs)"
+            )
+        return None
+
+    def watch_lockstep(self, text: str, now: float) -> None:
+        """From a ``/metrics`` scrape and the relayed streams: whether the engine runs every
+        holder at each step. Requests waiting inside it, a preemption since the last scrape, or
+        a stream that stalled while others advanced put it on whole caps until its holders
+        have gone."""
+        known = self.known
+        if known is None or not known.ledger.tracks_progress:
+            return
+        signals = lockstep_from_metrics(text)
+        reason = None
+        if signals.waiting is not None and signals.waiting > 0:
+            reason = f"{signals.waiting:.0f} requests wait inside the engine"
+        previous, self._preemptions = self._preemptions, signals.preemptions
+        now_preempted = signals.preemptions
+        if previous is not None and now_preempted is not None and now_preempted > previous:
+            reason = f"the engine preempted {now_preempted - previous:.0f} requests"
+        stalled = known.ledger.stalled(now, _STALL_SECONDS)
+        if reason is None and stalled:
+            reason = f"{len(stalled)} streams stalled while others advanced"
+        if reason is None:
+            return
+        if known.ledger.caps_reason is None:
+            self.lockstep_breaks += 1
+            logger.warning(
+                "upstream %s: not in lockstep (%s): whole caps until its holders have gone",
+                self.name, reason,
+            )  # fmt: skip
+        known.ledger.run_on_caps(reason)
 
     def endpoint(self, now: float) -> Endpoint:
         """How the router sees it now."""
@@ -393,11 +464,11 @@ class Upstream:
         request: GenerationRequest,
         model: str | None,
         render: Mapping[str, Any] | None = None,
-    ) -> int | None:
-        """The upstream's own count, or None when its /tokenize cannot give one."""
+    ) -> Tokenized | None:
+        """The upstream's own tokenization, or None when its /tokenize cannot give one."""
         if self.engine not in TOKENIZE_ENGINES or request.token_ids is not None:
             return None
-        driver = count_by_tokenize(
+        driver = tokenize(
             self.engine,
             prompt=request.prompt,
             messages=request.messages,

@@ -43,6 +43,7 @@ from .requests import (
     read_body,
     scope_header,
 )
+from .serving import answer_cut
 
 __all__ = ["DEFAULT_SEND_TIMEOUT", "Backend", "GenerationEndpoint", "Plan", "Target"]
 
@@ -92,6 +93,10 @@ class Plan:
     shared_prompt: bool = True
     #: Anything else the backend decided while planning (the gateway: the body it forwards).
     extra: Any = None
+    #: The prompt's token ids as the engine counted them, when it said (for shared prefixes),
+    #: and what keeps prompts of different models apart.
+    token_ids: tuple[int, ...] | None = None
+    model: str | None = None
 
     @property
     def reserved_prompt(self) -> int:
@@ -154,6 +159,7 @@ class _StallWatch:
         self._timeout = timeout
         self._on_cut = on_cut
         self._since: float | None = None
+        self.cut = False
 
     def watching(self, send: Send, handle: Handle) -> Send:
         async def watched(message: Message) -> None:
@@ -173,7 +179,8 @@ class _StallWatch:
                 # Counted before the cancellation releases the reservation: whoever sees the
                 # ledger back at zero sees the cut counted too.
                 self._on_cut()
-                logger.warning("an answer was cut: not read within the send timeout")
+                self.cut = True
+                logger.info("an answer was cut: not read within the send timeout")
                 self._scope.cancel()
                 return
 
@@ -206,6 +213,8 @@ class GenerationEndpoint:
             group.start_soon(stall.run)
             await self._admit_and_run(plan, scope, receive, send, stall)
             group.cancel_scope.cancel()  # the answer is complete: the watchers end
+        if stall.cut:
+            answer_cut()  # in this task: uvicorn logs the unfinished answer here
 
     async def _admit_and_run(
         self, plan: Plan, scope: Scope, receive: Receive, send: Send, stall: _StallWatch
@@ -224,7 +233,11 @@ class GenerationEndpoint:
             ledger, queue = target.ledger, target.queue
             try:
                 handle = await queue.acquire(
-                    plan.reserved_prompt, plan.reserved_output, client=client, max_wait=wait
+                    plan.reserved_prompt,
+                    plan.reserved_output,
+                    client=client,
+                    max_wait=wait,
+                    prefix=ledger.prefix_keys(plan.token_ids, plan.model),
                 )
             except Rejected as rejected:
                 busy = too_busy(ledger, rejected, plan.reserved_prompt, plan.reserved_output, queue)

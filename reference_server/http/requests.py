@@ -79,11 +79,14 @@ def preferred_wait(scope: Scope) -> float | None:
     return float(min(waits)) if waits else None
 
 
-def too_large(limit: int) -> APIError:
+def too_large(limit: int, *, unread: bool = False) -> APIError:
+    """The 413; ``unread``: the rest of the body is not read, so the connection cannot carry
+    another request and is closed after the answer (instead of read on to the body's end)."""
     return APIError(
         413,
         f"the request body exceeds the server's limit of {limit} bytes",
         code="request_too_large",
+        headers={"Connection": "close"} if unread else None,
     )
 
 
@@ -102,7 +105,7 @@ async def read_body(
     if declared_size is not None and (declared_size < 0 or declared_size > DRAIN_LIMIT_BYTES):
         # Too much to drain: answer at once (before the client has sent it all, if ever).
         raise (
-            too_large(limit)
+            too_large(limit, unread=True)
             if declared_size > 0
             else APIError(400, "invalid Content-Length header", code="invalid_request")
         )
@@ -127,10 +130,11 @@ async def read_body(
             over = True
         if not over:
             chunks.append(chunk)
-        if not message.get("more_body", False) or total > DRAIN_LIMIT_BYTES:
+        more: bool = message.get("more_body", False)
+        if not more or total > DRAIN_LIMIT_BYTES:
             break
     if over:
-        raise too_large(limit)
+        raise too_large(limit, unread=more)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

@@ -13,7 +13,14 @@ One limit is added, because without it one client can hold a connection forever:
 must arrive whole within ``head_timeout`` seconds of the connection (or of the previous answer,
 plus the keep-alive timeout). Unlike uvicorn's keep-alive timer, a byte does not reset it, so a
 client that trickles one byte at a time is closed all the same. A body that stalls is the app's
-to time out (:func:`~reference_server.http.requests.read_body`). On an untrusted network, put
+to time out (:func:`~reference_server.http.requests.read_body`).
+
+And the checks h11 leaves to the server, made on each request h11 has parsed (no HTTP is parsed
+here): a head of more than 64 KiB or 100 fields however it arrived (h11 bounds only what it
+buffers while a head is incomplete: 431), Content-Length with Transfer-Encoding (RFC 9112 6.1), a
+control character in a field value (h11 refuses only NUL, CR and LF), a chunk size past 2**63
+(h11 reads up to 20 hex digits). Each refusal, and each of h11's own, is a JSON error with the
+status h11 advises (400, 431, 501), and then the close. On an untrusted network, put
 nginx or Envoy in front all the same, as vLLM advises: they are built to absorb slow and
 hostile clients.
 """
@@ -22,25 +29,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import errno
 import importlib.util
 import logging
+import re
 import socket
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+import h11
 import uvicorn
-from uvicorn.config import STARTUP_FAILURE
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.config import STARTUP_FAILURE, Config
+from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
+from uvicorn.server import ServerState
 from uvicorn.supervisors import Multiprocess
+
+from .errors import APIError
 
 __all__ = [
     "DEFAULT_HEAD_LIMIT",
     "DEFAULT_HEAD_TIMEOUT",
+    "DEFAULT_MAX_FIELDS",
     "LOG_LEVELS",
     "GuardedH11Protocol",
     "PortInUseError",
+    "answer_cut",
     "bind_socket",
     "configure",
     "http_url",
@@ -54,6 +70,8 @@ C = TypeVar("C")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DEFAULT_HEAD_LIMIT = 64 * 1024
 DEFAULT_HEAD_TIMEOUT = 10.0
+#: The most header fields a request head may carry (Apache's LimitRequestFields).
+DEFAULT_MAX_FIELDS = 100
 #: uvicorn's own default: an idle keep-alive connection is closed after this many seconds.
 KEEP_ALIVE_TIMEOUT = 5.0
 
@@ -94,12 +112,120 @@ def bind_socket(host: str, port: int, *, send_buffer: int | None = None) -> sock
     return sock
 
 
+#: The largest chunk size taken: one past it does not fit a signed 64-bit length (nginx's rule).
+_MAX_CHUNK = 2**63 - 1
+#: What RFC 9110 5.5 does not allow in a field value: control characters but HTAB.
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """Why a request is answered by the protocol and the connection closed."""
+
+    status: int
+    message: str
+    param: str | None = None
+
+    def answer(self) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        """The headers and JSON body of the answer, in the apps' error shape."""
+        code = "request_header_fields_too_large" if self.status == 431 else "invalid_request"
+        body = bytes(
+            APIError(self.status, self.message, code=code, param=self.param).response().body
+        )
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        return headers, body
+
+
+def _head_refusal(request: h11.Request, *, limit: int, max_fields: int) -> _Refusal | None:
+    """What refuses a request head h11 has parsed, if anything: its size or number of fields
+    (however it arrived), a control character in a field value, or two framings at once."""
+    fields = request.headers
+    if len(fields) > max_fields:
+        return _Refusal(431, f"the request head has more than {max_fields} header fields")
+    size = len(request.method) + len(request.target) + 13  # " HTTP/1.1\r\n" and the blank line
+    size += sum(len(name) + len(value) + 4 for name, value in fields)
+    if size > limit:
+        return _Refusal(431, f"the request head is larger than {limit} bytes")
+    for name, value in fields:
+        if _CONTROL.search(value):
+            header = name.decode("latin-1")
+            return _Refusal(
+                400, f"the {header!r} header has a control character in its value", param=header
+            )
+    names = {name for name, _ in fields}
+    if b"content-length" in names and b"transfer-encoding" in names:
+        return _Refusal(
+            400,
+            "a request with both Content-Length and Transfer-Encoding has no one length "
+            "(RFC 9112 6.1); send one of them",
+        )
+    return None
+
+
+def _chunk_left(conn: h11.Connection) -> int:
+    """What is left to read of the chunk being read. h11 has no public count of it and keeps
+    it in its chunked reader; 0 for a body that is not chunked (and, should h11 ever keep it
+    elsewhere, 0 always: the check is then off, and its test fails)."""
+    left = getattr(getattr(conn, "_reader", None), "_bytes_in_chunk", 0)
+    return left if isinstance(left, int) else 0
+
+
+class _CheckedConnection(h11.Connection):
+    """h11's server connection, each request it parses checked (:func:`_head_refusal`), each
+    chunk size bounded; the refusal (or h11's own) kept for the answer."""
+
+    def __init__(self, limit: int, max_fields: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=limit)
+        self.limit = limit
+        self.max_fields = max_fields
+        self.refusal: _Refusal | None = None
+
+    def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as exc:
+            status = exc.error_status_hint
+            message = (
+                f"the request head is larger than {self.limit} bytes"
+                if status == 431
+                else f"invalid HTTP/1.1 request: {str(exc)[:200]}"
+            )
+            self.refusal = _Refusal(status, message)
+            raise
+        refusal = None
+        if isinstance(event, h11.Request):
+            refusal = _head_refusal(event, limit=self.limit, max_fields=self.max_fields)
+        elif self.their_state is h11.SEND_BODY and _chunk_left(self) > _MAX_CHUNK:
+            refusal = _Refusal(400, f"a chunk size past {_MAX_CHUNK} bytes")
+        if refusal is not None:
+            self.refusal = refusal
+            raise h11.RemoteProtocolError(refusal.message, error_status_hint=refusal.status)
+        return event
+
+
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request-head deadline that bytes cannot reset."""
+    """uvicorn's h11 protocol with a request-head deadline that bytes cannot reset, and the
+    checks h11 leaves to the server (:class:`_CheckedConnection`)."""
 
     head_timeout = DEFAULT_HEAD_TIMEOUT
+    max_fields = DEFAULT_MAX_FIELDS
 
     _head_timer: asyncio.TimerHandle | None = None
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        limit = config.h11_max_incomplete_event_size or DEFAULT_HEAD_LIMIT
+        self.conn = _CheckedConnection(limit, self.max_fields)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -136,6 +262,28 @@ class GuardedH11Protocol(H11Protocol):
         if not busy and not self.transport.is_closing():
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """The answer to a request h11 or its checks refused (uvicorn sends a plain 400 for all),
+        then the close. The app reading that request, if any, sees its client gone."""
+        conn = self.conn
+        refusal = conn.refusal if isinstance(conn, _CheckedConnection) else None
+        if refusal is None:
+            refusal = _Refusal(400, msg)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # else an answer has begun
+            headers, body = refusal.answer()
+            reason = STATUS_PHRASES.get(refusal.status, b"")
+            for event in (
+                h11.Response(status_code=refusal.status, headers=headers, reason=reason),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
+                self.transport.write(conn.send(event))
+        self.transport.close()
+
 
 class _QuietUpgrades(logging.Filter):
     """uvicorn logs two warnings for every request with an Upgrade it does not take up (any
@@ -146,7 +294,27 @@ class _QuietUpgrades(logging.Filter):
         return not message.startswith(("Unsupported upgrade request", "No supported WebSocket"))
 
 
+#: Whether the app cut this request's answer on purpose (in the task uvicorn runs it in).
+_cut: contextvars.ContextVar[bool] = contextvars.ContextVar("answer_cut", default=False)
+
+
+def answer_cut() -> None:
+    """The app cut this request's answer on purpose (the send timeout: a client that stopped
+    reading) and has said so in its own log; call it in the task that serves the request.
+    uvicorn then does not log the unfinished answer as an ERROR."""
+    _cut.set(True)
+
+
+class _QuietCuts(logging.Filter):
+    """uvicorn logs "returned without completing response" at ERROR for an answer the app cut
+    on purpose; for those (and only those) the app's own line is enough."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_cut.get() and record.getMessage().startswith("ASGI callable returned"))
+
+
 logging.getLogger("uvicorn.error").addFilter(_QuietUpgrades())
+logging.getLogger("uvicorn.error").addFilter(_QuietCuts())
 
 
 def _loop(loop: Literal["auto", "asyncio", "uvloop"]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -149,9 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--api-key",
+        default=os.environ.get("KVCLIENT_SERVE_API_KEY"),
         metavar="KEY",
         help="require 'Authorization: Bearer KEY', except on /health and /metrics "
-        "(default: no key)",
+        "(default: $KVCLIENT_SERVE_API_KEY, else no key)",
     )
     add("--seed", type=int, default=0, help="seed of output lengths, words and faults")
     add(

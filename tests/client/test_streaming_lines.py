@@ -23,7 +23,7 @@ from kvclient._streaming import (
     iter_lines,
     merge_delta,
 )
-from kvclient.contract._checks import _consume
+from kvclient.contract._session import _consume
 from tests.helpers.client import (
     COUNTER,
     MODEL,

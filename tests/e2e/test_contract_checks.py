@@ -22,7 +22,6 @@ from kvclient.contract import (
     ContractReport,
     arun_contract,
 )
-from kvclient.contract._checks import _has_text
 from kvclient.contract._judge import (
     BurstOutcome,
     EngineLosses,
@@ -36,6 +35,7 @@ from kvclient.contract._judge import (
     prometheus_value,
     usage_tokens,
 )
+from kvclient.contract._session import _has_text
 from kvclient.contract.cli import main, render_table
 
 NOW = 1_700_000_000.0

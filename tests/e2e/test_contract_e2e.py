@@ -337,6 +337,7 @@ def test_the_gateway_in_front_of_the_reference_server_passes() -> None:
     assert stats.oom_events_total == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("admission", "code"), [("prompt", 1), ("reserve", 0)])
 def test_cli_with_its_defaults_against_kvclient_serve_with_its_defaults(
     admission: str, code: int, capsys: pytest.CaptureFixture[str]

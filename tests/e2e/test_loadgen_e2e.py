@@ -22,6 +22,7 @@ def _bench(url: str, tmp_path: Path, *extra: str) -> dict[str, object]:
     return data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "no-stream"])
 def test_bench_counts_add_up_and_match_the_server(tmp_path: Path, stream: bool) -> None:
     with running_server(kv_tokens=12_288, decode_rate=5000, mean_output_tokens=300) as server:
@@ -68,6 +69,7 @@ def test_bench_closed_loop_and_naive_baseline(tmp_path: Path) -> None:
     assert summary["http_429"] == metrics["kv_rejected_total"]
 
 
+@pytest.mark.slow
 def test_bench_plot_draws_latency_and_rejections(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,6 +20,7 @@ if importlib.util.find_spec("locust") is None:
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "examples" / "locustfile.py"
 
 
+@pytest.mark.slow
 def test_locust_reports_requests_rejections_and_ttft(tmp_path: Path) -> None:
     prefix = tmp_path / "run"
     with running_server(kv_tokens=12_288, decode_rate=5000, mean_output_tokens=200) as server:

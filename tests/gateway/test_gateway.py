@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvclient import AsyncClient, Client, Completion, KVClientError, RetryPolicy
-from kvclient._routing import Endpoint, Health, choose, ranked
+from kvclient._routing import Endpoint, Health, ranked
 from kvclient.contract import CheckStatus, run_contract
 from reference_server import RunningServer, running_server, serve_in_thread
 from reference_server.gateway import GatewayConfig, GatewayState
@@ -66,7 +66,8 @@ def test_routing_picks_a_fitting_endpoint_with_the_most_room(
     views: list[tuple[int | None, int, bool]], need: int
 ) -> None:
     endpoints = [Endpoint(free, flight, ok) for free, flight, ok in views]
-    picked = choose(endpoints, need)
+    order = ranked(endpoints, need)
+    picked = order[0] if order else None
     fitting = [
         i for i, e in enumerate(endpoints) if e.in_service and (e.free is None or e.free >= need)
     ]

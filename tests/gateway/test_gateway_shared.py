@@ -29,6 +29,9 @@ from reference_server.testing import running_gateway
 from tests.helpers.redis_server import RedisSentinel, RedisServer, TLSFiles
 from tests.helpers.servers import at_zero, bench_summary_run, wait_for
 
+# Every test here starts a real Redis.
+pytestmark = pytest.mark.redis
+
 FAST = {"decode_rate": 4000.0, "tick_seconds": 0.005}
 #: The seed's mix against an engine that admits on prompt length alone: it OOMs when overrun.
 OOMING = {**FAST, "kv_tokens": 8192, "context_window": 4096, "mean_output_tokens": 1500.0,
@@ -92,6 +95,7 @@ def _overload(urls: list[str], tmp_path: Path) -> list[dict[str, Any]]:
     return results
 
 
+@pytest.mark.slow
 def test_three_gateways_on_one_redis_never_oom_and_three_on_their_own_do(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:

@@ -470,7 +470,7 @@ def test_an_absolute_form_target_is_served(gateway: RunningServer) -> None:
 
 
 def test_an_endless_header_line_is_cut_at_the_head_limit(gateway: RunningServer) -> None:
-    """2 MB of one header value without a CRLF: a 400 (or a reset) past 64 KiB, memory flat,
+    """2 MB of one header value without a CRLF: a 431 (or a reset) past 64 KiB, memory flat,
     and /health answers at once meanwhile."""
     still_serving(gateway)
     before = rss_bytes()
@@ -489,13 +489,14 @@ def test_an_endless_header_line_is_cut_at_the_head_limit(gateway: RunningServer)
         data, how = read_until_closed(sock, timeout=3.0)
     assert how in ("eof", "reset"), f"still open after {sent} bytes of head"
     if data:
-        assert data.startswith(b"HTTP/1.1 400 "), data[:200]
+        assert data.startswith(b"HTTP/1.1 431 "), data[:200]
     still_serving(gateway)
     assert rss_bytes() - before < 20 * MB
 
 
 def test_thirty_thousand_empty_headers_are_refused_before_the_upstream() -> None:
-    """``X: `` 30,000 times (a 150 kB head) is refused as too large; nothing is forwarded."""
+    """``X: `` 30,000 times (a 150 kB head) is refused as too large (431), whether it arrives in one
+    read or several; nothing is forwarded."""
     forwarded: list[int] = []
 
     async def completions(request: Request) -> Response:
@@ -513,7 +514,7 @@ def test_thirty_thousand_empty_headers_are_refused_before_the_upstream() -> None
             data, how = read_until_closed(sock, timeout=3.0)
         assert how in ("eof", "reset"), data[:200]
         if data:
-            assert data.startswith(b"HTTP/1.1 400 "), data[:200]
+            assert data.startswith(b"HTTP/1.1 431 "), data[:200]
         assert forwarded == []
         answer = exchange(gw, post_head("/v1/completions", COMPLETION) + COMPLETION)
         assert answer.status == 200
@@ -773,3 +774,204 @@ def test_a_queued_client_that_closes_or_resets_leaves_the_queue_at_once(front: s
 @contextmanager
 def _as_is(server: RunningServer) -> Iterator[RunningServer]:
     yield server
+
+
+# --- 13. framing, heads and headers the front refuses ---------------------------------------------
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+
+
+def refused_then_closed(server: RunningServer, request: bytes) -> Answer:
+    """Sends ``request`` with a valid request pipelined after it: the one answer, which must be
+    followed by the close (the pipelined request is never served)."""
+    with connect(server) as sock:
+        with suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(request + HEALTH)
+        reader = Reader(sock, timeout=3.0)  # under the keep-alive timeout: a hang fails
+        answer = reader.answer()
+        assert reader.at_eof(), "the connection was kept open after the refusal"
+    return answer
+
+
+def test_content_length_with_transfer_encoding_is_refused_and_closed(
+    gateway: RunningServer,
+) -> None:
+    """Both framings at once (the request smuggling pattern): a 400, then the close, as RFC 9112
+    6.1 requires of a server that answers such a request at all."""
+    body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(COMPLETION), COMPLETION)
+    head = post_head("/v1/completions", body, b"Transfer-Encoding: chunked")
+    answer = refused_then_closed(gateway, head + body)
+    assert answer.status == 400, answer
+    assert "Transfer-Encoding" in json.loads(answer.body)["error"]["message"]
+    still_serving(gateway)
+
+
+def test_connections_that_send_one_crlf_are_all_closed_by_the_deadline(
+    gateway: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fifty connections that each send one CRLF and nothing more: none is open past the head
+    deadline (a byte that is not a whole head never puts the deadline off)."""
+    monkeypatch.setattr(GuardedH11Protocol, "head_timeout", 1.0)
+    socks = [connect(gateway) for _ in range(50)]
+    try:
+        for sock in socks:
+            sock.sendall(b"\r\n")
+        time.sleep(1.5)
+        still_open = []
+        for sock in socks:
+            _, how = read_until_closed(sock, timeout=0.05)
+            if how == "timeout":
+                still_open.append(sock)
+        assert still_open == []
+    finally:
+        for sock in socks:
+            sock.close()
+    still_serving(gateway)
+
+
+def _recording_upstream(seen: list[list[tuple[bytes, bytes]]]) -> Any:
+    async def completions(request: Request) -> Response:
+        seen.append(list(request.headers.raw))
+        return JSONResponse({"choices": [], "usage": {"completion_tokens": 0}})
+
+    return discoverable([Route("/v1/completions", completions, methods=["POST"])])
+
+
+def test_only_the_stated_headers_go_upstream() -> None:
+    """Content type, accept, and tracing (traceparent, tracestate, x-request-id) go upstream as
+    the client sent them; cookies, the client's own and unknown headers, Prefer (the gateway's
+    to honour) and a data-parallel rank (it would steer KV the gateway did not reserve) do not."""
+    seen: list[list[tuple[bytes, bytes]]] = []
+    kept = [
+        (b"accept", b"application/json"),
+        (b"traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+        (b"tracestate", b"congo=t61rcWkgMzE"),
+        (b"x-request-id", b"req-42"),
+    ]
+    dropped = [
+        (b"cookie", b"session=alice"),
+        (b"x-custom", b"1"),
+        (b"prefer", b"wait=5"),
+        (b"x-data-parallel-rank", b"3"),
+        (b"openai-organization", b"org-1"),
+        (b"forwarded", b"for=10.0.0.1"),
+    ]
+    extra = [name + b": " + value for name, value in kept + dropped]
+    app = _recording_upstream(seen)
+    with serve_in_thread(app) as up, running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw:
+        answer = exchange(gw, post_head("/v1/completions", COMPLETION, *extra) + COMPLETION)
+    assert answer.status == 200, answer
+    [headers] = seen
+    names = {name for name, _ in headers}
+    for name, value in [(b"content-type", b"application/json"), *kept]:
+        assert (name, value) in headers
+    assert names.isdisjoint(name for name, _ in dropped), headers
+
+
+def test_a_head_with_too_many_fields_is_431_and_closed(gateway: RunningServer) -> None:
+    """150 header fields (a small head that arrives in one read): a 431, then the close."""
+    head = post_head("/v1/completions", COMPLETION, *[b"X: %d" % i for i in range(150)])
+    answer = refused_then_closed(gateway, head + COMPLETION)
+    assert answer.status == 431, answer
+    assert json.loads(answer.body)["error"]["message"]
+    still_serving(gateway)
+
+
+def test_a_head_past_64_kib_that_arrives_in_one_read_is_431_and_closed() -> None:
+    """20 fields of 4 kB (an 80 kB head, sent at once: h11 bounds only a head it buffers
+    incomplete): a 431, then the close, and nothing reaches the upstream."""
+    seen: list[list[tuple[bytes, bytes]]] = []
+    pads = [b"X-Pad-%d: " % i + b"p" * 4000 for i in range(20)]
+    with (
+        serve_in_thread(_recording_upstream(seen)) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+    ):
+        answer = refused_then_closed(
+            gw, post_head("/v1/completions", COMPLETION, *pads) + COMPLETION
+        )
+        assert answer.status == 431, answer
+        still_serving(gw)
+    assert seen == []
+
+
+def test_a_forwarded_header_repeated_past_the_bound_is_431() -> None:
+    """A stated header repeated 40 times is not relayed 40 times: the request is refused, and
+    nothing reaches the upstream."""
+    seen: list[list[tuple[bytes, bytes]]] = []
+    extra = [b"tracestate: k%d=v" % i for i in range(40)]
+    with (
+        serve_in_thread(_recording_upstream(seen)) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,))) as gw,
+    ):
+        answer = exchange(gw, post_head("/v1/completions", COMPLETION, *extra) + COMPLETION)
+    assert answer.status == 431, answer
+    assert json.loads(answer.body)["error"]["param"] == "tracestate"
+    assert seen == []
+
+
+@pytest.mark.parametrize("bad", [b"\x7f", b"\x01", b"\x1b"], ids=["del", "soh", "esc"])
+def test_a_control_character_in_a_request_header_value_is_a_400_naming_it(
+    gateway: RunningServer, bad: bytes
+) -> None:
+    """DEL and the other control characters h11 lets through (it refuses NUL, CR and LF): a 400
+    that names the header, then the close."""
+    head = post_head("/v1/completions", COMPLETION, b"X-Odd: a" + bad + b"b")
+    answer = refused_then_closed(gateway, head + COMPLETION)
+    assert answer.status == 400, answer
+    error = json.loads(answer.body)["error"]
+    assert "x-odd" in error["message"].lower()
+    still_serving(gateway)
+
+
+def test_a_413_for_a_huge_content_length_closes_the_connection(gateway: RunningServer) -> None:
+    """A body declared far past the limit is refused at once; the connection is then closed
+    rather than read on to the declared end."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    with connect(gateway) as sock:
+        sock.sendall(head + b"Content-Length: 999999999999\r\n\r\n{")
+        reader = Reader(sock, timeout=3.0)
+        answer = reader.answer()
+        assert answer.status == 413, answer
+        assert reader.at_eof(), "the connection was kept open, reading a body nobody will take"
+    still_serving(gateway)
+
+
+def test_a_chunk_size_past_64_bits_is_a_400_and_closed(gateway: RunningServer) -> None:
+    """A chunk size of 17 hex digits (h11 takes up to 20): a 400 at once, then the close."""
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    with connect(gateway) as sock:
+        sock.sendall(head + b"1" * 17 + b"\r\n" + COMPLETION)
+        reader = Reader(sock, timeout=3.0)
+        answer = reader.answer()
+        assert answer.status == 400, answer
+        assert "chunk" in json.loads(answer.body)["error"]["message"]
+        assert reader.at_eof()
+    still_serving(gateway)
+
+
+def test_an_upstream_that_switches_protocols_is_a_502_naming_it() -> None:
+    """A 101 Switching Protocols from the upstream (to a request that asked for no upgrade) is a
+    broken upstream: the client gets a JSON 502 that names it, its connection kept."""
+
+    def script(conn: socket.socket, wait: Callable[[float], bool]) -> bool:
+        conn.sendall(
+            b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+        )
+        wait(10)
+        return False
+
+    with RawUpstream(script) as up, running_gateway(raw_gateway_config(up)) as gw:
+        with connect(gw) as sock:
+            sock.sendall(post_head("/v1/completions", COMPLETION) + COMPLETION)
+            reader = Reader(sock, timeout=5.0)
+            answer = reader.answer()
+            assert answer.status == 502, answer
+            error = json.loads(answer.body)["error"]
+            assert up.base_url in error["message"]
+            assert "101" in error["message"]
+            sock.sendall(HEALTH)
+            assert reader.answer().status == 200
+        still_serving(gw)

@@ -26,3 +26,15 @@ def test_quantile_or_worst_case(arg: str, value: float | None) -> None:
 def test_bad_quantile_is_a_usage_error(arg: str) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--retry-after-quantile", arg])
+
+
+def test_the_api_key_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As ``kvclient gateway`` reads ``$KVCLIENT_GATEWAY_API_KEY``, ``kvclient serve`` reads
+    ``$KVCLIENT_SERVE_API_KEY``; the option wins over it, and --help names it."""
+    monkeypatch.setenv("KVCLIENT_SERVE_API_KEY", "from-env")
+    parser = build_parser()
+    assert config_from_args(parser.parse_args([])).api_key == "from-env"
+    assert config_from_args(parser.parse_args(["--api-key", "given"])).api_key == "given"
+    assert "$KVCLIENT_SERVE_API_KEY" in parser.format_help()
+    monkeypatch.delenv("KVCLIENT_SERVE_API_KEY")
+    assert config_from_args(build_parser().parse_args([])).api_key is None

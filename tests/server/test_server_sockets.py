@@ -5,6 +5,7 @@ with the ledger back at zero."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -85,6 +86,34 @@ def test_a_client_that_stops_reading_a_stream_is_cut_and_releases(
         assert b"data: [DONE]" not in data  # cut, not finished
         assert not data.endswith(b"0\r\n\r\n")
         assert held < 1.5
+
+
+def test_a_cut_answer_is_one_info_line_not_an_error(
+    request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cut is the send timeout doing its job: one INFO line, no ERROR from uvicorn ("returned
+    without completing response"), which logs to its own handlers, not the root's."""
+    caplog.set_level(logging.INFO)
+    with running_server(**STALL) as server:
+        # Added once the server has configured uvicorn's loggers (which drops their handlers).
+        uvicorn_error = logging.getLogger("uvicorn.error")
+        uvicorn_error.addHandler(caplog.handler)
+        request.addfinalizer(lambda: uvicorn_error.removeHandler(caplog.handler))
+        reader = socket.socket()
+        request.addfinalizer(reader.close)
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.connect((server.host, server.port))
+        body = {"prompt": "x", "max_tokens": STALL_CAP, "stream": True}
+        reader.sendall(request_bytes("/v1/completions", body))
+        wait_for(lambda: server.metrics()["kv_send_timeouts_total"] == 1, timeout=5.0)
+        wait_for(lambda: at_zero(server), timeout=3.0)
+        read_all(reader)  # the server's close: uvicorn has had its say
+        time.sleep(0.2)
+    said = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert [s for s in said if s[1] >= logging.WARNING] == [], said
+    cuts = [s for s in said if "cut" in s[2]]
+    assert len(cuts) == 1, said
+    assert cuts[0][1] == logging.INFO
 
 
 def test_a_reader_that_keeps_up_is_never_cut() -> None:

@@ -68,6 +68,7 @@ async def closing() -> AsyncIterator[None]:
     await close_all()
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_two_gateways_share_one_budget_and_release_once(
     redis_server: RedisServer, closing: None
@@ -89,6 +90,7 @@ async def test_two_gateways_share_one_budget_and_release_once(
     assert await a.load() == (0, 0)
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_the_queue_is_fifo_across_processes(redis_server: RedisServer, closing: None) -> None:
     a = await shared(redis_server, "u")
@@ -109,6 +111,7 @@ async def test_the_queue_is_fifo_across_processes(redis_server: RedisServer, clo
     assert await a.try_admit(0, 10) is not None
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_retry_after_reads_the_holders_of_every_gateway(
     redis_server: RedisServer, closing: None
@@ -121,6 +124,7 @@ async def test_retry_after_reads_the_holders_of_every_gateway(
     assert 49.0 < wait <= 50.1
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_retry_after_follows_the_measured_speed_of_the_pricing_ledger(
     redis_server: RedisServer, closing: None
@@ -136,6 +140,7 @@ async def test_retry_after_follows_the_measured_speed_of_the_pricing_ledger(
     assert 59.0 < wait <= 60.1
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_the_shared_totals_count_every_gateways_holders_and_waiters(
     redis_server: RedisServer, closing: None
@@ -159,6 +164,7 @@ async def test_the_shared_totals_count_every_gateways_holders_and_waiters(
     assert b.seen == SharedState(16, 1, 0)
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_a_dead_gateways_reservations_come_back_when_its_lease_expires(
     redis_server: RedisServer, closing: None
@@ -175,6 +181,7 @@ async def test_a_dead_gateways_reservations_come_back_when_its_lease_expires(
     assert await alive.try_admit(0, 2000) is not None
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_a_slow_gateway_notices_its_lapsed_lease_and_never_releases_twice(
     redis_server: RedisServer, closing: None
@@ -196,6 +203,7 @@ async def test_a_slow_gateway_notices_its_lapsed_lease_and_never_releases_twice(
     assert await other.load() == (taken.reserved_tokens, 1)
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_gateways_configured_differently_for_one_upstream_is_an_error(
     redis_server: RedisServer, closing: None
@@ -207,6 +215,7 @@ async def test_gateways_configured_differently_for_one_upstream_is_an_error(
     assert "usable=9000" in fingerprint(pricing())
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_redis_away_is_unavailable_and_recovery_needs_no_restart(
     redis_server: RedisServer, closing: None
@@ -228,6 +237,7 @@ async def test_redis_away_is_unavailable_and_recovery_needs_no_restart(
     assert states == [False, True]
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_what_is_held_is_put_back_when_redis_lost_its_data(
     redis_server: RedisServer, closing: None
@@ -246,6 +256,7 @@ async def test_what_is_held_is_put_back_when_redis_lost_its_data(
     assert await b.load() == (0, 0)
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_an_admission_run_twice_reserves_once(
     redis_server: RedisServer, closing: None
@@ -263,6 +274,7 @@ async def test_an_admission_run_twice_reserves_once(
     assert await a.load() == (0, 0)
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_a_waiter_in_one_process_is_admitted_when_another_releases(
     redis_server: RedisServer, closing: None
@@ -291,6 +303,7 @@ async def test_a_waiter_in_one_process_is_admitted_when_another_releases(
     assert await a.load() == (0, 0)
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_a_release_in_one_process_wakes_a_waiter_in_another_by_pub_sub(
     redis_server: RedisServer, closing: None, monkeypatch: pytest.MonkeyPatch
@@ -327,6 +340,7 @@ async def test_a_release_in_one_process_wakes_a_waiter_in_another_by_pub_sub(
     assert got[0] - released < 1.0
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_a_ledger_over_tls_verifies_redis_by_the_given_ca(
     tls_redis: tuple[RedisServer, TLSFiles], closing: None
@@ -355,6 +369,7 @@ async def test_a_ledger_over_tls_verifies_redis_by_the_given_ca(
         connect("redis://127.0.0.1:1/0", ca_file=str(tls.ca))
 
 
+@pytest.mark.redis
 @pytest.mark.anyio
 async def test_a_ledger_behind_sentinel_follows_a_failover(
     redis_server_ready: str, tmp_path: Path, closing: None
@@ -445,7 +460,7 @@ class _Bridge:
 _SERVER: list[RedisServer] = []
 
 
-@pytest.fixture(params=["in-process", "redis"])
+@pytest.fixture(params=["in-process", pytest.param("redis", marks=pytest.mark.redis)])
 def backend(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RedisServer | None]:

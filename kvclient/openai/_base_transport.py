@@ -1,4 +1,4 @@
-"""httpx transports that put kvclient between an OpenAI-style client and the server: the core.
+"""httpx transports that put kvclient between an OpenAI-style client and the server: the base.
 
 ``POST .../completions`` and ``POST .../chat/completions`` are counted, their output cap made
 explicit and clamped, refused locally when the prompt cannot fit, and sent on the client's own
@@ -8,7 +8,8 @@ goes to the inner transport untouched. An answer is handed on as it arrives, onc
 line says it was admitted: it is retried only before that.
 
 What both transports do without I/O is here (``_Shared``); ``AsyncTransport`` is in
-``_async_transport.py`` and ``Transport`` is generated from it (``scripts/unasync.py``).
+``_async_transport.py`` and ``Transport`` is generated from it (``scripts/unasync.py``). This
+module imports neither: they import it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ._plan import (
     refusal_response,
 )
 
-__all__ = ["AsyncTransport", "Transport"]
+__all__ = ["DEFAULT_LIMITS"]
 
 #: The openai SDK's own connection limits, for the inner transport kvclient creates.
 DEFAULT_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
@@ -192,8 +193,3 @@ class _Shared:
             stream=response.stream,
             extensions=response.extensions,
         )
-
-
-# The transports, importable from here as before (they import the core above).
-from ._async_transport import AsyncTransport  # noqa: E402
-from ._sync_transport import Transport  # noqa: E402

@@ -1,14 +1,12 @@
 """The openai SDK's clients with kvclient's transport installed and their own retries off.
 
 The checks both share are here; ``AsyncOpenAI`` is in ``_async_clients.py`` and ``OpenAI`` is
-generated from it (``scripts/unasync.py``).
+generated from it (``scripts/unasync.py``). This module imports neither: they import it.
 """
 
 from __future__ import annotations
 
 from typing import Any, TypeVar
-
-__all__ = ["AsyncOpenAI", "OpenAI"]
 
 _T = TypeVar("_T")
 
@@ -56,8 +54,3 @@ def _existing(http_client: Any, transport_type: type[_T], given: dict[str, Any])
             "pass them there, or pass no http_client"
         )
     return transport
-
-
-# The clients, importable from here as before.
-from ._async_clients import AsyncOpenAI  # noqa: E402
-from ._sync_clients import OpenAI  # noqa: E402

@@ -159,6 +159,7 @@ def test_gateway_pacing(tmp_path: Path) -> None:
     assert data["ratio"] > 0
 
 
+@pytest.mark.redis
 def test_shared_wakeup(tmp_path: Path, redis_server_ready: str) -> None:
     out, data = run_script(tmp_path, "shared_wakeup.py", "--rounds", "5")
     assert "| pub/sub" in out

@@ -22,6 +22,11 @@ from starlette.routing import Route
 from kvclient import AsyncClient, RetryPolicy, TiktokenCounter
 from kvclient._dialects import Budget
 from kvclient.loadgen import SLO, Shape, SyntheticWorkload, cli, run_load, summarize
+from kvclient.loadgen._bench import (
+    DEFAULT_CONCURRENCY,
+    MAX_DEFAULT_CONCURRENCY,
+    default_concurrency,
+)
 from kvclient.loadgen._kvsender import KVClientSender
 from reference_server import RunningServer, running_server
 from reference_server.testing import serve_in_thread
@@ -227,6 +232,7 @@ async def _capacity(url: str, n: int) -> float:
     return summarize(records, duration=wall).request_throughput
 
 
+@pytest.mark.slow
 def test_sweep_finds_the_knee_near_the_measured_capacity(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -270,27 +276,30 @@ def test_sweep_finds_the_knee_near_the_measured_capacity(
 def test_sweep_table_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "mpl"))
     from kvclient.loadgen._metrics import RequestRecord
+    from kvclient.loadgen._plots import plot_sweep
+    from kvclient.loadgen._report import sweep_rows
+    from kvclient.loadgen._results import BenchResult, SweepResult
     from kvclient.loadgen._sweep import SweepPoint
 
-    def run(rate: float, within: int) -> cli.BenchResult:
+    def run(rate: float, within: int) -> BenchResult:
         records = []
         for i in range(10):
             r = RequestRecord(index=i, planned=0.0, prompt_tokens=1, max_tokens_requested=1)
             r.sent, r.ok, r.end = 0.0, True, 0.1 if i < within else 5.0
             records.append(r)
         summary = summarize(records, duration=10 / rate, slo=SLO(latency=1.0), deadline=9.0)
-        return cli.BenchResult(summary, records, {})
+        return BenchResult(summary, records, {})
 
     probe = run(10.0, 10)
     runs = [run(6.0, 10), run(9.0, 10), run(12.0, 5)]
     verdicts = zip((6.0, 9.0, 12.0), runs, (True, True, False), strict=True)
     points = [SweepPoint(rate, b.summary, ok) for rate, b, ok in verdicts]
-    sweep = cli.SweepResult(probe, points, runs, knee=9.0)
-    rows = cli.sweep_rows(sweep)
+    sweep = SweepResult(probe, points, runs, knee=9.0)
+    rows = sweep_rows(sweep)
     assert [row[-1] for row in rows] == ["pass", "knee", "fail"]
     assert rows[2][3] == "50%"  # within the SLOs
     png = tmp_path / "sweep.png"
-    cli._plot_sweep(sweep, png)
+    plot_sweep(sweep, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sweep.to_json()["sweep"]["knee_rate"] == 9.0
 
@@ -303,13 +312,13 @@ def test_sweep_table_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     [
         (Budget(8192), 2048, 4),
         (Budget(1000), 2048, 1),  # less than one window: still one request at a time
-        (Budget(10**9), 2048, cli.MAX_DEFAULT_CONCURRENCY),
+        (Budget(10**9), 2048, MAX_DEFAULT_CONCURRENCY),
         (Budget(2048, max_concurrency=3, engine="llama.cpp"), 2048, 3),  # its slots
-        (Budget(None), 2048, cli.DEFAULT_CONCURRENCY),
+        (Budget(None), 2048, DEFAULT_CONCURRENCY),
     ],
 )
 def test_default_concurrency(budget: Budget, window: int, expected: int) -> None:
-    n, why = cli.default_concurrency(budget, window)
+    n, why = default_concurrency(budget, window)
     assert n == expected
     assert why
 

@@ -1,0 +1,218 @@
+"""The gateway's peak rule in front of a scripted engine that decodes every request at one rate
+(in lockstep) and reports its usage in every chunk, as vLLM does when asked: the holders'
+progress is followed, a newcomer is admitted beside holders whose caps would not have let it in,
+and the engine seen out of lockstep puts the upstream on whole caps with its reason shown."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from reference_server.gateway import GatewayConfig, GatewayState
+from reference_server.testing import running_gateway
+from tests.helpers.servers import wait_for
+from tests.helpers.upstreams import scripted_upstream
+
+RATE = 200.0  # tokens a second, every request alike
+
+
+class _Engine:
+    """A scripted lockstep engine: what it was sent, when each request started and ended."""
+
+    def __init__(self, *, max_running: int | None = 8, waiting: int = 0) -> None:
+        self.max_running = max_running
+        self.waiting = waiting
+        self.bodies: list[dict[str, Any]] = []
+        self.started: dict[str, float] = {}
+        self.ended: dict[str, float] = {}
+        self.generated = 0
+        self.lock = threading.Lock()
+
+    async def metrics(self, request: Request) -> Response:
+        lines = [
+            "kv_physical_capacity_tokens 1200",
+            "kv_engine_block_size 1",
+            f"kv_engine_requests_waiting {self.waiting}",
+            f"kv_generated_tokens_total {self.generated}",
+        ]
+        if self.max_running is not None:
+            lines.append(f"kv_engine_max_running {self.max_running}")
+        return Response("\n".join(lines) + "\n")
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"data": [{"id": "m", "max_model_len": 1000}]})
+
+    async def tokenize(self, request: Request) -> Response:
+        return JSONResponse({"count": 3, "tokens": [1, 2, 3]})
+
+    async def completions(self, request: Request) -> Response:
+        body = await request.json()
+        self.bodies.append(body)
+        name = body["prompt"]
+        cap = body["max_tokens"]
+        options = body.get("stream_options") or {}
+        continuous = options.get("continuous_usage_stats") is True
+
+        def chunk(made: int, text: str, finish: str | None) -> bytes:
+            event: dict[str, Any] = {
+                "choices": [{"index": 0, "text": text, "finish_reason": finish}]
+            }
+            if continuous:
+                event["usage"] = {"prompt_tokens": 3, "completion_tokens": made}
+            return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+        async def tokens() -> Any:
+            self.started[name] = time.monotonic()
+            for made in range(1, cap + 1):
+                await anyio.sleep(1 / RATE)
+                self.generated += 1
+                yield chunk(made, "x", "length" if made == cap else None)
+            self.ended[name] = time.monotonic()
+            if options.get("include_usage"):
+                usage = {"prompt_tokens": 3, "completion_tokens": cap}
+                yield b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        if body.get("stream"):
+            return StreamingResponse(tokens(), media_type="text/event-stream")
+        async for _ in tokens():
+            pass
+        answer = {"choices": [{"index": 0, "text": "x" * cap, "finish_reason": "length"}]}
+        return JSONResponse({**answer, "usage": {"prompt_tokens": 3, "completion_tokens": cap}})
+
+    def app(self) -> Any:
+        from starlette.applications import Starlette
+
+        return Starlette(
+            routes=[
+                Route("/v1/models", self.models),
+                Route("/metrics", self.metrics),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+            ]
+        )
+
+
+def _state(gateway: Any) -> GatewayState:
+    state: GatewayState = gateway.app.state.gateway
+    return state
+
+
+def _config(url: str, **extra: Any) -> GatewayConfig:
+    return GatewayConfig(
+        upstreams=(url,), safety_fraction=1.0, decode_rate=RATE, speed_interval=0.1, **extra
+    )
+
+
+def _complete(base: str, name: str, cap: int, out: dict[str, Any]) -> None:
+    answer = httpx.post(
+        base + "/v1/completions", json={"prompt": name, "max_tokens": cap}, timeout=30
+    )
+    out[name] = answer
+
+
+@pytest.fixture
+def engine() -> Iterator[tuple[_Engine, str]]:
+    scripted = _Engine()
+    with scripted_upstream(scripted.app()) as up:
+        yield scripted, up.base_url
+
+
+@pytest.mark.parametrize("rule", ["peak", "caps"])
+def test_a_newcomer_runs_beside_holders_whose_caps_left_no_room(
+    engine: tuple[_Engine, str], rule: str
+) -> None:
+    """1,200 KV tokens; requests of 3 + 400. A alone, then B and C when A is halfway: the caps
+    (3 x 403) keep C waiting for A's end; the peak (A ends within 200 steps, B has just begun:
+    at worst 403 + 303 + C's 403) admits C as soon as B's first token has come."""
+    scripted, url = engine
+    answers: dict[str, Any] = {}
+    with running_gateway(_config(url, admission=rule)) as gw:
+        a = threading.Thread(target=_complete, args=(gw.base_url, "A", 400, answers))
+        a.start()
+        wait_for(lambda: "A" in scripted.started, timeout=10)
+        time.sleep(200 / RATE)
+        others = [
+            threading.Thread(target=_complete, args=(gw.base_url, name, 400, answers))
+            for name in ("B", "C")
+        ]
+        for thread in others:
+            thread.start()
+            time.sleep(0.05)  # B first, then C
+        for thread in (a, *others):
+            thread.join(30)
+        health = httpx.get(gw.base_url + "/health").json()["upstreams"][0]
+        stats = _state(gw).upstreams[0].known.ledger.stats()  # type: ignore[union-attr]
+    assert all(answers[n].status_code == 200 for n in "ABC")
+    assert all(answers[n].json()["usage"]["completion_tokens"] == 400 for n in "ABC")
+    assert health["admission"] == rule
+    assert stats.reserved_tokens == 0
+    if rule == "caps":
+        assert scripted.started["C"] >= scripted.ended["A"]
+        assert stats.peak_inflight == 2
+    else:
+        assert scripted.started["C"] < scripted.ended["A"] - 0.3
+        assert stats.peak_inflight == 3
+    # Every request went upstream as a stream that reports its usage in each chunk (a plain
+    # one's answer assembled); under caps, as the client sent it.
+    streamed = [b.get("stream_options", {}).get("continuous_usage_stats") for b in scripted.bodies]
+    assert streamed == ([True] * 3 if rule == "peak" else [None] * 3)
+
+
+def test_a_stream_carries_no_usage_the_client_did_not_ask_for(
+    engine: tuple[_Engine, str],
+) -> None:
+    _, url = engine
+    with running_gateway(_config(url)) as gw:
+        plain = httpx.post(
+            gw.base_url + "/v1/completions",
+            json={"prompt": "P", "max_tokens": 5, "stream": True},
+        ).text
+        asked = httpx.post(
+            gw.base_url + "/v1/completions",
+            json={
+                "prompt": "Q", "max_tokens": 5, "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ).text  # fmt: skip
+    assert '"choices": []' not in plain
+    assert plain.count("data: ") == 6  # five tokens and [DONE]
+    assert plain.endswith("data: [DONE]\n\n")
+    assert '"choices": []' in asked  # asked for: kept
+
+
+def test_an_engine_with_requests_waiting_puts_the_upstream_on_caps() -> None:
+    scripted = _Engine(waiting=2)
+    with scripted_upstream(scripted.app()) as up, running_gateway(_config(up.base_url)) as gw:
+        holder = threading.Thread(target=_complete, args=(gw.base_url, "A", 300, {}))
+        holder.start()
+        upstream = _state(gw).upstreams[0]
+        wait_for(lambda: upstream.lockstep_breaks == 1, timeout=10)
+        health = httpx.get(gw.base_url + "/health").json()["upstreams"][0]
+        metrics = httpx.get(gw.base_url + "/metrics").text
+        holder.join(30)
+    assert health["admission"] == "caps"
+    assert health["caps_reason"] == "2 requests wait inside the engine"
+    assert 'kv_upstream_caps_reason{reason="2 requests wait inside the engine"' in metrics
+    assert "kv_upstream_admission_peak{" in metrics
+
+
+def test_an_engine_that_does_not_say_how_many_it_runs_counts_whole_caps() -> None:
+    scripted = _Engine(max_running=None)
+    with scripted_upstream(scripted.app()) as up, running_gateway(_config(up.base_url)) as gw:
+        health = httpx.get(gw.base_url + "/health").json()["upstreams"][0]
+        answer = httpx.post(gw.base_url + "/v1/completions", json={"prompt": "A", "max_tokens": 3})
+    assert health["admission"] == "caps"
+    assert "--max-running" in health["caps_reason"]
+    assert answer.status_code == 200
+    assert "stream_options" not in scripted.bodies[0]  # not tracked: sent as it came

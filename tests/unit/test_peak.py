@@ -1,0 +1,428 @@
+"""The peak rule: the pure peak against brute force, and the ledger that admits by it against an
+engine stepped in lockstep whose KV pool must never overflow."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reference_server.admission.ledger import KVAdmissionController
+from reference_server.admission.peak import Holder, peak, prefix_blocks
+from reference_server.admission.values import Handle
+
+# --- the pure peak -------------------------------------------------------------------------------
+
+
+def _brute_peak(holders: list[Holder], block_size: int) -> int:
+    """Every step until all have ended, counted the slow way."""
+    horizon = max((h.steps_left or 0 for h in holders), default=0) + 2
+    best = 0
+    for step in range(horizon):
+        total = 0
+        copies: dict[object, int] = {}
+        present: set[object] = set()
+        for h in holders:
+            tokens = h.at(step)
+            if not tokens:
+                continue
+            total += math.ceil(tokens / block_size) * block_size - block_size * len(h.prefix)
+            for i, key in enumerate(h.prefix):
+                present.add(key)
+                copies[key] = copies.get(key, 0) + (i >= h.borrowed)
+        total += block_size * sum(max(1, copies.get(k, 0)) for k in present)
+        best = max(best, total)
+    return best
+
+
+@st.composite
+def holders(draw: st.DrawFn) -> tuple[list[Holder], int]:
+    block = draw(st.sampled_from([1, 4, 16]))
+    out = []
+    for _ in range(draw(st.integers(0, 8))):
+        prompt = draw(st.integers(1, 200))
+        cap = draw(st.integers(1, 300))
+        keys = draw(st.integers(0, min(3, (prompt - 1) // block)))
+        prefix = tuple(f"k{i}" for i in range(keys))
+        borrowed = draw(st.integers(0, keys))
+        if draw(st.booleans()):
+            out.append(Holder.flat(prompt + cap, prefix, borrowed))
+        else:
+            made = draw(st.integers(0, cap))
+            extra = draw(st.integers(0, cap - made))
+            out.append(
+                Holder(
+                    held=prompt + made + extra,
+                    most=prompt + cap,
+                    steps_left=max(1, cap - made),
+                    prefix=prefix,
+                    borrowed=borrowed,
+                )
+            )
+    return out, block
+
+
+@given(holders())
+def test_the_peak_is_the_maximum_over_every_step(case: tuple[list[Holder], int]) -> None:
+    found, block = case
+    expected = _brute_peak(found, block)
+    assert (peak(found, block_size=block) if found else 0) == expected
+
+
+def test_the_peak_of_the_sum_is_below_the_sum_of_the_peaks() -> None:
+    # Three sequences a third of the way apart: their caps sum to 3 x 600, their peak is less.
+    running = [Holder(held=100 + g, most=700, steps_left=600 - g) for g in (0, 200, 400)]
+    assert peak(running, block_size=1) == 699 + 499 + 299  # the step before the first ends
+    assert peak(running, block_size=1) < 3 * 700
+
+
+def test_shared_prefix_blocks_count_once_while_any_holder_is_alive() -> None:
+    prefix = prefix_blocks(list(range(65)), 16)
+    assert len(prefix) == 4
+    lender = Holder(held=80, most=100, steps_left=20, prefix=prefix)
+    borrower = Holder.flat(100, prefix, borrowed=4)
+    # The borrower alone holds its 100 tokens (7 blocks), the lender's prefix once.
+    assert peak([lender, borrower], block_size=16) == 7 * 16 + 7 * 16 - 4 * 16
+    # Two that each computed their own copy (both in prefill at once) hold it twice.
+    both = [Holder.flat(100, prefix), Holder.flat(100, prefix)]
+    assert peak(both, block_size=16) == 2 * 7 * 16
+
+
+def test_prefix_keys_follow_the_whole_prefix() -> None:
+    a = prefix_blocks([1] * 16 + [2] * 16 + [3], 16)
+    b = prefix_blocks([9] * 16 + [2] * 16 + [3], 16)
+    assert a[1] != b[1]  # same block, different prefix before it
+    assert prefix_blocks([1] * 33, 16, salt="m1") != prefix_blocks([1] * 33, 16, salt="m2")
+    assert prefix_blocks([1] * 16, 16) == ()  # the last token's block is never shared
+
+
+# --- the ledger against a lockstep engine --------------------------------------------------------
+
+
+@dataclass
+class _Seq:
+    id: int
+    prompt: list[int]
+    cap: int
+    length: int  # where it stops by itself (its end-of-sequence), at most its cap
+    generated: int = 0
+    started: bool = False
+    keys: tuple[bytes, ...] = ()
+    table: set[bytes] = field(default_factory=set)  # keys it references in the engine's table
+
+
+class _LockstepEngine:
+    """Runs every scheduled sequence one token a step; prompt blocks shared as vLLM's prefix
+    cache shares them (full blocks before the last token, computed by a sequence whose prefill
+    is done)."""
+
+    def __init__(self, block: int, share: bool) -> None:
+        self.block = block
+        self.share = share
+        self.running: dict[int, _Seq] = {}
+        self.table: dict[bytes, int] = {}  # computed prefix blocks: references
+        self.peak_used = 0
+
+    def schedule(self, seq: _Seq) -> None:
+        if self.share:
+            for key in seq.keys:
+                if key not in self.table:
+                    break
+                self.table[key] += 1
+                seq.table.add(key)
+        self.running[seq.id] = seq
+
+    def used(self) -> int:
+        total = self.block * len(self.table)
+        for seq in self.running.values():
+            blocks = math.ceil((len(seq.prompt) + seq.generated) / self.block)
+            total += self.block * (blocks - len(seq.table))
+        return total
+
+    def step(self) -> list[_Seq]:
+        finished = []
+        for seq in list(self.running.values()):
+            if not seq.started:
+                seq.started = True  # prefill: its first token at the end of this step
+                if self.share:
+                    for key in seq.keys:
+                        if key not in seq.table and key not in self.table:
+                            self.table[key] = 1
+                            seq.table.add(key)
+            seq.generated += 1
+        self.peak_used = max(self.peak_used, self.used())
+        for seq in list(self.running.values()):
+            if seq.generated >= seq.length:
+                finished.append(seq)
+                del self.running[seq.id]
+                for key in seq.table:
+                    self.table[key] -= 1
+                    if not self.table[key]:
+                        del self.table[key]
+        return finished
+
+
+_PREFIXES = [list(range(1000, 1064)), list(range(2000, 2040))]
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> dict[str, object]:
+    n = draw(st.integers(1, 24))
+    requests = []
+    for i in range(n):
+        group = draw(st.sampled_from([None, 0, 1]))
+        suffix = [5000 + i * 100 + j for j in range(draw(st.integers(1, 60)))]
+        prompt = (_PREFIXES[group] if group is not None else []) + suffix
+        cap = draw(st.integers(1, 300))
+        requests.append(
+            {
+                "arrival": draw(st.integers(0, 200)),
+                "prompt": prompt,
+                "cap": cap,
+                # Most run to their caps: the peak is reached only by those that do.
+                "length": draw(st.one_of(st.just(cap), st.just(cap), st.integers(1, cap))),
+                # How late its counts reach the ledger, in steps (at most the workload's delay).
+                "late": draw(st.floats(0, 1)),
+            }
+        )
+    return {
+        "requests": requests,
+        "block": draw(st.sampled_from([1, 4, 16])),
+        "kv": draw(st.integers(600, 2500)),
+        "delay": draw(st.integers(0, 6)),
+        "release_delay": draw(st.integers(0, 3)),
+        "share": draw(st.booleans()),
+    }
+
+
+def _run(work: dict[str, object]) -> tuple[KVAdmissionController, _LockstepEngine, int]:
+    """Steps the engine (0.01 s a step) with the ledger admitting by the peak; progress and ends
+    reach the ledger up to ``delay`` steps late (each sequence its own lateness), ends
+    ``release_delay`` steps late. Returns the ledger, the engine, and the most
+    sequences that ran at once."""
+    block, kv, delay = int(work["block"]), int(work["kv"]), int(work["delay"])  # type: ignore[call-overload]
+    share = bool(work["share"])
+    release_delay = int(work.get("release_delay", delay))  # type: ignore[call-overload]
+    dt = 0.01
+    ledger = KVAdmissionController(
+        total_kv_tokens=kv,
+        context_window=10_000,
+        decode_rate=1 / dt,
+        block_size=block,
+        rule="peak",
+        relay_lag=delay * dt,
+    )
+    engine = _LockstepEngine(block, share)
+    pending = sorted(work["requests"], key=lambda r: r["arrival"])  # type: ignore[arg-type, index]
+    queue: list[tuple[_Seq, int]] = []
+    handles: dict[int, Handle] = {}
+    history: dict[int, list[int]] = {}  # tokens seen at each step, for the late reports
+    ended: dict[int, int] = {}  # id -> step it ended
+    lateness: dict[int, int] = {}  # id -> how many steps late its counts arrive
+    ids = itertools.count()
+    most_running = 0
+    step = 0
+    while pending or queue or handles:
+        now = step * dt
+        while pending and pending[0]["arrival"] <= step:
+            r = pending.pop(0)
+            seq = _Seq(next(ids), r["prompt"], r["cap"], r["length"])
+            lateness[seq.id] = round(r.get("late", 1.0) * delay)
+            seq.keys = prefix_blocks(seq.prompt, block) if share else ()
+            queue.append((seq, r["arrival"]))
+        while queue:  # FIFO: the head or nobody
+            seq, _ = queue[0]
+            handle = ledger.try_admit(len(seq.prompt), seq.cap, now=now, prefix=seq.keys)
+            if handle is None:
+                break
+            queue.pop(0)
+            handle.tracked = True
+            handles[seq.id] = handle
+            history[seq.id] = []
+            engine.schedule(seq)
+        most_running = max(most_running, len(engine.running))
+        for seq in engine.step():
+            ended[seq.id] = step
+        step += 1
+        now = step * dt
+        assert engine.used() <= ledger.usable_tokens
+        for sid, handle in list(handles.items()):
+            seq_now = engine.running.get(sid)
+            history[sid].append(seq_now.generated if seq_now else -1)
+            late = lateness[sid]
+            seen = history[sid][-1 - late] if len(history[sid]) > late else 0
+            if sid in ended and step - ended[sid] > release_delay:
+                ledger.release(handle, now)
+                del handles[sid]
+            elif seen > 0 and sid not in ended:
+                ledger.progress(handle, seen, now)
+        assert step < 100_000
+    return ledger, engine, most_running
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_a_lockstep_engine_never_overflows_what_the_peak_admits(work: dict[str, object]) -> None:
+    ledger, engine, _ = _run(work)
+    assert engine.peak_used <= ledger.usable_tokens
+    stats = ledger.stats()
+    assert stats.reserved_tokens == 0
+    assert stats.inflight == 0
+    assert stats.admitted_total == len(work["requests"])  # type: ignore[arg-type]
+
+
+def test_the_peak_runs_more_sequences_than_the_caps() -> None:
+    work = {
+        "requests": [
+            {"arrival": i * 40, "prompt": list(range(50)), "cap": 400, "length": 400}
+            for i in range(12)
+        ],
+        "block": 16,
+        "kv": 1500,
+        "delay": 1,
+        "share": False,
+    }
+    ledger, engine, running = _run(work)
+    assert engine.peak_used <= ledger.usable_tokens
+    # The caps (450 tokens each) allow 3 at once in 1,350 usable tokens; the peak admits a
+    # fourth and fifth while the first are well on.
+    assert running >= 4
+
+
+def test_a_stalled_sequence_is_seen_and_the_ledger_runs_on_caps_until_drained() -> None:
+    ledger = KVAdmissionController(
+        total_kv_tokens=2000, context_window=4000, decode_rate=100.0, rule="peak"
+    )
+    a = ledger.try_admit(50, 300, now=0.0)
+    b = ledger.try_admit(50, 300, now=0.0)
+    assert a is not None
+    assert b is not None
+    a.tracked = b.tracked = True
+    for t in range(1, 40):
+        ledger.progress(a, t, t * 0.01)
+        if t < 10:
+            ledger.progress(b, t, t * 0.01)  # b's count stops at 9 while a's goes on
+    assert ledger.stalled(0.40, seconds=0.2) == [b]
+    assert ledger.stats().rule == "peak"
+    ledger.run_on_caps("a stream stalled while others advanced")
+    assert ledger.stats().rule == "caps"
+    assert ledger.caps_reason == "a stream stalled while others advanced"
+    late = ledger.try_admit(50, 300, now=0.5)
+    assert late is not None  # 3 x 352 fits 1,800 on caps too
+    ledger.release(a, 0.6)
+    assert ledger.stats().rule == "caps"  # b, live when it was seen, has not gone
+    ledger.release(b, 0.7)
+    assert ledger.stats().rule == "peak"  # drained: the late one was admitted on caps
+    ledger.release(late, 0.8)
+
+
+def test_a_holder_counts_its_whole_cap_until_its_first_token() -> None:
+    ledger = KVAdmissionController(
+        total_kv_tokens=1000, context_window=4000, decode_rate=100.0, rule="peak",
+        block_size=1, safety_fraction=1.0,
+    )  # fmt: skip
+    a = ledger.try_admit(100, 400, now=0.0)
+    b = ledger.try_admit(100, 400, now=0.0)
+    assert a is not None
+    assert b is not None
+    a.tracked = b.tracked = True
+    assert ledger.try_admit(100, 100, now=0.0) is None  # 500 + 500 + 200: nothing made yet
+    ledger.progress(a, 300, 3.0)
+    assert ledger.try_admit(100, 100, now=3.0) is None  # b has not started: still 500
+    ledger.progress(b, 1, 3.0)
+    # a holds 400 + the relay's margin (2 x 100 tokens/s x 0.25 s = 50) and holds 500 through
+    # the step that makes its last token (step 100), b 101 + 50: at worst 500 + 251, then b's
+    # 500 alone; the newcomer counts whole (200) until its own first token.
+    c = ledger.try_admit(100, 100, now=3.0)
+    assert c is not None
+    assert ledger.stats().committed_tokens == 951
+
+
+@pytest.mark.parametrize("rule", ["caps", "peak"])
+def test_retry_after_is_when_the_peak_leaves_room(rule: str) -> None:
+    ledger = KVAdmissionController(
+        total_kv_tokens=2000, context_window=4000, decode_rate=100.0, rule=rule,  # type: ignore[arg-type]
+        block_size=1, safety_fraction=1.0,
+    )  # fmt: skip
+    a = ledger.try_admit(100, 800, now=0.0)
+    b = ledger.try_admit(100, 800, now=0.0)
+    assert a is not None
+    assert b is not None
+    a.tracked = b.tracked = True
+    ledger.progress(a, 700, 7.0)  # 100 steps left: 1 s at 100 tokens/s
+    ledger.progress(b, 100, 7.0)  # 700 steps left
+    small, large = ledger.retry_after(400, 7.0), ledger.retry_after(1000, 7.0)
+    if rule == "caps":
+        assert small == pytest.approx(1.0, abs=0.1)  # 1,800 + 400: once a has gone
+    else:
+        assert small == 0.0  # at worst 900 + 349 + 400 (a's last step): fits now
+    # 1,000 more fits once a has gone under either rule (900 + 1,000).
+    assert large == pytest.approx(1.0, abs=0.1)
+
+
+def test_a_holder_whose_count_is_late_is_taken_to_have_gone_on() -> None:
+    ledger = KVAdmissionController(
+        total_kv_tokens=1000, context_window=4000, decode_rate=100.0, rule="peak",
+        block_size=1, safety_fraction=1.0,
+    )  # fmt: skip
+    a = ledger.try_admit(100, 400, now=0.0)
+    b = ledger.try_admit(100, 400, now=0.0)
+    assert a is not None
+    assert b is not None
+    a.tracked = b.tracked = True
+    ledger.progress(a, 100, 1.0)
+    ledger.progress(b, 100, 1.0)
+    ledger.progress(a, 300, 3.0)  # b's stream has not been read since: it may be at 300 too
+    # Taken at its count, b would hold 200 and peak at 499 when a ends (step 99): 799, room
+    # for 200 more. In lockstep it may hold 400 now and 499 then: 999 with a's 500.
+    assert ledger.try_admit(100, 100, now=3.0) is None
+
+
+def test_only_a_holder_past_its_prefill_lends_its_prefix_blocks() -> None:
+    ledger = KVAdmissionController(
+        total_kv_tokens=4000, context_window=4000, decode_rate=100.0, rule="peak", block_size=16
+    )
+    prefix = prefix_blocks(list(range(200)), 16)
+    first = ledger.try_admit(200, 100, now=0.0, prefix=prefix)
+    assert first is not None
+    first.tracked = True
+    twin = ledger.try_admit(200, 100, now=0.0, prefix=prefix)
+    assert twin is not None
+    assert twin.borrowed == 0
+    ledger.progress(first, 1, 0.1)
+    third = ledger.try_admit(200, 100, now=0.1, prefix=prefix)
+    assert third is not None
+    assert third.borrowed == len(prefix) == 12
+
+
+def test_a_freed_copy_of_a_duplicated_block_costs_its_borrower_a_copy() -> None:
+    """Two holders computed the same prefix at once; one goes (its copy stays cached, freed);
+    a newcomer that borrows from the other may be handed the freed copy: two copies again."""
+    ledger = KVAdmissionController(
+        total_kv_tokens=4000, context_window=4000, decode_rate=100.0, rule="peak",
+        block_size=16, safety_fraction=1.0,
+    )  # fmt: skip
+    prefix = prefix_blocks(list(range(65)), 16)  # 4 blocks
+    first = ledger.try_admit(65, 10, now=0.0, prefix=prefix)
+    twin = ledger.try_admit(65, 10, now=0.0, prefix=prefix)
+    assert first is not None
+    assert twin is not None
+    first.tracked = twin.tracked = True
+    ledger.progress(first, 1, 0.1)
+    ledger.progress(twin, 1, 0.1)
+    ledger.release(first, 0.2)
+    borrower = ledger.try_admit(65, 10, now=0.2, prefix=prefix)
+    assert borrower is not None
+    assert borrower.borrowed == 4
+    # twin: 80 tokens in 5 blocks; the borrower flat at 80 (5 blocks): 10 blocks, its
+    # borrowed 4 counted again as the freed copy it may be handed.
+    assert ledger.stats().committed_tokens == 10 * 16
+    ledger.release(twin, 0.3)
+    ledger.release(borrower, 0.3)
+    later = ledger.try_admit(65, 10, now=0.4, prefix=prefix)
+    assert later is not None
+    assert ledger.stats().committed_tokens == 5 * 16  # nobody holds it: forgotten
