@@ -568,19 +568,25 @@ class Wakeups:
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         flag, _, totals = _text(message["data"]).partition(" ")
-        seen = SharedState.parse(totals)
+        try:
+            seen: SharedState | None = SharedState.parse(totals)
+        except ValueError:  # not ours (another version's, a stray PUBLISH): wake all the same
+            seen, flag = None, "1"
         for ledger, wake in self._watchers.get(_text(message["channel"]), ()):
-            ledger.seen = seen
+            if seen is not None:
+                ledger.seen = seen
             if flag == "1":
                 wake()
 
     async def run(self) -> None:
-        """Listen until cancelled, subscribing again after Redis was away."""
+        """Listen until cancelled, subscribing again after Redis was away. Never raises: a
+        subscription Redis refuses (an ACL without PSUBSCRIBE) leaves the waiters polling."""
+        refused = False
         while True:
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.psubscribe(self.PATTERN)
-                self.subscribed = True
+                self.subscribed, refused = True, False
                 for watchers in self._watchers.values():  # what was published meanwhile is lost
                     for _, wake in watchers:
                         wake()
@@ -589,7 +595,11 @@ class Wakeups:
                     if message is not None and message.get("type") == "pmessage":
                         self._dispatch(message)
             except LEDGER_ERRORS:
-                self.subscribed = False
+                pass  # Redis is away: the lease's renewals say so
+            except redis.exceptions.RedisError as exc:
+                if not refused:
+                    logger.warning("shared ledger: no pub/sub (%s); waiters poll instead", exc)
+                refused = True
             finally:
                 self.subscribed = False
                 with anyio.CancelScope(shield=True), contextlib.suppress(*LEDGER_ERRORS):

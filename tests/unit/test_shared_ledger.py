@@ -8,7 +8,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -338,6 +338,40 @@ async def test_a_release_in_one_process_wakes_a_waiter_in_another_by_pub_sub(
             await admitted.wait()
         group.cancel_scope.cancel()
     assert got[0] - released < 1.0
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_the_subscription_outlives_redis_going_away_and_stray_messages(
+    redis_server: RedisServer, closing: None
+) -> None:
+    b = await shared(redis_server, "u")
+    wakeups = Wakeups(b.client)
+    woken: list[int] = []
+    wakeups.watch(b, lambda: woken.append(1))
+    async with anyio.create_task_group() as group:
+        group.start_soon(wakeups.run)
+        await eventually(lambda: wakeups.subscribed)
+        woken.clear()
+        await b.client.publish(b.channel, "not ours")
+        await eventually(lambda: bool(woken))  # woken all the same; still listening
+        redis_server.stop()
+        await eventually(lambda: not wakeups.subscribed)
+        redis_server.start()
+        await eventually(lambda: wakeups.subscribed)
+        woken.clear()
+        await b.client.publish(b.channel, "1 5 1 0")
+        await eventually(lambda: bool(woken))
+        assert b.seen == SharedState(5, 1, 0)
+        group.cancel_scope.cancel()
+
+
+async def eventually(condition: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await anyio.sleep(0.01)
+    pytest.fail("not within 5 s")
 
 
 @pytest.mark.redis
