@@ -12,7 +12,9 @@ lease expires, and one whose lease lapsed while it was slow finds its handles re
 next renews (the relay stops at that point).
 
 Waiters learn of room made by another process through Redis pub/sub (:class:`Wakeups`): every
-script that may let a waiter in publishes on the upstream's ``released`` channel.
+script that changes an upstream's shared state publishes the totals after it on the upstream's
+``released`` channel, saying whether the change may let a waiter in; so each process also knows
+the shared room (:attr:`RedisLedger.seen`) without asking.
 
 >>> # ledger = RedisLedger(client, name="http://engine:8000", pricing=pricing, lease=lease)
 """
@@ -467,7 +469,7 @@ class RedisLedger:
         )
 
     async def snapshot(self) -> Snapshot:
-        """The shared state now (and :attr:`seen`, :attr:`next_release_at` with it)."""
+        """The shared state now (and :attr:`seen` from it)."""
         snap = Snapshot(await self._run(SNAPSHOT))
         self.seen = SharedState(snap.reserved, len(snap.holders), sum(snap.waiting))
         return snap
