@@ -78,6 +78,11 @@ class AdmissionQueue:
         """(tokens reserved, requests in flight) in the budget this queue admits against."""
         return self.ledger.load()
 
+    async def occupancy(self) -> tuple[float, float, int]:
+        """The ledger's :meth:`~.ledger.KVAdmissionController.occupancy` now, of the budget
+        this queue admits against."""
+        return self.ledger.occupancy(self.now())
+
     def headroom(self, releasing: Handle | None = None) -> Headroom:
         """The room a newcomer sees now (the RateLimit headers): those queued wait ahead of it."""
         return self.ledger.headroom(self.now(), releasing=releasing, queued=self.waiting_tokens)

@@ -3,7 +3,8 @@
 Keys, per upstream (one hash tag, so they live on one node): ``holders`` (a hash: reservation ->
 ``"lease tokens cap admitted_ms"``), ``reserved`` (their tokens summed), ``queue`` (a sorted set of
 waiting tickets in arrival order), ``queued`` (their needs summed), ``seq`` (the arrival counter),
-``leases`` (a sorted set: lease -> expiry in ms of the Redis clock), ``config`` (the budget's
+``leases`` (a sorted set: lease -> expiry in ms of the Redis clock), ``occupancy`` (a hash: the
+time integrals the speed measurement reads, see ``OCCUPANCY``), ``config`` (the budget's
 fingerprint), ``gone`` (the leases swept for expiring, remembered for an hour); and one pub/sub
 channel, ``released``, told of every change as ``"wake reserved holders queued"``: the totals after
 it (tokens reserved, reservations, tokens the queue waits for), and ``wake`` 1 when the change may
@@ -26,6 +27,7 @@ __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "KEY_NAMES",
     "LEAVE",
+    "OCCUPANCY",
     "RELEASE",
     "RENEW",
     "RESTORE",
@@ -37,7 +39,8 @@ __all__ = [
 DEFAULT_LEASE_SECONDS = 5.0
 
 KEY_NAMES = (
-    "holders", "reserved", "queue", "seq", "leases", "config", "gone", "released", "queued"
+    "holders", "reserved", "queue", "seq", "leases", "config", "gone", "released", "queued",
+    "occupancy",
 )  # fmt: skip
 
 _PRELUDE = """
@@ -80,7 +83,19 @@ end
 local function tell(wake)
   redis.call('PUBLISH', KEYS[8], wake .. ' ' .. state())
 end
+local function tick(now)
+  local at = tonumber(redis.call('HGET', KEYS[10], 'at') or now)
+  if now > at then
+    local holders = redis.call('HLEN', KEYS[1])
+    redis.call('HINCRBY', KEYS[10], 'held', (now - at) * holders)
+    if holders > 0 then
+      redis.call('HINCRBY', KEYS[10], 'busy', now - at)
+    end
+  end
+  redis.call('HSET', KEYS[10], 'at', math.max(now, at))
+end
 local function sweep(now)
+  tick(now)
   local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now)
   for _, lease in ipairs(dead) do
     drop_lease(lease)
@@ -125,6 +140,7 @@ if head == nil or head == ticket then
   if reserved + need <= tonumber(ARGV[5])
       and (most == 0 or redis.call('HLEN', KEYS[1]) < most) then
     redis.call('HSET', KEYS[1], ticket, lease .. ' ' .. need .. ' ' .. ARGV[4] .. ' ' .. now)
+    redis.call('HINCRBY', KEYS[10], 'admitted', 1)
     redis.call('INCRBY', KEYS[2], need)
     local next_may_fit = dequeue(ticket) and redis.call('ZCARD', KEYS[3]) > 0
     tell(next_may_fit and 1 or 0)
@@ -212,7 +228,10 @@ return 0
 #: ARGV: field, value, field, value...: reservations put back after Redis lost its data. The
 #: engine still holds them, so they count even past the budget (nothing more is admitted until
 #: they end).
-RESTORE = """
+RESTORE = (
+    _PRELUDE
+    + """
+tick(now_ms())
 for i = 1, #ARGV, 2 do
   if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
     redis.call('INCRBY', KEYS[2], string.match(ARGV[i + 1], '^%S+ (%d+)'))
@@ -220,6 +239,7 @@ for i = 1, #ARGV, 2 do
 end
 return 1
 """
+)
 
 #: ARGV: fingerprint, ttl_ms. Returns the fingerprint in force: ours, or another gateway's.
 CONFIG = """
@@ -239,5 +259,18 @@ local now = now_ms()
 sweep(now)
 return {now, tonumber(redis.call('GET', KEYS[2]) or '0'), redis.call('HGETALL', KEYS[1]),
         redis.call('ZRANGE', KEYS[3], 0, -1)}
+"""
+)
+
+#: Returns {reservation-ms, busy ms, admitted}: since the upstream's keys began, the time
+#: integral of the reservations held, the time any was held, and the reservations admitted, by
+#: every gateway (what the gateway's speed measurement reads, as the in-process ledger's
+#: ``occupancy``).
+OCCUPANCY = (
+    _PRELUDE
+    + """
+sweep(now_ms())
+local held, busy, admitted = unpack(redis.call('HMGET', KEYS[10], 'held', 'busy', 'admitted'))
+return {tonumber(held or '0'), tonumber(busy or '0'), tonumber(admitted or '0')}
 """
 )

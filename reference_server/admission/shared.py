@@ -47,6 +47,7 @@ from .scripts import (
     DEFAULT_LEASE_SECONDS,
     KEY_NAMES,
     LEAVE,
+    OCCUPANCY,
     RELEASE,
     RENEW,
     RESTORE,
@@ -303,7 +304,17 @@ class RedisLedger:
         self.channel = self._keys[KEY_NAMES.index("released")]
         self._scripts = {
             script: client.register_script(script)
-            for script in (ADMIT, CONFIG, LEAVE, RELEASE, RENEW, RESTORE, SHRINK, SNAPSHOT)
+            for script in (
+                ADMIT,
+                CONFIG,
+                LEAVE,
+                OCCUPANCY,
+                RELEASE,
+                RENEW,
+                RESTORE,
+                SHRINK,
+                SNAPSHOT,
+            )
         }
         self._ids = itertools.count(1)
         self._fields: dict[int, tuple[Handle, str]] = {}
@@ -543,6 +554,14 @@ class RedisLedger:
         if self in self.lease.ledgers:
             self.lease.ledgers.remove(self)
         await close(self.client)
+
+    async def occupancy(self) -> tuple[float, float, int]:
+        """``(reservation-seconds, busy seconds, admitted)`` since the upstream's keys began,
+        across every gateway: :meth:`~.ledger.KVAdmissionController.occupancy` of the shared
+        budget, so an engine's speed is measured against everything that runs on it, not this
+        process's share alone."""
+        held, busy, admitted = await self._run(OCCUPANCY)
+        return int(held) / 1000, int(busy) / 1000, int(admitted)
 
     async def load(self) -> tuple[int, int]:
         """(tokens reserved, requests in flight) across every gateway."""

@@ -84,6 +84,11 @@ class SharedQueue(AdmissionQueue):
         """Every gateway's (tokens reserved, requests in flight), as last heard from Redis."""
         return self.shared.seen.reserved, self.shared.seen.inflight
 
+    async def occupancy(self) -> tuple[float, float, int]:
+        """Every gateway's occupancy (:meth:`RedisLedger.occupancy`); raises
+        :class:`LedgerUnavailable` when Redis is away."""
+        return await self.shared.occupancy()
+
     def headroom(self, releasing: Handle | None = None) -> Headroom:
         """The room in the shared budget, every gateway's holders and waiters counted, as last
         heard from Redis (this process's last script, or the last change any gateway published).

@@ -26,6 +26,7 @@ from reference_server import running_server
 from reference_server.gateway import GatewayConfig
 from reference_server.gateway.config import public_url
 from reference_server.testing import running_gateway
+from tests.gateway.test_gateway_speed import DECODE_RATE, stream_some
 from tests.helpers.redis_server import RedisSentinel, RedisServer, TLSFiles
 from tests.helpers.servers import at_zero, bench_summary_run, wait_for
 
@@ -417,3 +418,32 @@ def test_a_gateway_finds_its_ledger_through_sentinel(
             assert client.exists("{kvclient:" + public_url(upstream.base_url) + "}:leases")
         finally:
             client.close()
+
+
+def test_each_gateway_measures_the_engines_speed_against_every_gateways_holders(
+    redis_server: RedisServer,
+) -> None:
+    """One stream through a and two through b, together: a's own holder alone decoding the
+    engine's three streams' tokens would make the engine look three times as fast."""
+    with running_server(
+        kv_tokens=65_536, context_window=8192, decode_rate=DECODE_RATE, mean_output_tokens=4000
+    ) as engine:
+        config = GatewayConfig(
+            upstreams=(engine.base_url,), ledger=redis_server.url, speed_interval=0.2
+        )
+        with running_gateway(config) as a, running_gateway(config) as b:
+            for gateway in (a, b):
+                httpx.get(gateway.base_url + "/v1/models").raise_for_status()  # discovered
+            threads = [
+                threading.Thread(target=stream_some, args=(url, n, 2400))  # ~6 s each
+                for url, n in ((a.base_url, 1), (b.base_url, 2))
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            for gateway in (a, b):
+                upstream = gateway.gateway.upstreams[0]
+                wait_for(lambda u=upstream: u.speed is not None, timeout=5)
+                assert upstream.speed is not None
+                assert upstream.speed.decode_rate == pytest.approx(DECODE_RATE, rel=0.3)

@@ -142,6 +142,31 @@ async def test_retry_after_follows_the_measured_speed_of_the_pricing_ledger(
 
 @pytest.mark.redis
 @pytest.mark.anyio
+async def test_occupancy_counts_every_gateways_holders(
+    redis_server: RedisServer, closing: None
+) -> None:
+    """What the speed measurement reads: the holders of both gateways, over the time they
+    held (on the Redis clock), as the in-process ledger's ``occupancy`` counts its own."""
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    before = await b.occupancy()
+    one = await a.try_admit(0, 100)
+    two = await b.try_admit(0, 100)
+    assert one is not None
+    assert two is not None
+    await asyncio.sleep(0.5)
+    await a.release(one)
+    await asyncio.sleep(0.5)
+    await b.release(two)
+    held, busy, admitted = (x - y for x, y in zip(await b.occupancy(), before, strict=True))
+    assert admitted == 2
+    assert 0.95 <= busy <= 1.2  # one or both held for about a second
+    assert 1.45 <= held <= 1.7  # two for half a second, then one for half a second
+    assert await a.occupancy() == await b.occupancy()  # nothing held: the integrals stand
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
 async def test_the_shared_totals_count_every_gateways_holders_and_waiters(
     redis_server: RedisServer, closing: None
 ) -> None:
