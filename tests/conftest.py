@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.redis_server import RedisServer, redis_server_path
+from tests.helpers.redis_server import RedisServer, TLSFiles, make_tls, redis_server_path
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -99,6 +99,24 @@ def redis_server(
         pytest.fail("a test that starts a real Redis is marked @pytest.mark.redis")
     with RedisServer(tmp_path_factory.mktemp("redis")) as server:
         yield server
+
+
+@pytest.fixture
+def tls_redis(
+    redis_server_ready: str,
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[RedisServer, TLSFiles]]:
+    """A fresh real Redis over TLS only, with a CA made for the test (by ``openssl``), asking
+    clients for a certificate."""
+    if request.node.get_closest_marker("redis") is None:
+        pytest.fail("a test that starts a real Redis is marked @pytest.mark.redis")
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: the test's certificates are made with it")
+    directory = tmp_path_factory.mktemp("redis-tls")
+    tls = make_tls(directory)
+    with RedisServer(directory, tls=tls, client_certs=True) as server:
+        yield server, tls
 
 
 @pytest.fixture(scope="module")

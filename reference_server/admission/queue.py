@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 
 import anyio
 
-from .ledger import Handle, KVAdmissionController
+from .ledger import Handle, Headroom, KVAdmissionController
 
 __all__ = ["AdmissionQueue", "LedgerUnavailable", "Rejected", "wait_limit"]
 
@@ -73,6 +73,19 @@ class AdmissionQueue:
     def now(self) -> float:
         """The queue's clock: the one the ledger's due times are on."""
         return self._clock()
+
+    def load(self) -> tuple[int, int]:
+        """(tokens reserved, requests in flight) in the budget this queue admits against."""
+        return self.ledger.load()
+
+    async def occupancy(self) -> tuple[float, float, int]:
+        """The ledger's :meth:`~.ledger.KVAdmissionController.occupancy` now, of the budget
+        this queue admits against."""
+        return self.ledger.occupancy(self.now())
+
+    def headroom(self, releasing: Handle | None = None) -> Headroom:
+        """The room a newcomer sees now (the RateLimit headers): those queued wait ahead of it."""
+        return self.ledger.headroom(self.now(), releasing=releasing, queued=self.waiting_tokens)
 
     @property
     def waiting_tokens(self) -> int:

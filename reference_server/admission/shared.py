@@ -11,17 +11,27 @@ process lives; a process that dies (SIGKILL, a cut network) loses its reservatio
 lease expires, and one whose lease lapsed while it was slow finds its handles released when it
 next renews (the relay stops at that point).
 
+Waiters learn of room made by another process through Redis pub/sub (:class:`Wakeups`): every
+script that changes an upstream's shared state publishes the totals after it on the upstream's
+``released`` channel, saying whether the change may let a waiter in; so each process also knows
+the shared room (:attr:`RedisLedger.seen`) without asking.
+
 >>> # ledger = RedisLedger(client, name="http://engine:8000", pricing=pricing, lease=lease)
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import math
 import os
+import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import anyio
 import redis.asyncio as aioredis
@@ -37,6 +47,7 @@ from .scripts import (
     DEFAULT_LEASE_SECONDS,
     KEY_NAMES,
     LEAVE,
+    OCCUPANCY,
     RELEASE,
     RENEW,
     RESTORE,
@@ -47,19 +58,32 @@ from .scripts import (
 __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "LEDGER_ERRORS",
+    "SENTINEL_SCHEME",
     "Lease",
     "LedgerConflict",
     "LedgerUnavailable",
     "RedisLedger",
+    "SharedState",
     "Snapshot",
+    "Wakeups",
+    "close",
     "connect",
     "fingerprint",
 ]
 
 logger = logging.getLogger("kvclient.gateway")
 
+#: The scheme of a ledger found through Redis Sentinel (see :func:`connect`).
+SENTINEL_SCHEME = "redis+sentinel://"
+
 #: Seconds any one Redis command may take before the ledger counts as away.
 _COMMAND_TIMEOUT = 1.0
+
+#: Seconds between the snapshots :meth:`RedisLedger.keep_fresh` takes for the room's next release.
+_ROOM_SECONDS = 1.0
+
+#: Seconds :class:`Wakeups` waits before subscribing again when Redis is away.
+_RESUBSCRIBE_SECONDS = 0.5
 
 #: What a Redis that is away raises.
 LEDGER_ERRORS: tuple[type[BaseException], ...] = (
@@ -73,28 +97,89 @@ class LedgerConflict(Exception):
     """Another gateway sharing the ledger has this upstream configured differently."""
 
 
-def connect(url: str, *, environ: dict[str, str] | None = None) -> aioredis.Redis:
-    """A Redis client for ``redis://HOST:PORT/DB`` or ``rediss://`` (TLS). A password missing
-    from the URL is taken from ``$KVCLIENT_LEDGER_PASSWORD`` when set."""
-    if not url.startswith(("redis://", "rediss://")):
+def connect(
+    url: str,
+    *,
+    ca_file: str | None = None,
+    client_cert: str | None = None,
+    client_key: str | None = None,
+    environ: dict[str, str] | None = None,
+) -> aioredis.Redis:
+    """A Redis client for ``redis://HOST:PORT/DB``, ``rediss://`` (TLS), or
+    ``redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]``: the master of ``SERVICE`` as
+    those Sentinels name it, found again after a failover. A password missing from the URL is
+    taken from ``$KVCLIENT_LEDGER_PASSWORD`` when set (with Sentinel: the master's; the
+    Sentinels themselves are asked without one).
+
+    Over TLS, Redis's certificate is verified (host name included) against ``ca_file`` (PEM;
+    default: the system's CAs); ``client_cert`` (with its key in ``client_key`` or in the same
+    file) is shown to a Redis that asks for one (``tls-auth-clients``, on by default)."""
+    if not url.startswith(("redis://", "rediss://", SENTINEL_SCHEME)):
         raise ValueError(
-            f"--ledger must be a redis:// or rediss:// URL, got {url.split('@')[-1]!r}"
+            f"--ledger must be a redis://, rediss:// or {SENTINEL_SCHEME} URL, "
+            f"got {url.split('@')[-1]!r}"
         )
     env = os.environ if environ is None else environ
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {
+        "socket_timeout": _COMMAND_TIMEOUT,
+        "socket_connect_timeout": _COMMAND_TIMEOUT,
+        # One retry on a fresh connection: a pooled one may have died with a Redis restart (or
+        # a failover). The scripts are idempotent, so one that ran before its answer was lost
+        # may run again.
+        "retry": Retry(NoBackoff(), 1),
+        "retry_on_error": [redis.exceptions.ConnectionError],
+    }
     password = env.get("KVCLIENT_LEDGER_PASSWORD")
     if password and "@" not in url:
         options["password"] = password
-    # One retry on a fresh connection: a pooled one may have died with a Redis restart. The
-    # scripts are idempotent, so one that ran before its answer was lost may run again.
-    return aioredis.from_url(
-        url,
-        socket_timeout=_COMMAND_TIMEOUT,
-        socket_connect_timeout=_COMMAND_TIMEOUT,
-        retry=Retry(NoBackoff(), 1),
-        retry_on_error=[redis.exceptions.ConnectionError],
-        **options,
-    )
+    tls = {"ssl_ca_certs": ca_file, "ssl_certfile": client_cert, "ssl_keyfile": client_key}
+    if any(tls.values()):
+        if not url.startswith("rediss://"):
+            raise ValueError("TLS files need a rediss:// URL")
+        options.update({key: value for key, value in tls.items() if value is not None})
+    if url.startswith(SENTINEL_SCHEME):
+        return _sentinel_master(url, options)
+    return aioredis.from_url(url, **options)
+
+
+def _sentinel_master(url: str, options: dict[str, Any]) -> aioredis.Redis:
+    """The client of a ``redis+sentinel://`` URL's master (see :func:`connect`)."""
+    from redis.asyncio.sentinel import Sentinel
+
+    rest = url[len(SENTINEL_SCHEME) :]
+    netloc, _, path = rest.partition("/")
+    userinfo, _, hosts = netloc.rpartition("@")
+    if userinfo:
+        user, _, password = userinfo.partition(":")
+        options["password"] = unquote(password)
+        if user:
+            options["username"] = unquote(user)
+    sentinels = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"--ledger: a Sentinel must be HOST:PORT, got {host!r}")
+        sentinels.append((name.strip("[]"), int(port)))
+    service, _, db = path.strip("/").partition("/")
+    if not service or (db and not db.isdigit()):
+        raise ValueError(
+            f"--ledger: {SENTINEL_SCHEME}HOST:PORT[,HOST:PORT...]/SERVICE[/DB], got "
+            f"{url.split('@')[-1]!r}"
+        )
+    sockets = {key: value for key, value in options.items() if key.startswith("socket_")}
+    sentinel = Sentinel(sentinels, sentinel_kwargs=sockets, **sockets)
+    master: aioredis.Redis = sentinel.master_for(service, db=int(db or 0), **options)
+    return master
+
+
+async def close(client: aioredis.Redis) -> None:
+    """Close a client from :func:`connect`, and the Sentinels' connections with it."""
+    from redis.asyncio.sentinel import SentinelConnectionPool
+
+    await client.aclose()
+    if isinstance(client.connection_pool, SentinelConnectionPool):
+        for sentinel in client.connection_pool.sentinel_manager.sentinels:
+            await sentinel.aclose()
 
 
 def fingerprint(pricing: KVAdmissionController) -> str:
@@ -104,6 +189,22 @@ def fingerprint(pricing: KVAdmissionController) -> str:
         f"usable={p.usable_tokens} total={p.total_kv_tokens} block={p.block_size} "
         f"strategy={p.strategy} max_concurrency={p.max_concurrency} window={p.context_window}"
     )
+
+
+@dataclass(frozen=True, slots=True)
+class SharedState:
+    """The shared totals of one upstream, across every gateway: tokens reserved, reservations
+    held, tokens the queue waits for."""
+
+    reserved: int = 0
+    inflight: int = 0
+    queued: int = 0
+
+    @classmethod
+    def parse(cls, text: Any) -> SharedState:
+        """From a script's ``"reserved holders queued"``."""
+        reserved, inflight, queued = _text(text).split(" ")
+        return cls(int(reserved), int(inflight), int(queued))
 
 
 class Snapshot:
@@ -199,9 +300,21 @@ class RedisLedger:
         self.lease = lease
         tag = "{kvclient:" + name + "}"
         self._keys = [f"{tag}:{key}" for key in KEY_NAMES]
+        #: The pub/sub channel told of every change that may let a waiter in.
+        self.channel = self._keys[KEY_NAMES.index("released")]
         self._scripts = {
             script: client.register_script(script)
-            for script in (ADMIT, CONFIG, LEAVE, RELEASE, RENEW, RESTORE, SHRINK, SNAPSHOT)
+            for script in (
+                ADMIT,
+                CONFIG,
+                LEAVE,
+                OCCUPANCY,
+                RELEASE,
+                RENEW,
+                RESTORE,
+                SHRINK,
+                SNAPSHOT,
+            )
         }
         self._ids = itertools.count(1)
         self._fields: dict[int, tuple[Handle, str]] = {}
@@ -209,6 +322,13 @@ class RedisLedger:
         self._unleft: list[str] = []
         self._pricing = pricing
         self.on_lapse: Callable[[list[Handle]], None] | None = None
+        #: The shared totals as last heard from Redis: an admission's answer, a snapshot, or a
+        #: change published by any gateway (:class:`Wakeups`).
+        self.seen = SharedState()
+        #: When the soonest holder in the last snapshot is due to end (``time.monotonic()``),
+        #: None when it held none.
+        self.next_release_at: float | None = None
+        self._refreshed_at = -math.inf
 
     @property
     def pricing(self) -> KVAdmissionController:
@@ -262,10 +382,11 @@ class RedisLedger:
             ticket = self.ticket(need)
         most = self.pricing.max_concurrency or 0
         args = (self.lease.id, ticket, need, output_cap, self.usable_tokens, most, int(enqueue))
-        status, now_ms = await self._run(ADMIT, *args)
+        status, now_ms, seen = await self._run(ADMIT, *args)
         if status == -1:  # our lease lapsed (or Redis lost it): renew, then try once more
             await self.renew()
-            status, now_ms = await self._run(ADMIT, *args)
+            status, now_ms, seen = await self._run(ADMIT, *args)
+        self.seen = SharedState.parse(seen)
         if status != 1:
             return None
         admitted = int(now_ms) / 1000
@@ -359,7 +480,29 @@ class RedisLedger:
         )
 
     async def snapshot(self) -> Snapshot:
-        return Snapshot(await self._run(SNAPSHOT))
+        """The shared state now (and :attr:`seen` from it)."""
+        snap = Snapshot(await self._run(SNAPSHOT))
+        self.seen = SharedState(snap.reserved, len(snap.holders), sum(snap.waiting))
+        return snap
+
+    async def refresh(self) -> tuple[Snapshot, KVAdmissionController]:
+        """A snapshot, and its :meth:`model`; :attr:`seen` and :attr:`next_release_at` from
+        them."""
+        snap = await self.snapshot()
+        model = self.model(snap)
+        self.next_release_at = None
+        self._refreshed_at = time.monotonic()
+        if snap.holders:
+            self.next_release_at = time.monotonic() + model.headroom(snap.now).next_release_in
+        return snap, model
+
+    async def keep_fresh(self) -> None:
+        """:meth:`refresh` when reservations are held and the last snapshot is over a second
+        old, so the room advertised knows when the next one ends; never raises."""
+        if self.seen.inflight == 0 or time.monotonic() - self._refreshed_at < _ROOM_SECONDS:
+            return
+        with contextlib.suppress(LedgerUnavailable):
+            await self.refresh()
 
     async def retry_after(
         self, need: int, *, duration: float = 0.0, ticket: str | None = None
@@ -367,24 +510,34 @@ class RedisLedger:
         """(seconds until ``need`` fits, tickets waiting ahead of ``ticket``), from every
         holder's worst-case end in the shared state, whichever gateway holds it, by the
         in-process ledger's own estimate. Those waiting ahead count as load."""
-        snap = await self.snapshot()
+        snap, model = await self.refresh()
         names = snap.tickets
         ahead = names.index(ticket) if ticket in names else len(names)
         need += sum(snap.waiting[:ahead])
+        return model.retry_after(need, snap.now, duration=duration), ahead
+
+    def model(self, snap: Snapshot) -> KVAdmissionController:
+        """An in-process ledger holding every gateway's holders of ``snap`` (on the Redis clock),
+        priced and timed as :attr:`pricing` is: its decode rate and throughput, measured by this
+        gateway, so the shared estimate drains as fast as the engine does."""
         p = self.pricing
         scratch = KVAdmissionController(
             total_kv_tokens=p.total_kv_tokens,
             context_window=p.context_window,
             decode_rate=p.decode_rate,
+            throughput=p.throughput,
             safety_fraction=p.safety_fraction,
             block_size=p.block_size,
             max_concurrency=p.max_concurrency,
             release_margin=p.release_margin,
+            overrun=p.overrun,
             strategy=p.strategy,
         )
-        for tokens, cap, admitted in snap.holders:
+        # In order of admission: each holder's progress counts from its own admission, at the
+        # rate of the holders running with it.
+        for tokens, cap, admitted in sorted(snap.holders, key=lambda h: h[2]):
             scratch.try_admit(0, cap, now=admitted, need=tokens)
-        return scratch.retry_after(need, snap.now, duration=duration), ahead
+        return scratch
 
     async def give_back(self) -> None:
         """Retry the releases and queue exits that failed while Redis was away (at shutdown)."""
@@ -400,9 +553,76 @@ class RedisLedger:
         """Close the Redis client (the lease's reservations stay until released or expired)."""
         if self in self.lease.ledgers:
             self.lease.ledgers.remove(self)
-        await self.client.aclose()
+        await close(self.client)
+
+    async def occupancy(self) -> tuple[float, float, int]:
+        """``(reservation-seconds, busy seconds, admitted)`` since the upstream's keys began,
+        across every gateway: :meth:`~.ledger.KVAdmissionController.occupancy` of the shared
+        budget, so an engine's speed is measured against everything that runs on it, not this
+        process's share alone."""
+        held, busy, admitted = await self._run(OCCUPANCY)
+        return int(held) / 1000, int(busy) / 1000, int(admitted)
 
     async def load(self) -> tuple[int, int]:
         """(tokens reserved, requests in flight) across every gateway."""
         snap = await self.snapshot()
         return snap.reserved, len(snap.holders)
+
+
+class Wakeups:
+    """One pub/sub subscription per process to every shared ledger's ``released`` channel:
+    :meth:`watch` says whom to wake for a ledger. A message published by any process (this one
+    too) updates the ledger's :attr:`~RedisLedger.seen` totals and, when it may let a waiter in,
+    wakes them at once; while the subscription is down (Redis away, reconnecting),
+    :attr:`subscribed` is False and waiters fall back on polling."""
+
+    #: Every shared ledger's channel (see :attr:`RedisLedger.channel`).
+    PATTERN = "{kvclient:*}:released"
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self.subscribed = False
+        self._watchers: dict[str, list[tuple[RedisLedger, Callable[[], None]]]] = {}
+
+    def watch(self, ledger: RedisLedger, wake: Callable[[], None]) -> None:
+        self._watchers.setdefault(ledger.channel, []).append((ledger, wake))
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        flag, _, totals = _text(message["data"]).partition(" ")
+        try:
+            seen: SharedState | None = SharedState.parse(totals)
+        except ValueError:  # not ours (another version's, a stray PUBLISH): wake all the same
+            seen, flag = None, "1"
+        for ledger, wake in self._watchers.get(_text(message["channel"]), ()):
+            if seen is not None:
+                ledger.seen = seen
+            if flag == "1":
+                wake()
+
+    async def run(self) -> None:
+        """Listen until cancelled, subscribing again after Redis was away. Never raises: a
+        subscription Redis refuses (an ACL without PSUBSCRIBE) leaves the waiters polling."""
+        refused = False
+        while True:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.psubscribe(self.PATTERN)
+                self.subscribed, refused = True, False
+                for watchers in self._watchers.values():  # what was published meanwhile is lost
+                    for _, wake in watchers:
+                        wake()
+                while True:
+                    message = await pubsub.get_message(timeout=_COMMAND_TIMEOUT)
+                    if message is not None and message.get("type") == "pmessage":
+                        self._dispatch(message)
+            except LEDGER_ERRORS:
+                pass  # Redis is away: the lease's renewals say so
+            except redis.exceptions.RedisError as exc:
+                if not refused:
+                    logger.warning("shared ledger: no pub/sub (%s); waiters poll instead", exc)
+                refused = True
+            finally:
+                self.subscribed = False
+                with anyio.CancelScope(shield=True), contextlib.suppress(*LEDGER_ERRORS):
+                    await pubsub.aclose()
+            await anyio.sleep(_RESUBSCRIBE_SECONDS)

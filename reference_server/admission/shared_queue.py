@@ -2,10 +2,13 @@
 
 The order is kept in Redis (the ledger's queue of tickets): only the head may be admitted, so a
 newcomer in any process waits behind those already waiting in any other. A release here wakes
-this process's waiters at once; others' releases are seen by polling, ``POLL_SECONDS`` apart.
+this process's waiters at once; others' releases, through Redis pub/sub (``wakeups``), with a
+poll every ``FALLBACK_POLL_SECONDS`` in case a message was lost; without pub/sub (or while its
+subscription is down) they are seen by polling, ``POLL_SECONDS`` apart.
 
-The in-process ledger it is given (``ledger``) mirrors this process's own reservations: the
-room it advertises and the metrics it shows are this process's; admission is the shared one's.
+The in-process ledger it is given (``ledger``) mirrors this process's own reservations (its
+metrics are this process's); admission and the room advertised (:meth:`SharedQueue.headroom`)
+are the shared ledger's.
 """
 
 from __future__ import annotations
@@ -15,14 +18,18 @@ from collections.abc import Callable, Hashable
 
 import anyio
 
-from .ledger import Handle, KVAdmissionController
+from .ledger import Handle, Headroom, KVAdmissionController
 from .queue import AdmissionQueue, LedgerUnavailable, Rejected, wait_limit
-from .shared import RedisLedger
+from .shared import RedisLedger, Wakeups
 
-__all__ = ["POLL_SECONDS", "SharedQueue"]
+__all__ = ["FALLBACK_POLL_SECONDS", "POLL_SECONDS", "SharedQueue"]
 
-#: How often a waiter looks again at the shared budget when nothing here was released.
+#: How often a waiter looks again at the shared budget when nothing here was released and no
+#: pub/sub subscription tells it of others' releases.
 POLL_SECONDS = 0.02
+#: How often it looks again while subscribed: only a message lost (a subscription that dropped
+#: and came back) waits this long.
+FALLBACK_POLL_SECONDS = 0.5
 
 
 class _Wake:
@@ -45,6 +52,7 @@ class SharedQueue(AdmissionQueue):
         max_wait: float,
         clock: Callable[[], float] = time.monotonic,
         on_refused: Callable[[], None] | None = None,
+        wakeups: Wakeups | None = None,
     ) -> None:
         super().__init__(ledger, max_wait=max_wait, clock=clock)
         self.shared = shared
@@ -53,6 +61,16 @@ class SharedQueue(AdmissionQueue):
         self._links: dict[int, tuple[Handle, Handle]] = {}
         self._wakes: list[_Wake] = []
         shared.on_lapse = self._lapsed
+        self._wakeups = wakeups
+        if wakeups is not None:
+            wakeups.watch(shared, self.notify)
+
+    @property
+    def poll_seconds(self) -> float:
+        """How long a waiter sleeps before it looks again unless woken."""
+        if self._wakeups is not None and self._wakeups.subscribed:
+            return FALLBACK_POLL_SECONDS
+        return POLL_SECONDS
 
     def notify(self) -> None:
         for wake in self._wakes:
@@ -61,6 +79,42 @@ class SharedQueue(AdmissionQueue):
     @property
     def waiting(self) -> int:
         return len(self._wakes)
+
+    def load(self) -> tuple[int, int]:
+        """Every gateway's (tokens reserved, requests in flight), as last heard from Redis."""
+        return self.shared.seen.reserved, self.shared.seen.inflight
+
+    async def occupancy(self) -> tuple[float, float, int]:
+        """Every gateway's occupancy (:meth:`RedisLedger.occupancy`); raises
+        :class:`LedgerUnavailable` when Redis is away."""
+        return await self.shared.occupancy()
+
+    def headroom(self, releasing: Handle | None = None) -> Headroom:
+        """The room in the shared budget, every gateway's holders and waiters counted, as last
+        heard from Redis (this process's last script, or the last change any gateway published).
+        The next release: the sooner of this process's holders' soonest end and every gateway's
+        soonest at the last snapshot (taken for a 429's estimate and a scrape of ``/metrics``)."""
+        pricing, seen, now = self.ledger, self.shared.seen, self._clock()
+        reserved, inflight = seen.reserved, seen.inflight
+        link = self._links.get(releasing.id) if releasing is not None else None
+        if link is not None and link[0] is releasing and not releasing.released:
+            reserved -= releasing.reserved_tokens
+            inflight -= 1
+        free = pricing.usable_tokens - reserved - seen.queued
+        if pricing.max_concurrency is not None and inflight >= pricing.max_concurrency:
+            free = 0
+        ends = []
+        if any(h is not releasing for h in self.ledger.live_handles()):
+            ends.append(self.ledger.headroom(now, releasing=releasing).next_release_in)
+        at = self.shared.next_release_at
+        if at is not None and at > time.monotonic():
+            ends.append(at - time.monotonic())
+        return Headroom(
+            usable=pricing.usable_tokens,
+            free=max(0, min(free, pricing.usable_tokens)),
+            next_release_in=min(ends, default=0.0),
+            advertised=pricing.strategy == "reserve",
+        )
 
     def _lapsed(self, lost: list[Handle]) -> None:
         # The shared reservations are gone: the mirror's go too, and their relays stop (they
@@ -128,7 +182,7 @@ class SharedQueue(AdmissionQueue):
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     break
-                with anyio.move_on_after(min(POLL_SECONDS, remaining)):
+                with anyio.move_on_after(min(self.poll_seconds, remaining)):
                     await wake.event.wait()
                 if wake.event.is_set():
                     wake.event = anyio.Event()
@@ -150,4 +204,5 @@ class SharedQueue(AdmissionQueue):
             await self.shared.release(held)
             raise Rejected(need=need, retry_after=1.0, queued_ahead=0)
         self._links[mine.id] = (mine, held)
+        await self.shared.keep_fresh()
         return mine

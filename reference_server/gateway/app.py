@@ -58,7 +58,13 @@ class GatewayState:
         #: The shared ledger (``--ledger``), or None: each upstream's ledger is this process's.
         self.shared: SharedLedgers | None = None
         if config.ledger is not None:
-            self.shared = SharedLedgers(config.ledger, lease_seconds=config.lease_seconds)
+            self.shared = SharedLedgers(
+                config.ledger,
+                lease_seconds=config.lease_seconds,
+                ca_file=config.ledger_ca_file,
+                client_cert=config.ledger_client_cert,
+                client_key=config.ledger_client_key,
+            )
             for upstream in self.upstreams:
                 upstream.shared = self.shared
         self.registry = registry_for(self)
@@ -205,9 +211,10 @@ async def _health(request: Request) -> Response:
 
 
 async def _metrics(request: Request) -> Response:
-    return Response(
-        generate_latest(_gateway(request).registry), media_type=CONTENT_TYPE_PLAIN_0_0_4
-    )
+    state = _gateway(request)
+    if state.shared is not None:
+        await state.shared.refresh()  # the shared totals, as Redis has them now
+    return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 
 def create_gateway_app(config: GatewayConfig) -> Starlette:

@@ -7,7 +7,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvclient._cli_options import TOKENIZER_HELP, add_log_level, setup_logging
 from kvclient._help import HelpFormatter
@@ -22,7 +24,7 @@ from .config import (
     GatewayConfig,
 )
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["WorkerApp", "build_parser", "config_from_args", "main"]
 
 DEFAULT_PORT = 8080
 
@@ -130,9 +132,26 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--ledger", default=os.environ.get("KVCLIENT_GATEWAY_LEDGER"), metavar="URL",
         help="keep every upstream's reservations in Redis (redis://HOST:PORT/DB, rediss:// for "
-        "TLS; a password in the URL or in $KVCLIENT_LEDGER_PASSWORD), shared by every gateway "
+        "TLS, redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB] for the master a Sentinel "
+        "names SERVICE, followed through a failover; a password in the URL or in "
+        "$KVCLIENT_LEDGER_PASSWORD), shared by every gateway "
         "given the same URL (default: $KVCLIENT_GATEWAY_LEDGER, else in this process only). "
-        "While Redis is away new requests get 503 with Retry-After; admitted ones finish",
+        "While Redis is away new requests get 503 with Retry-After; admitted ones finish. "
+        "Not supported: Redis Cluster, and TLS to Sentinel",
+    )  # fmt: skip
+    add(
+        "--ledger-ca-file", metavar="PEM",
+        help="with a rediss:// --ledger: verify Redis's certificate with these CA certificates, "
+        "e.g. a self-signed CA (default: the system's)",
+    )  # fmt: skip
+    add(
+        "--ledger-client-cert", metavar="PEM",
+        help="with a rediss:// --ledger: a client certificate for a Redis that asks for one "
+        "(tls-auth-clients), with its key or --ledger-client-key (default: none)",
+    )  # fmt: skip
+    add(
+        "--ledger-client-key", metavar="PEM",
+        help="the key of --ledger-client-cert (default: in the certificate's file)",
     )  # fmt: skip
     add(
         "--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS, metavar="S",
@@ -141,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add(
         "--workers", type=int, default=1, metavar="N",
-        help="serve N processes on one port (needs --ledger when N > 1: they share its budget)",
+        help="serve N processes on one port (needs --ledger when N > 1: they share its budget), "
+        "supervised by uvicorn: a worker that dies is replaced, SIGHUP replaces them one by one",
     )  # fmt: skip
     add(
         "--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
@@ -179,7 +199,26 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         upstream_client_key=args.upstream_client_key,
         ledger=args.ledger,
         lease_seconds=args.lease_seconds,
+        ledger_ca_file=args.ledger_ca_file,
+        ledger_client_cert=args.ledger_client_cert,
+        ledger_client_key=args.ledger_client_key,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerApp:
+    """The gateway's app, built in a worker process of ``--workers N`` from the command line:
+    picklable, as uvicorn's supervisor starts each worker as a fresh interpreter (and starts a
+    new one when a worker dies)."""
+
+    argv: tuple[str, ...]
+
+    def __call__(self) -> Any:
+        from .app import create_gateway_app
+
+        args, config = configure(build_parser(), self.argv, config_from_args)
+        setup_logging(args.log_level)
+        return create_gateway_app(config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.workers > 1:
         return serve_workers(
-            lambda: create_gateway_app(config),
+            WorkerApp(tuple(sys.argv[1:] if argv is None else argv)),
             workers=args.workers,
             host=args.host,
             port=args.port,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import yarl
@@ -91,11 +92,17 @@ class GatewayConfig:
     send_timeout: float = DEFAULT_SEND_TIMEOUT
     failure_threshold: int = DEFAULT_FAILURE_THRESHOLD
     out_of_service_seconds: float = DEFAULT_OUT_OF_SERVICE_SECONDS
-    #: ``redis://HOST:PORT/DB`` (or ``rediss://``): every upstream's reservations are kept there,
-    #: shared by every gateway given the same URL. None: in this process only.
+    #: ``redis://HOST:PORT/DB`` (or ``rediss://``, or ``redis+sentinel://HOST:PORT/SERVICE``):
+    #: every upstream's reservations are kept there, shared by every gateway given the same URL.
+    #: None: in this process only.
     ledger: str | None = None
     #: Seconds a gateway's reservations outlive it in the shared ledger when it dies.
     lease_seconds: float = DEFAULT_LEASE_SECONDS
+    #: With ``rediss://``: the CA certificates (PEM) Redis's certificate is verified with (None:
+    #: the system's), and a client certificate and its key for a Redis that asks for one.
+    ledger_ca_file: str | None = None
+    ledger_client_cert: str | None = None
+    ledger_client_key: str | None = None
     #: The admission rule (``--admission``): ``"peak"``, the worst-case peak of the holders'
     #: sum over the coming decode steps from their relayed progress, where the engine qualifies
     #: (else whole caps, with the reason in /health, /metrics and the log); ``"caps"``, the sum
@@ -131,8 +138,23 @@ class GatewayConfig:
             raise ValueError(
                 f"max_queue_wait must be a finite number >= 0, got {self.max_queue_wait}"
             )
-        if self.ledger is not None and not self.ledger.startswith(("redis://", "rediss://")):
-            raise ValueError("--ledger must be a redis:// or rediss:// URL")
+        if self.ledger is not None and not self.ledger.startswith(
+            ("redis://", "rediss://", "redis+sentinel://")
+        ):
+            raise ValueError("--ledger must be a redis://, rediss:// or redis+sentinel:// URL")
+        for flag, path in (
+            ("--ledger-ca-file", self.ledger_ca_file),
+            ("--ledger-client-cert", self.ledger_client_cert),
+            ("--ledger-client-key", self.ledger_client_key),
+        ):
+            if path is None:
+                continue
+            if self.ledger is None or not self.ledger.startswith("rediss://"):
+                raise ValueError(f"{flag} needs a rediss:// --ledger (Redis over TLS)")
+            if not os.path.isfile(path):
+                raise ValueError(f"{flag}: no such file: {path}")
+        if self.ledger_client_key is not None and self.ledger_client_cert is None:
+            raise ValueError("--ledger-client-key needs --ledger-client-cert")
         if not 0 < self.lease_seconds < 3600:
             raise ValueError(f"--lease-seconds must be > 0 and < 3600, got {self.lease_seconds}")
         if self.speed_interval < 0 or not math.isfinite(self.speed_interval):

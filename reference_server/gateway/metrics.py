@@ -1,5 +1,7 @@
 """The gateway's ``/metrics``: the reference server's ledger metrics summed over upstreams, and
-each upstream's labelled by its URL (shown without user and password)."""
+each upstream's labelled by its URL (shown without user and password). Those are this process's
+own holdings; with a shared ledger, ``kv_upstream_shared_*`` are every gateway's, read from
+Redis at the scrape."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
+    from ..admission.queue import AdmissionQueue
+    from ..admission.shared import SharedState
     from .app import GatewayState
 
 __all__ = ["GatewayCollector", "registry_for"]
@@ -21,6 +25,13 @@ def registry_for(state: GatewayState) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(GatewayCollector(state))
     return registry
+
+
+def _shared_state(queue: AdmissionQueue) -> SharedState | None:
+    """Every gateway's totals for the upstream of ``queue``, when its ledger is shared."""
+    from ..admission.shared_queue import SharedQueue  # redis is needed only when shared
+
+    return queue.shared.seen if isinstance(queue, SharedQueue) else None
 
 
 class GatewayCollector:
@@ -113,6 +124,11 @@ class GatewayCollector:
                 "kv_ledger_lease_lapses", "Times this gateway found its lease lapsed.",
                 value=shared.lease.lapsed_total,
             )  # fmt: skip
+        if shared is not None:
+            seen = [_shared_state(u.known.queue) if u.known else None for u, _ in rows]
+            gauges["kv_upstream_shared_reserved_tokens"] = [s.reserved if s else 0 for s in seen]
+            gauges["kv_upstream_shared_inflight_requests"] = [s.inflight if s else 0 for s in seen]
+            gauges["kv_upstream_shared_queued_tokens"] = [s.queued if s else 0 for s in seen]
         for name, values in gauges.items():
             gauge = GaugeMetricFamily(name, name.replace("_", " "), labels=["upstream"])
             for (u, _), amount in zip(rows, values, strict=True):

@@ -1,6 +1,7 @@
-"""The gateway's side of the shared ledger (``--ledger redis://...``): one Redis client and one
-lease per process, a shared ledger and queue per upstream, the lease renewed in the background,
-and what the gateway does while Redis is away.
+"""The gateway's side of the shared ledger (``--ledger redis://...``): one Redis client, one
+lease and one pub/sub subscription (waiters wake when another process releases) per process, a
+shared ledger and queue per upstream, the lease renewed in the background, and what the gateway
+does while Redis is away.
 
 The policy while Redis is away: new requests are refused with 503 and Retry-After (nothing can
 be admitted without the shared budget), admitted ones run to their end; their releases are
@@ -18,7 +19,7 @@ from ..admission.ledger import KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable
 
 if TYPE_CHECKING:
-    from ..admission.shared import Lease, RedisLedger
+    from ..admission.shared import Lease, RedisLedger, Wakeups
 
 __all__ = ["SharedLedgers"]
 
@@ -28,13 +29,22 @@ logger = logging.getLogger("kvclient.gateway")
 class SharedLedgers:
     """Everything one gateway process keeps in the shared ledger at ``url``."""
 
-    def __init__(self, url: str, *, lease_seconds: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        lease_seconds: float,
+        ca_file: str | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+    ) -> None:
         # Imported here: redis is needed only when a ledger is shared.
-        from ..admission.shared import Lease, connect
+        from ..admission.shared import Lease, Wakeups, connect
 
         self.url = url
-        self.client = connect(url)
+        self.client = connect(url, ca_file=ca_file, client_cert=client_cert, client_key=client_key)
         self.lease: Lease = Lease(ttl=lease_seconds, on_state=self._state)
+        self.wakeups: Wakeups = Wakeups(self.client)
         self.ledgers: list[RedisLedger] = []
         #: Times Redis was found unreachable (a change from reachable).
         self.outages = 0
@@ -67,17 +77,33 @@ class SharedLedgers:
         except LedgerUnavailable as exc:
             raise UpstreamUnavailable(f"the shared ledger is unreachable ({exc})") from None
         self.ledgers.append(shared)
-        return SharedQueue(ledger, shared, max_wait=max_wait, on_refused=self._refused)
+        return SharedQueue(
+            ledger, shared, max_wait=max_wait, on_refused=self._refused, wakeups=self.wakeups
+        )
+
+    async def refresh(self) -> None:
+        """Read every upstream's shared totals from Redis (for ``/metrics``); when Redis is
+        away the last ones heard stay, and ``kv_ledger_unreachable`` says so."""
+        for shared in self.ledgers:
+            try:
+                await shared.refresh()
+            except LedgerUnavailable:
+                return
 
     def _refused(self) -> None:
         self.refused += 1
 
     async def run(self) -> None:
-        """Renew the lease until cancelled (the app's lifespan)."""
-        await self.lease.run()
+        """Renew the lease and listen for others' releases until cancelled (the app's
+        lifespan)."""
+        async with anyio.create_task_group() as group:
+            group.start_soon(self.wakeups.run)
+            await self.lease.run()
 
     async def aclose(self) -> None:
+        from ..admission.shared import close
+
         with anyio.CancelScope(shield=True):
             for shared in self.ledgers:
                 await shared.give_back()
-            await self.client.aclose()
+            await close(self.client)

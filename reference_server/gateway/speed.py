@@ -11,9 +11,10 @@ at ``1 / (a + b)`` tokens/s and a large batch at ``1 / b`` tokens/s in all (see
 ``KVAdmissionController.rate_at``).
 
 Where the engine counts its steps (llama.cpp), the sequences that ran are its tokens over its
-steps. The gateway's own count of running requests is exact when it is the engine's only
-client; other traffic to the engine makes the engine look slower than it is per sequence, so
-the advice errs long, never short.
+steps. Elsewhere the count of running requests is the ledger's: with a shared ledger
+(``--ledger``), every gateway's holders, read from Redis, so gateways that share an engine each
+measure it whole. It is exact when the gateways are the engine's only clients; other traffic
+adds tokens no holder of theirs made, and the engine looks faster per sequence than it is.
 
 >>> from kvclient._dialects import DecodeCounters
 >>> speed = SpeedEstimator()

@@ -47,7 +47,7 @@ from kvclient._dialects import (
 from kvclient._routing import Endpoint, Health
 
 from ..admission.ledger import KVAdmissionController
-from ..admission.queue import AdmissionQueue
+from ..admission.queue import AdmissionQueue, LedgerUnavailable
 from ..http.requests import GenerationRequest
 from .config import GatewayConfig, public_url
 from .sharing import SharedLedgers
@@ -304,8 +304,12 @@ class Upstream:
                 misses += 1
                 continue
             misses = 0
+            try:  # everything that runs on the engine through the ledger (a shared one's too)
+                occupancy = await known.queue.occupancy()
+            except LedgerUnavailable:
+                continue
             now = time.monotonic()
-            estimator.add(counters, *known.ledger.occupancy(now))
+            estimator.add(counters, *occupancy)
             speed = estimator.estimate()
             if speed is not None:
                 self.speed = speed

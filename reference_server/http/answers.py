@@ -58,13 +58,11 @@ def room(
     queue: AdmissionQueue | None = None,
     releasing: Handle | None = None,
 ) -> dict[str, str]:
-    """The RateLimit headers for an answer of a server with ``ledger`` (and ``queue``) now."""
-    queued = queue.waiting_tokens if queue is not None else 0
-    now = queue.now() if queue is not None else time.monotonic()
-    queues = queue is not None and queue.max_wait > 0
-    return ratelimit_headers(
-        ledger.headroom(now, releasing=releasing, queued=queued), queues=queues
-    )
+    """The RateLimit headers for an answer of a server with ``ledger`` (and ``queue``, whose
+    room it is: a shared ledger's is every gateway's) now."""
+    if queue is None:
+        return ratelimit_headers(ledger.headroom(time.monotonic(), releasing=releasing))
+    return ratelimit_headers(queue.headroom(releasing), queues=queue.max_wait > 0)
 
 
 def retry_after_header(seconds: float) -> tuple[str, str]:
@@ -118,14 +116,14 @@ def too_busy(
 ) -> JSONResponse:
     """The 429 for a request the budget cannot take now, with Retry-After and retry-after-ms,
     and the room left (RateLimit headers)."""
-    stats = ledger.stats()
+    reserved, inflight = queue.load() if queue is not None else ledger.load()
     seconds, millis = retry_after_header(rejected.retry_after)
     queued = f", {rejected.queued_ahead} queued ahead" if rejected.queued_ahead else ""
     return APIError(
         429,
         f"KV cache budget exhausted: this request needs {rejected.need} tokens "
-        f"({prompt_tokens} prompt + {cap} output cap) and {stats.reserved_tokens} of "
-        f"{stats.usable_tokens} usable tokens are reserved by {stats.inflight} in-flight "
+        f"({prompt_tokens} prompt + {cap} output cap) and {reserved} of "
+        f"{ledger.usable_tokens} usable tokens are reserved by {inflight} in-flight "
         f"requests{queued}. Retry after {int(millis) / 1000:.3f} seconds.",
         type="rate_limit_error",
         code="rate_limit_exceeded",

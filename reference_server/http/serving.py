@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import contextvars
 import errno
 import importlib.util
 import logging
-import os
 import re
-import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -45,9 +42,10 @@ from typing import Any, Literal, TypeVar
 
 import h11
 import uvicorn
-from uvicorn.config import Config
+from uvicorn.config import STARTUP_FAILURE, Config
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 from uvicorn.server import ServerState
+from uvicorn.supervisors import Multiprocess
 
 from .errors import APIError
 
@@ -401,45 +399,25 @@ def serve_workers(
     loop: Literal["auto", "asyncio", "uvloop"] = "auto",
     log_level: str = "warning",
 ) -> int:
-    """Serve ``workers`` processes on one listening socket (bound here, then forked: the kernel
-    hands each connection to one of them). Each builds its own app with ``make_app`` after the
-    fork, so nothing but the socket is shared. SIGINT and SIGTERM are passed to every worker;
-    returns 0 when all of them ended cleanly, 1 otherwise, 2 when the address cannot be bound."""
+    """Serve ``workers`` processes on one listening socket (bound here; the kernel hands each
+    connection to one of them), supervised by uvicorn's own supervisor: a worker that dies or
+    stops answering its health check is replaced, SIGHUP replaces them all one by one, SIGINT
+    and SIGTERM stop them. Each worker is a fresh interpreter that builds its own app with
+    ``make_app``, so it must be picklable (a module-level class holding the settings). Returns
+    0, 1 when a worker could not start (the supervisor then stops), 2 when the address cannot
+    be bound."""
     sock = _listen(host, port, what, note=f" ({workers} worker processes)")
     if sock is None:
         return 2
-    children: list[int] = []
-    for _ in range(workers):
-        pid = os.fork()
-        if pid == 0:  # a worker: serve until told to stop, never return into the parent's code
-            status = 1
-            try:
-                server = uvicorn.Server(uvicorn_config(make_app(), loop=loop, log_level=log_level))
-                server.run(sockets=[sock])
-                status = 0
-            finally:
-                os._exit(status)
-        children.append(pid)
-    sock.close()
-
-    forwarded: list[int] = []
-
-    def forward(signum: int, frame: object) -> None:
-        forwarded.append(signum)
-        for child in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    status = 0
-    for child in children:
-        _, code = os.waitpid(child, 0)
-        # uvicorn raises the signal it stopped on again once it has shut down.
-        ended = os.waitstatus_to_exitcode(code)
-        if ended != 0 and -ended not in forwarded:
-            status = 1
-    return status
+    config = uvicorn_config(make_app, loop=loop, log_level=log_level)
+    config.factory = True
+    config.workers = workers
+    supervisor = Multiprocess(config, sockets=[sock])
+    try:
+        supervisor.run()
+    finally:
+        sock.close()
+    return 1 if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes) else 0
 
 
 def load_tokenizer(path: Any) -> Any:

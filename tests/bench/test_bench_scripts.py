@@ -157,3 +157,12 @@ def test_gateway_pacing(tmp_path: Path) -> None:
         [summary] = data["runs"][target]
         assert summary["completed"] == 6
     assert data["ratio"] > 0
+
+
+@pytest.mark.redis
+def test_shared_wakeup(tmp_path: Path, redis_server_ready: str) -> None:
+    out, data = run_script(tmp_path, "shared_wakeup.py", "--rounds", "5")
+    assert "| pub/sub" in out
+    ways = data["release_to_admission"]
+    assert set(ways) == {"poll every 20 ms", "pub/sub"}
+    assert all(way["rounds"] == 5 for way in ways.values())

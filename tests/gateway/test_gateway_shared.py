@@ -4,6 +4,8 @@ reservations, Redis going away and coming back, ``--workers``."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -19,11 +21,13 @@ import llama_engine
 import pytest
 import redis
 
+from kvclient._pacing import parse_ratelimit
 from reference_server import running_server
 from reference_server.gateway import GatewayConfig
 from reference_server.gateway.config import public_url
 from reference_server.testing import running_gateway
-from tests.helpers.redis_server import RedisServer
+from tests.gateway.test_gateway_speed import DECODE_RATE, stream_some
+from tests.helpers.redis_server import RedisSentinel, RedisServer, TLSFiles
 from tests.helpers.servers import at_zero, bench_summary_run, wait_for
 
 # Every test here starts a real Redis.
@@ -281,3 +285,165 @@ def test_a_gateway_whose_lease_lapsed_stops_relaying(redis_server: RedisServer) 
             metrics = httpx.get(gateway.base_url + "/metrics").text
             assert "kv_ledger_lease_lapses_total 1.0" in metrics
         wait_for(lambda: at_zero(upstream))
+
+
+def _gauge(metrics: str, name: str, upstream: str) -> float:
+    prefix = f'{name}{{upstream="{public_url(upstream)}"}} '
+    line = next(line for line in metrics.splitlines() if line.startswith(prefix))
+    return float(line[len(prefix) :])
+
+
+def test_metrics_ratelimit_and_refusals_show_the_shared_room(redis_server: RedisServer) -> None:
+    slow = {"decode_rate": 100.0, "tick_seconds": 0.01, "kv_tokens": 8192,
+            "context_window": 4096}  # fmt: skip
+    with running_server(**slow) as upstream:
+        config = GatewayConfig(upstreams=(upstream.base_url,), ledger=redis_server.url)
+        with running_gateway(config) as a, running_gateway(config) as b:
+            # 36 s of decoding (the engine's natural end held back)
+            body = {"prompt": "hi", "max_tokens": 3600, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", a.base_url + "/v1/completions", json=body) as holding:
+                pieces = holding.iter_bytes()  # kept: a generator closed closes the stream
+                next(pieces)  # admitted through a, and decoding
+                held, holders = shared_reserved(redis_server.url, upstream.base_url)
+                assert holders == 1
+                answer = httpx.post(
+                    b.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}
+                )
+                assert answer.status_code == 200
+                hint = parse_ratelimit(answer.headers)
+                assert hint is not None
+                assert hint.quota == 7372
+                assert hint.remaining == hint.quota - held  # a's reservation, seen from b
+                assert hint.reset is not None
+                assert hint.reset > 0  # a's holder ends later; b holds nothing
+                refused = httpx.post(
+                    b.base_url + "/v1/completions",
+                    json={"prompt": "hi", "max_tokens": 4000},
+                    headers={"Prefer": "wait=0"},
+                )
+                assert refused.status_code == 429
+                message = refused.json()["error"]["message"]
+                assert f"{held} of 7372 usable tokens are reserved by 1 in-flight" in message
+                metrics = httpx.get(b.base_url + "/metrics").text
+                shared = "kv_upstream_shared_reserved_tokens"
+                assert _gauge(metrics, "kv_upstream_reserved_tokens", upstream.base_url) == 0
+                assert _gauge(metrics, shared, upstream.base_url) == held
+                assert (
+                    _gauge(metrics, "kv_upstream_shared_inflight_requests", upstream.base_url) == 1
+                )
+                assert _gauge(metrics, "kv_upstream_shared_queued_tokens", upstream.base_url) == 0
+            # The client went away: a cancels the request upstream and releases.
+            wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url) == (0, 0))
+            metrics = httpx.get(b.base_url + "/metrics").text
+            assert _gauge(metrics, shared, upstream.base_url) == 0
+
+
+def _workers(parent: int) -> set[int]:
+    """The worker processes of ``parent``: its children but multiprocessing's helper."""
+    pids = set()
+    with open(f"/proc/{parent}/task/{parent}/children") as listing:
+        for pid in map(int, listing.read().split()):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"resource_tracker" not in cmdline.read():
+                    pids.add(pid)
+    return pids
+
+
+def test_a_killed_worker_is_replaced_and_the_new_one_serves(redis_server: RedisServer) -> None:
+    with running_server(**FAST, kv_tokens=8192, context_window=1024) as upstream:
+        workers = ("--workers", "2", "--ledger", redis_server.url)
+        with gateway_process(upstream.base_url, *workers) as (proc, url):
+            wait_for(lambda: len(_workers(proc.pid)) == 2, timeout=30)
+            first, second = sorted(_workers(proc.pid))
+            os.kill(first, signal.SIGKILL)
+            wait_for(lambda: len(_workers(proc.pid) - {first, second}) == 1, timeout=30)
+            # The other original worker cannot take connections while stopped: the new one
+            # answers all of them.
+            os.kill(second, signal.SIGSTOP)
+            try:
+                for _ in range(3):
+                    answer = httpx.post(
+                        url + "/v1/completions",
+                        json={"prompt": "hi", "max_tokens": 5},
+                        timeout=30,
+                    )
+                    assert answer.status_code == 200
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(second, signal.SIGCONT)
+            assert proc.poll() is None
+
+
+def test_a_gateway_on_a_redis_over_tls_with_its_own_ca(
+    tls_redis: tuple[RedisServer, TLSFiles],
+) -> None:
+    server, tls = tls_redis
+    files = {"ledger_ca_file": str(tls.ca), "ledger_client_cert": str(tls.client_cert),
+             "ledger_client_key": str(tls.client_key)}  # fmt: skip
+    with pytest.raises(ValueError, match="needs a rediss:// --ledger"):
+        GatewayConfig(upstreams=("http://127.0.0.1:1",), ledger="redis://127.0.0.1:1/0", **files)
+    with running_server(**FAST, kv_tokens=8192, context_window=1024) as upstream:
+        config = GatewayConfig(upstreams=(upstream.base_url,), ledger=server.url, **files)
+        with running_gateway(config) as gateway:
+            answer = httpx.post(
+                gateway.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}
+            )
+            assert answer.status_code == 200
+            metrics = httpx.get(gateway.base_url + "/metrics").text
+            assert "kv_ledger_unreachable 0.0" in metrics
+            assert _gauge(metrics, "kv_upstream_shared_reserved_tokens", upstream.base_url) == 0
+            assert gateway.gateway.shared is not None
+            assert gateway.gateway.shared.wakeups.subscribed  # pub/sub over TLS too
+
+
+def test_a_gateway_finds_its_ledger_through_sentinel(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    with (
+        RedisSentinel(tmp_path, master_port=redis_server.port) as sentinel,
+        running_server(**FAST, kv_tokens=8192, context_window=1024) as upstream,
+    ):
+        config = GatewayConfig(upstreams=(upstream.base_url,), ledger=sentinel.url)
+        with running_gateway(config) as gateway:
+            answer = httpx.post(
+                gateway.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}
+            )
+            assert answer.status_code == 200
+            assert gateway.gateway.shared is not None
+            assert gateway.gateway.shared.wakeups.subscribed
+        # The reservations went to the master the Sentinel names.
+        assert shared_reserved(redis_server.url, upstream.base_url) == (0, 0)
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            assert client.exists("{kvclient:" + public_url(upstream.base_url) + "}:leases")
+        finally:
+            client.close()
+
+
+def test_each_gateway_measures_the_engines_speed_against_every_gateways_holders(
+    redis_server: RedisServer,
+) -> None:
+    """One stream through a and two through b, together: a's own holder alone decoding the
+    engine's three streams' tokens would make the engine look three times as fast."""
+    with running_server(
+        kv_tokens=65_536, context_window=8192, decode_rate=DECODE_RATE, mean_output_tokens=4000
+    ) as engine:
+        config = GatewayConfig(
+            upstreams=(engine.base_url,), ledger=redis_server.url, speed_interval=0.2
+        )
+        with running_gateway(config) as a, running_gateway(config) as b:
+            for gateway in (a, b):
+                httpx.get(gateway.base_url + "/v1/models").raise_for_status()  # discovered
+            threads = [
+                threading.Thread(target=stream_some, args=(url, n, 2400))  # ~6 s each
+                for url, n in ((a.base_url, 1), (b.base_url, 2))
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            for gateway in (a, b):
+                upstream = gateway.gateway.upstreams[0]
+                wait_for(lambda u=upstream: u.speed is not None, timeout=5)
+                assert upstream.speed is not None
+                assert upstream.speed.decode_rate == pytest.approx(DECODE_RATE, rel=0.3)

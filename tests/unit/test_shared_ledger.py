@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
 
 import anyio
 import pytest
@@ -16,17 +19,20 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from reference_server import Handle
+from reference_server.admission import shared_queue
 from reference_server.admission.interface import AsyncLedger, LocalLedger
 from reference_server.admission.queue import LedgerUnavailable, Rejected
 from reference_server.admission.shared import (
     Lease,
     LedgerConflict,
     RedisLedger,
+    SharedState,
+    Wakeups,
     connect,
     fingerprint,
 )
 from reference_server.admission.shared_queue import SharedQueue
-from tests.helpers.redis_server import RedisServer
+from tests.helpers.redis_server import RedisSentinel, RedisServer, TLSFiles
 from tests.unit.test_server_ledger import make
 
 
@@ -116,6 +122,71 @@ async def test_retry_after_reads_the_holders_of_every_gateway(
     assert await a.try_admit(0, 5000) is not None  # ends by its cap in 50 s at 100 tokens/s
     wait, _ = await b.retry_after(5000)
     assert 49.0 < wait <= 50.1
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_retry_after_follows_the_measured_speed_of_the_pricing_ledger(
+    redis_server: RedisServer, closing: None
+) -> None:
+    """Two holders share the engine's steps: at 100 tokens/s alone and 200 in all, each decodes
+    at 66.7 tokens/s while both run, so the first of 4000 tokens ends at 60 s, not 40 s."""
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    b.pricing.set_speed(100.0, 200.0, time.monotonic())
+    assert await a.try_admit(0, 4000) is not None
+    assert await a.try_admit(0, 4000) is not None
+    wait, _ = await b.retry_after(5000)
+    assert 59.0 < wait <= 60.1
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_occupancy_counts_every_gateways_holders(
+    redis_server: RedisServer, closing: None
+) -> None:
+    """What the speed measurement reads: the holders of both gateways, over the time they
+    held (on the Redis clock), as the in-process ledger's ``occupancy`` counts its own."""
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    before = await b.occupancy()
+    one = await a.try_admit(0, 100)
+    two = await b.try_admit(0, 100)
+    assert one is not None
+    assert two is not None
+    await asyncio.sleep(0.5)
+    await a.release(one)
+    await asyncio.sleep(0.5)
+    await b.release(two)
+    held, busy, admitted = (x - y for x, y in zip(await b.occupancy(), before, strict=True))
+    assert admitted == 2
+    assert 0.95 <= busy <= 1.2  # one or both held for about a second
+    assert 1.45 <= held <= 1.7  # two for half a second, then one for half a second
+    assert await a.occupancy() == await b.occupancy()  # nothing held: the integrals stand
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_the_shared_totals_count_every_gateways_holders_and_waiters(
+    redis_server: RedisServer, closing: None
+) -> None:
+    dead = await shared(redis_server, "u", ttl=0.3)  # never renewed: it dies
+    b = await shared(redis_server, "u")
+    held = await dead.try_admit(0, 8000)
+    assert held is not None
+    assert dead.seen == SharedState(held.reserved_tokens, 1, 0)
+    need = b.pricing.need_tokens(0, 2000)
+    ticket = b.ticket(need)
+    assert await b.try_admit(0, 2000, ticket=ticket, enqueue=True) is None
+    assert b.seen == SharedState(held.reserved_tokens, 1, need)
+    assert await dead.try_admit(0, 100, enqueue=True) is None
+    assert dead.seen == SharedState(held.reserved_tokens, 1, need + 112)
+    await asyncio.sleep(0.4)  # the dead gateway's reservation and ticket are swept
+    assert await b.try_admit(0, 10) is None  # b's own ticket is ahead
+    assert b.seen == SharedState(0, 0, need)
+    await b.leave(ticket)
+    assert await b.try_admit(0, 10) is not None
+    assert b.seen == SharedState(16, 1, 0)
 
 
 @pytest.mark.redis
@@ -255,6 +326,156 @@ async def test_a_waiter_in_one_process_is_admitted_when_another_releases(
     assert len(got) == 1
     await queue_b.release(got[0])
     assert await a.load() == (0, 0)
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_release_in_one_process_wakes_a_waiter_in_another_by_pub_sub(
+    redis_server: RedisServer, closing: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_queue, "FALLBACK_POLL_SECONDS", 30.0)  # no poll to fall back on
+    a = await shared(redis_server, "u")
+    b = await shared(redis_server, "u")
+    wakeups = Wakeups(b.client)
+    queue_a = SharedQueue(a.pricing, a, max_wait=5)
+    queue_b = SharedQueue(b.pricing, b, max_wait=10, wakeups=wakeups)
+    big = await queue_a.acquire(0, 8000)
+    got: list[float] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(wakeups.run)
+        for _ in range(500):
+            if wakeups.subscribed:
+                break
+            await anyio.sleep(0.01)
+        admitted = anyio.Event()
+
+        async def wait() -> None:
+            await queue_b.acquire(0, 2000)
+            got.append(time.monotonic())
+            admitted.set()
+
+        group.start_soon(wait)
+        await anyio.sleep(0.3)  # it polled once, then sleeps its 30 s unless woken
+        assert queue_b.poll_seconds == 30.0
+        released = time.monotonic()
+        await queue_a.release(big)
+        with anyio.fail_after(5):
+            await admitted.wait()
+        group.cancel_scope.cancel()
+    assert got[0] - released < 1.0
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_the_subscription_outlives_redis_going_away_and_stray_messages(
+    redis_server: RedisServer, closing: None
+) -> None:
+    b = await shared(redis_server, "u")
+    wakeups = Wakeups(b.client)
+    woken: list[int] = []
+    wakeups.watch(b, lambda: woken.append(1))
+    async with anyio.create_task_group() as group:
+        group.start_soon(wakeups.run)
+        await eventually(lambda: wakeups.subscribed)
+        woken.clear()
+        await b.client.publish(b.channel, "not ours")
+        await eventually(lambda: bool(woken))  # woken all the same; still listening
+        redis_server.stop()
+        await eventually(lambda: not wakeups.subscribed)
+        redis_server.start()
+        await eventually(lambda: wakeups.subscribed)
+        woken.clear()
+        await b.client.publish(b.channel, "1 5 1 0")
+        await eventually(lambda: bool(woken))
+        assert b.seen == SharedState(5, 1, 0)
+        group.cancel_scope.cancel()
+
+
+async def eventually(condition: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await anyio.sleep(0.01)
+    pytest.fail("not within 5 s")
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_ledger_over_tls_verifies_redis_by_the_given_ca(
+    tls_redis: tuple[RedisServer, TLSFiles], closing: None
+) -> None:
+    server, tls = tls_redis
+    mine = {"client_cert": str(tls.client_cert), "client_key": str(tls.client_key)}
+
+    def over_tls(**files: str) -> RedisLedger:
+        ledger = RedisLedger(
+            connect(server.url, **files), name="u", pricing=pricing(), lease=Lease()
+        )
+        _OPEN.append(ledger)
+        return ledger
+
+    ledger = over_tls(ca_file=str(tls.ca), **mine)
+    await ledger.join()
+    handle = await ledger.try_admit(0, 100)
+    assert handle is not None
+    await ledger.release(handle)
+    assert await ledger.load() == (0, 0)
+    with pytest.raises(LedgerUnavailable, match="certificate verify failed"):
+        await over_tls(**mine).join()  # the system's CAs do not know the test's
+    with pytest.raises(LedgerUnavailable):
+        await over_tls(ca_file=str(tls.ca)).join()  # Redis asks for a client certificate
+    with pytest.raises(ValueError, match="rediss://"):
+        connect("redis://127.0.0.1:1/0", ca_file=str(tls.ca))
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_ledger_behind_sentinel_follows_a_failover(
+    redis_server_ready: str, tmp_path: Path, closing: None
+) -> None:
+    """A master, its replica and a Sentinel: the ledger finds the master through the Sentinel,
+    and once the master dies and the replica is promoted it carries on with what was held."""
+    with ExitStack() as stack:
+        master = stack.enter_context(RedisServer(tmp_path))
+        replica = stack.enter_context(RedisServer(tmp_path, replica_of=master.port))
+        sentinel = stack.enter_context(RedisSentinel(tmp_path, master_port=master.port))
+        ledger = RedisLedger(
+            connect(sentinel.url), name="u", pricing=pricing(), lease=Lease(ttl=30)
+        )
+        _OPEN.append(ledger)
+        await ledger.join()
+        held = await ledger.try_admit(0, 4000)
+        assert held is not None
+        for _ in range(20):  # on the replica too, once it has synced
+            if await ledger.client.execute_command("WAIT", 1, 500) == 1:
+                break
+        else:
+            pytest.fail("the replica never caught up")
+        master.stop()
+        with anyio.fail_after(30):  # Sentinel: down after 0.3 s, then the promotion
+            while True:
+                try:
+                    load = await ledger.load()
+                    break
+                except LedgerUnavailable:
+                    await anyio.sleep(0.2)
+        assert load == (held.reserved_tokens, 1)
+        assert (await ledger.client.config_get("port"))["port"] == str(replica.port)
+        await ledger.release(held)
+        assert await ledger.load() == (0, 0)
+        assert await ledger.try_admit(0, 8000) is not None
+
+
+def test_a_sentinel_url_names_its_sentinels_and_service() -> None:
+    client = connect("redis+sentinel://:secret@10.0.0.1:26379,[::1]:26380/ledger/2")
+    kwargs = client.connection_pool.connection_kwargs
+    assert (kwargs["password"], kwargs["db"]) == ("secret", 2)
+    sentinels = client.connection_pool.sentinel_manager.sentinels
+    hosts = [s.connection_pool.connection_kwargs["host"] for s in sentinels]
+    assert hosts == ["10.0.0.1", "::1"]
+    for bad in ("redis+sentinel://h:1", "redis+sentinel://h/ledger", "redis+sentinel://h:1/l/x"):
+        with pytest.raises(ValueError, match="--ledger"):
+            connect(bad)
 
 
 def test_a_ledger_url_must_be_redis() -> None:
