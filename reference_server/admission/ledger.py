@@ -31,7 +31,7 @@ Under ``reserve`` the budget is checked by one of two rules (``rule``):
 
 from __future__ import annotations
 
-import bisect
+import functools
 import itertools
 import math
 import threading
@@ -41,6 +41,15 @@ from typing import Literal, get_args
 
 from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
 
+from .forecast import Drain, earliest_fit, earliest_peak_fit, expected_ends, quantile_above
+from .holders import (
+    DEFAULT_RELAY_LAG,
+    as_holder,
+    borrowable,
+    lender_in_prefill,
+    stalled,
+    tainted_after,
+)
 from .peak import Holder, peak, prefix_blocks
 from .values import Handle, Headroom, LedgerEvent, LedgerStats, _Promise
 
@@ -64,18 +73,6 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 Rule = Literal["peak", "caps"]
 RULES: tuple[str, ...] = get_args(Rule)
 
-#: The longest a token may take from the engine's decode step to the server's reading of it
-#: (the engine's API process, the socket, the relay's loop), in seconds. A holder is taken to
-#: have made, beyond the tokens relayed, as many as it could decode in that time plus the time
-#: since its latest count: see :meth:`KVAdmissionController._lag_tokens`.
-DEFAULT_RELAY_LAG = 0.25
-#: How much faster than measured a sequence is allowed to decode, for that margin: the speed
-#: is measured over seconds, and a batch that thins out decodes faster.
-_LAG_RATE_FACTOR = 2.0
-#: Seconds of a holder's own stream before its own speed counts for that margin: chunks come in
-#: bursts (an engine's API process catching up), and a burst's rate is no speed.
-_OWN_RATE_SPAN = 0.5
-
 #: Real runtimes lose memory to fragmentation and activations; admit to 90% of the KV pool.
 DEFAULT_SAFETY_FRACTION = 0.9
 #: The request cap in ``concurrency`` mode when none is given: a typical hand-tuned value.
@@ -83,9 +80,6 @@ DEFAULT_MAX_CONCURRENCY = 16
 #: Output lengths remembered for ``output_quantile``, and how many are needed before use.
 _OUTPUT_WINDOW = 256
 _MIN_OUTPUTS = 20
-#: Recent outputs longer than what a running holder has generated that are needed to estimate
-#: its end from them (fewer: its cap).
-_MIN_TAIL = 10
 #: Staggered advice (``promise=True``) is at most this many of the request's own durations
 #: after the plain estimate: enough to spread a burst over eight rounds of returns, while
 #: clients that come back early on new connections (each refusal adds a promise) cannot push it
@@ -277,8 +271,6 @@ class KVAdmissionController:
         whole_blocks = self.usable_tokens // self.block_size * self.block_size
         return max(0, min(whole_blocks - prompt_tokens, self.context_window - prompt_tokens))
 
-    # --- admission ---------------------------------------------------------------------------
-
     # --- the peak rule -----------------------------------------------------------------------
 
     def _peak_in_force(self) -> bool:
@@ -344,44 +336,13 @@ class KVAdmissionController:
             return first
 
     def stalled(self, now: float, seconds: float) -> list[Handle]:
-        """Tracked holders with tokens still to make whose count has not moved for ``seconds``
-        while another's did: the engine is not running them in lockstep."""
+        """Tracked holders whose count stood still for ``seconds`` while another's moved (see
+        :func:`.holders.stalled`)."""
         with self._lock:
-            moving = [h for h in self._live.values() if h.generated is not None]
-            if not any(now - h.seen_at < seconds for h in moving):
-                return []
-            return [
-                h
-                for h in moving
-                if now - h.seen_at >= seconds and (h.generated or 0) < h.output_cap
-            ]
+            return stalled(self._live.values(), now, seconds)
 
-    def _lag_tokens(self, handle: Handle, now: float) -> int:
-        """Tokens ``handle`` may have made beyond those relayed: what it can decode in the relay
-        lag plus the time since its latest count, at twice the faster of the engine's measured
-        speed alone and its own observed speed over at least ``_OWN_RATE_SPAN`` (lock held)."""
-        rate = self.decode_rate
-        span = handle.seen_at - handle.first_seen_at
-        if span >= _OWN_RATE_SPAN and handle.generated:
-            rate = max(rate, (handle.generated - 1) / span)
-        return math.ceil(
-            _LAG_RATE_FACTOR * rate * (max(0.0, now - handle.seen_at) + self.relay_lag)
-        )
-
-    def _holder(self, handle: Handle, now: float, peak: bool) -> Holder:
-        """How the peak sees ``handle`` now (lock held)."""
-        if not peak or handle.generated is None or not handle.tracked:
-            return Holder.flat(handle.reserved_tokens, handle.prefix, handle.borrowed)
-        cap, generated = handle.output_cap, handle.generated
-        made = min(cap, generated + self._lag_tokens(handle, now))
-        return Holder(
-            held=handle.prompt_tokens + made,
-            most=handle.prompt_tokens + cap,
-            # Through the step that makes its last token, at its whole size: it frees after.
-            steps_left=max(0, cap - generated) + 1,
-            prefix=handle.prefix,
-            borrowed=handle.borrowed,
-        )
+    def _holder(self, handle: Handle, now: float) -> Holder:
+        return as_holder(handle, now, decode_rate=self.decode_rate, relay_lag=self.relay_lag)
 
     def _committed(
         self, now: float, extra: Holder | None = None, without: Handle | None = None
@@ -392,47 +353,14 @@ class KVAdmissionController:
             live = without is not None and self._live.get(without.id) is without
             gone = without.reserved_tokens if live and without is not None else 0
             return self._reserved - gone + (extra.most if extra is not None else 0)
-        holders = [self._holder(h, now, True) for h in self._live.values() if h is not without]
+        holders = [self._holder(h, now) for h in self._live.values() if h is not without]
         if extra is not None:
             holders.append(extra)
         if not holders:
             return 0
         return peak(holders, block_size=self.block_size, tainted=self._tainted)
 
-    def _borrowable(self, prefix: tuple[Hashable, ...]) -> int:
-        """How many of ``prefix``'s first blocks a holder past its prefill has computed: the
-        engine lends them to a newcomer instead of computing them again (lock held)."""
-        if not prefix:
-            return 0
-        computed: set[Hashable] = set()
-        for handle in self._live.values():
-            if handle.generated is not None:
-                computed.update(handle.prefix)
-        borrowed = 0
-        for key in prefix:
-            if key not in computed:
-                break
-            borrowed += 1
-        return borrowed
-
-    def _let_go(self, gone: Handle) -> None:
-        """``gone``'s prefix blocks are let go (lock held): a block it computed while another
-        holder computed its own copy leaves a freed copy the engine may hand out (tainted);
-        blocks no holder has any more are forgotten."""
-        computed = set(gone.prefix[gone.borrowed :])
-        held: set[Hashable] = set()
-        for handle in self._live.values():
-            held.update(handle.prefix)
-            self._tainted.update(computed.intersection(handle.prefix[handle.borrowed :]))
-        self._tainted &= held
-
-    def _lender_in_prefill(self, prefix: tuple[Hashable, ...]) -> bool:
-        """Whether a holder with the same first block has not had its first token yet (lock
-        held): sent now, the newcomer would compute a copy of its own beside the holder's."""
-        first = prefix[0]
-        return any(
-            h.generated is None and h.prefix and h.prefix[0] == first for h in self._live.values()
-        )
+    # --- admission ---------------------------------------------------------------------------
 
     def _fits(self, need: int, now: float, prefix: tuple[Hashable, ...] = ()) -> bool:
         if self.max_concurrency is not None and len(self._live) >= self.max_concurrency:
@@ -440,13 +368,14 @@ class KVAdmissionController:
         # A newcomer whose prefix a holder is computing waits for that holder's first token,
         # then borrows its blocks: two copies would be counted twice, and once one of them is
         # let go the engine may hand the freed one to the next borrower (see ``peak.py``).
-        if prefix and self._peak_in_force() and self._lender_in_prefill(prefix):
+        live = self._live.values()
+        if prefix and self._peak_in_force() and lender_in_prefill(prefix, live):
             return False
         if self._reserved + need <= self.usable_tokens:
             return True  # the sum of the caps is never below the peak
         if not self._peak_in_force():
             return False
-        candidate = Holder.flat(need, prefix, self._borrowable(prefix))
+        candidate = Holder.flat(need, prefix, borrowable(prefix, live))
         return self._committed(now, candidate) <= self.usable_tokens
 
     def try_admit(
@@ -486,7 +415,7 @@ class KVAdmissionController:
                 progress_at_admit=self._progress,
             )
             if prefix and self._peak_in_force():
-                handle.prefix, handle.borrowed = prefix, self._borrowable(prefix)
+                handle.prefix, handle.borrowed = prefix, borrowable(prefix, self._live.values())
             self._live[handle.id] = handle
             self._keep_promise(need, now)
             self._reserved += need
@@ -529,7 +458,7 @@ class KVAdmissionController:
                 self._advance(now)
             del self._live[handle.id]
             if handle.prefix:
-                self._let_go(handle)
+                self._tainted = tainted_after(handle, self._live.values(), self._tainted)
             self._draining.discard(handle.id)
             if not self._draining:
                 self._caps_for_now = None
@@ -572,95 +501,17 @@ class KVAdmissionController:
             return None
         return sorted(self._outputs)
 
-    def _quantile_above(self, ordered: list[int], generated: float) -> int | None:
-        """The ``output_quantile`` of the recent outputs longer than ``generated`` tokens.
-
-        None when fewer than ``_MIN_TAIL`` were: nothing seen vouches for an end before the cap.
-        """
-        assert self.output_quantile is not None
-        first = bisect.bisect_right(ordered, generated)
-        tail = len(ordered) - first
-        if tail < _MIN_TAIL:
-            return None
-        return ordered[first + max(0, math.ceil(self.output_quantile * tail) - 1)]
-
     def _expected_ends(self, ordered: list[int] | None, now: float) -> list[tuple[float, Handle]]:
-        """When each live handle is taken to free its reservation, always later than ``now``
-        (lock held).
-
-        A handle ends when it has generated its length: the ``output_quantile`` of the recent
-        outputs longer than what it has generated so far (it is still running: shorter ones say
-        nothing about it), if at least ``_MIN_TAIL`` were and that is before its cap; otherwise
-        its cap (once a holder has outlived what the recent outputs can vouch for, its
-        remaining cap is all that is known). The running handles share the engine's decode
-        steps (see :meth:`rate_at`): the one with the fewest tokens left ends first, and the
-        others decode faster once it has gone. Each end is ``release_margin`` after its last
-        token. A handle already at its length ends within another ``release_margin``; later
-        than that, ``overrun`` after it reached it; and a holder whose answer waits on a client
-        that does not read, ``overrun`` (the send timeout) after the write began, when the
-        server cuts it. Never sooner than ``release_margin`` (or one token) from now: it is
-        still held, and a sequence takes that long to wind down.
-        """
+        """When each live handle is taken to free its reservation (lock held): see
+        :func:`.forecast.expected_ends`. Its progress is what was relayed where it was,
+        else what the engine's speed made of it since its admission."""
         self._advance(now)
-        margin = self.release_margin
-        soonest = now + max(margin, 1.0 / self.decode_rate)
-        rate_now = self.rate_at(len(self._live))
-        ends: list[tuple[float, Handle]] = []
-        running: list[tuple[float, Handle]] = []
-        for handle in self._live.values():
-            writing = handle.writing_since
-            if writing is not None and now - writing > margin:
-                ends.append((max(writing + self.overrun, soonest), handle))  # cut then
-                continue
-            generated = self._progress - handle.progress_at_admit
-            if handle.generated is not None:
-                generated = handle.generated  # relayed: exact
-            length: float = handle.output_cap
-            if ordered is not None:
-                likely = self._quantile_above(ordered, generated)
-                if likely is not None and likely < length:
-                    length = likely
-            left = length - generated
-            if left > 0:
-                running.append((left, handle))
-                continue
-            reached = now + left / rate_now  # when it generated its length
-            end = reached + margin
-            if end <= now:
-                end += margin
-            if end <= now:
-                end = reached + margin + self.overrun
-            ends.append((max(end, soonest), handle))
-        running.sort(key=lambda item: item[0])
-        t, done, decoding = now, 0.0, len(running)
-        for left, handle in running:
-            t += (left - done) / self.rate_at(decoding)
-            done, decoding = left, decoding - 1
-            ends.append((max(t + margin, soonest), handle))
-        return ends
-
-    def _usage_at(
-        self, t: float, live: list[tuple[float, Handle]], promises: list[_Promise]
-    ) -> tuple[int, int]:
-        """Tokens and request slots held at time ``t`` by live handles and promised returns."""
-        tokens = slots = 0
-        for end, handle in live:
-            if end > t:
-                tokens += handle.reserved_tokens
-                slots += 1
-        for promise in promises:
-            if promise.start <= t < promise.end:
-                tokens += promise.tokens
-                slots += 1
-        return tokens, slots
-
-    def _fits_at(
-        self, need: int, t: float, live: list[tuple[float, Handle]], promises: list[_Promise]
-    ) -> bool:
-        tokens, slots = self._usage_at(t, live, promises)
-        if self.max_concurrency is not None and slots >= self.max_concurrency:
-            return False
-        return tokens + need <= self.usable_tokens
+        live = [
+            (h, h.generated if h.generated is not None else self._progress - h.progress_at_admit)
+            for h in self._live.values()
+        ]
+        drain = Drain(self.rate_at, self.decode_rate, self.release_margin, self.overrun)
+        return expected_ends(live, now, drain, ordered=ordered, quantile=self.output_quantile)
 
     def retry_after(
         self,
@@ -709,14 +560,23 @@ class KVAdmissionController:
             ordered = self._recent_outputs()
             live = self._expected_ends(ordered, now)
             if self._peak_in_force():
-                return max(0.0, self._earliest_peak_fit(need, now, live) - now)
-            horizon = None if ordered is None else self._quantile_above(ordered, -1)
+                when = earliest_peak_fit(
+                    need, now, live, lambda h: self._holder(h, now),
+                    usable=self.usable_tokens, block_size=self.block_size, tainted=self._tainted,
+                )  # fmt: skip
+                return max(0.0, when - now)
+            horizon = None
+            if ordered is not None and self.output_quantile is not None:
+                horizon = quantile_above(ordered, -1, self.output_quantile)
             if horizon is not None:  # a new request's own likely length
                 duration = min(duration, horizon / self.decode_rate)
-            plain = self._earliest_fit(need, now, live, [], 0.0)
+            fit = functools.partial(
+                earliest_fit, usable=self.usable_tokens, max_concurrency=self.max_concurrency
+            )
+            plain = fit(need, now, live, [], 0.0)
             chosen = plain
             if self._promises:
-                staggered = self._earliest_fit(need, now, live, self._promises, duration)
+                staggered = fit(need, now, live, self._promises, duration)
                 limit = plain + STAGGER_ROUNDS * (duration + self.release_margin)
                 chosen = min(staggered, limit)
             if promise and chosen > now:
@@ -724,45 +584,6 @@ class KVAdmissionController:
                 self._promises.append(_Promise(start=chosen, end=end, tokens=need, client=client))
                 del self._promises[:-_MAX_PROMISES]
             return max(0.0, chosen - now)
-
-    def _earliest_fit(
-        self,
-        need: int,
-        now: float,
-        live: list[tuple[float, Handle]],
-        promises: list[_Promise],
-        duration: float,
-    ) -> float:
-        """The first moment from ``now`` at which ``need`` fits among ``live`` and ``promises``."""
-        candidates = sorted({now} | {end for end, _ in live} | {p.end for p in promises})
-        for t in candidates:
-            # It must fit when it starts and whenever a promised return starts after that.
-            checkpoints = [t] + [p.start for p in promises if t < p.start < t + duration]
-            if all(self._fits_at(need, c, live, promises) for c in checkpoints):
-                return t
-        return candidates[-1]  # by then everything in sight is released
-
-    def _earliest_peak_fit(self, need: int, now: float, live: list[tuple[float, Handle]]) -> float:
-        """The first moment from ``now`` at which ``need`` fits under the peak rule (lock held).
-
-        At a holder's expected end every holder still running has advanced as many steps as
-        it had left (they decode in lockstep): the peak from then on is the peak over the steps
-        after those. Flat holders count until their own expected end. Promised returns are
-        not counted (the gateway does not stagger).
-        """
-        candidate = Holder.flat(need)
-        advanced: list[tuple[float, int]] = [(now, 0)]
-        for end, handle in live:
-            if handle.generated is not None and handle.tracked:
-                advanced.append((end, max(0, handle.output_cap - handle.generated) + 1))
-        for t in sorted({now} | {end for end, _ in live}):
-            steps = max(s for at, s in advanced if at <= t)
-            holders = [self._holder(h, now, True) for end, h in live if end > t]
-            holders.append(candidate)
-            worst = peak(holders, block_size=self.block_size, after=steps, tainted=self._tainted)
-            if worst <= self.usable_tokens:
-                return t
-        return max((end for end, _ in live), default=now)
 
     def outstanding_promises(self) -> int:
         """Clients told to come back whose promised time has not run out."""

@@ -1,0 +1,110 @@
+"""The holders as the peak rule sees them: pure functions over live handles, no lock, no clock.
+
+The ledger (:mod:`.ledger`) calls these under its lock; the arithmetic of the peak itself is
+:mod:`.peak`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Hashable, Iterable
+
+from .peak import Holder
+from .values import Handle
+
+__all__ = [
+    "DEFAULT_RELAY_LAG",
+    "as_holder",
+    "borrowable",
+    "lag_tokens",
+    "lender_in_prefill",
+    "stalled",
+    "tainted_after",
+]
+
+#: The longest a token may take from the engine's decode step to the server's reading of it
+#: (the engine's API process, the socket, the relay's loop), in seconds. A holder is taken to
+#: have made, beyond the tokens relayed, as many as it could decode in that time plus the time
+#: since its latest count: see :func:`lag_tokens`.
+DEFAULT_RELAY_LAG = 0.25
+#: How much faster than measured a sequence is allowed to decode, for that margin: the speed
+#: is measured over seconds, and a batch that thins out decodes faster.
+LAG_RATE_FACTOR = 2.0
+#: Seconds of a holder's own stream before its own speed counts for that margin: chunks come in
+#: bursts (an engine's API process catching up), and a burst's rate is no speed.
+OWN_RATE_SPAN = 0.5
+
+
+def lag_tokens(handle: Handle, now: float, *, decode_rate: float, relay_lag: float) -> int:
+    """Tokens ``handle`` may have made beyond those relayed: what it can decode in the relay
+    lag plus the time since its latest count, at twice the faster of the engine's measured
+    speed alone (``decode_rate``) and its own observed speed over at least
+    ``OWN_RATE_SPAN``."""
+    rate = decode_rate
+    span = handle.seen_at - handle.first_seen_at
+    if span >= OWN_RATE_SPAN and handle.generated:
+        rate = max(rate, (handle.generated - 1) / span)
+    return math.ceil(LAG_RATE_FACTOR * rate * (max(0.0, now - handle.seen_at) + relay_lag))
+
+
+def as_holder(handle: Handle, now: float, *, decode_rate: float, relay_lag: float) -> Holder:
+    """How the peak sees ``handle`` now: flat (its whole reservation) until its first relayed
+    token or when its progress is not followed; else its trajectory."""
+    if handle.generated is None or not handle.tracked:
+        return Holder.flat(handle.reserved_tokens, handle.prefix, handle.borrowed)
+    cap, generated = handle.output_cap, handle.generated
+    lag = lag_tokens(handle, now, decode_rate=decode_rate, relay_lag=relay_lag)
+    return Holder(
+        held=handle.prompt_tokens + min(cap, generated + lag),
+        most=handle.prompt_tokens + cap,
+        # Through the step that makes its last token, at its whole size: it frees after.
+        steps_left=max(0, cap - generated) + 1,
+        prefix=handle.prefix,
+        borrowed=handle.borrowed,
+    )
+
+
+def borrowable(prefix: tuple[Hashable, ...], live: Iterable[Handle]) -> int:
+    """How many of ``prefix``'s first blocks a holder past its prefill has: the engine lends
+    them to a newcomer instead of computing them again."""
+    if not prefix:
+        return 0
+    computed: set[Hashable] = set()
+    for handle in live:
+        if handle.generated is not None:
+            computed.update(handle.prefix)
+    borrowed = 0
+    for key in prefix:
+        if key not in computed:
+            break
+        borrowed += 1
+    return borrowed
+
+
+def lender_in_prefill(prefix: tuple[Hashable, ...], live: Iterable[Handle]) -> bool:
+    """Whether a holder with the same first block has not had its first token yet: sent now, the
+    newcomer would compute a copy of its own beside the holder's."""
+    first = prefix[0]
+    return any(h.generated is None and h.prefix and h.prefix[0] == first for h in live)
+
+
+def tainted_after(gone: Handle, live: Collection[Handle], tainted: set[Hashable]) -> set[Hashable]:
+    """The tainted blocks once ``gone`` has let its prefix go: a block it computed while another
+    holder computed its own copy leaves a freed copy the engine may hand out; blocks no holder
+    has any more are forgotten (see :mod:`.peak`)."""
+    computed = set(gone.prefix[gone.borrowed :])
+    held: set[Hashable] = set()
+    out = set(tainted)
+    for handle in live:
+        held.update(handle.prefix)
+        out.update(computed.intersection(handle.prefix[handle.borrowed :]))
+    return out & held
+
+
+def stalled(live: Iterable[Handle], now: float, seconds: float) -> list[Handle]:
+    """Tracked holders with tokens still to make whose count has not moved for ``seconds``
+    while another's did: the engine is not running them in lockstep."""
+    moving = [h for h in live if h.generated is not None]
+    if not any(now - h.seen_at < seconds for h in moving):
+        return []
+    return [h for h in moving if now - h.seen_at >= seconds and (h.generated or 0) < h.output_cap]
