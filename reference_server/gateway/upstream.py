@@ -68,6 +68,8 @@ logger = logging.getLogger("kvclient.gateway")
 
 T = TypeVar("T")
 
+#: Seconds an idle pooled connection to an upstream is kept: under uvicorn's default 5.
+_KEEPALIVE_SECONDS = 4.0
 #: A discovery or /tokenize answer larger than this is not read (it is not what it claims).
 _MAX_PROBE_BYTES = 4 * 1024 * 1024
 _MIN_RATE_TOKENS = 8
@@ -129,7 +131,11 @@ class UpstreamHTTP:
         return aiohttp.ClientSession(
             headers=self._headers,
             cookie_jar=aiohttp.DummyCookieJar(),
-            connector=aiohttp.TCPConnector(limit=config.max_connections, ssl=tls),
+            # Idle connections are closed before the engine's server would (uvicorn: 5 s), so
+            # that the pool seldom hands out one the engine is closing.
+            connector=aiohttp.TCPConnector(
+                limit=config.max_connections, ssl=tls, keepalive_timeout=_KEEPALIVE_SECONDS
+            ),
             timeout=aiohttp.ClientTimeout(
                 total=None, sock_connect=config.connect_timeout, sock_read=config.read_timeout
             ),
@@ -148,18 +154,31 @@ class UpstreamHTTP:
         json_body: Any = None,
         headers: list[tuple[str, str]] | None = None,
     ) -> aiohttp.ClientResponse:
-        """Send a request; the answer's body is read by the caller, who releases it."""
+        """Send a request; the answer's body is read by the caller, who releases it.
+
+        Sent again, once, when the connection broke before any answer and it was not a new
+        connection failing to open: a kept-alive connection that the engine's server closed as
+        it went idle (uvicorn's keep-alive is 5 s) while the pool handed it out. The engine had
+        not read the request; a new connection carries it.
+        """
         if self._session is None:
             self._session = self._open_session()
-        return await self._session.request(
-            method,
-            self._origin + path,
-            data=content,
-            json=json_body,
-            headers=headers,
-            proxy=self._proxy,
-            allow_redirects=False,
-        )
+        for attempt in (1, 2):
+            try:
+                return await self._session.request(
+                    method,
+                    self._origin + path,
+                    data=content,
+                    json=json_body,
+                    headers=headers,
+                    proxy=self._proxy,
+                    allow_redirects=False,
+                )
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt == 2 or isinstance(exc, aiohttp.ClientConnectorError):
+                    raise
+                logger.info("upstream %s: a kept-alive connection was closed; sent again", path)
+        raise AssertionError("unreachable")
 
     async def aclose(self) -> None:
         if self._session is not None:
