@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import vllm_engine
 
 from kvclient import AsyncClient, HuggingFaceCounter, RetryPolicy
-from kvclient._dialects import preemptions_from_vllm_metrics
+from kvclient._dialects import preemptions_from_vllm_metrics, prometheus_samples
 from kvclient.loadgen import percentile
 from reference_server.admission.ledger import DEFAULT_SAFETY_FRACTION
 from reference_server.gateway import GatewayConfig
@@ -165,7 +166,52 @@ async def burst(
     }
 
 
+class KVWatch:
+    """vLLM's own ``vllm:kv_cache_usage_perc``, read every half second while a run lasts: how
+    full the engine's KV cache really was (the mean over the samples taken while any was used,
+    and the most)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        with httpx.Client(timeout=10) as http:
+            while not self._stop.wait(0.5):
+                try:
+                    text = http.get(self.url + "/metrics").text
+                except httpx.HTTPError:
+                    continue
+                found = prometheus_samples(text, "vllm:kv_cache_usage_perc")
+                if found:
+                    self.samples.append(sum(value for _, value in found))
+
+    def __enter__(self) -> KVWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, float | None]:
+        used = [s for s in self.samples if s > 0]
+        return {
+            "kv_usage_mean": sum(used) / len(used) if used else None,
+            "kv_usage_max": max(used) if used else None,
+        }
+
+
 def run(name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]]) -> dict[str, Any]:
+    with KVWatch(engine.url) as watch:
+        result = _run(name, engine, items)
+    result.update(watch.summary())
+    return result
+
+
+def _run(name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]]) -> dict[str, Any]:
     counter = HuggingFaceCounter.from_pretrained(str(engine.model))
     before = preemptions(engine.url)
     if name == "direct":
@@ -260,6 +306,8 @@ def main() -> None:
             str(r["http_429"]),
             f"{r['preemptions']:.0f}",
             str(r.get("most_running") or "-"),
+            fmt(r["kv_usage_mean"] and 100 * r["kv_usage_mean"], ".0f", " %"),
+            fmt(r["kv_usage_max"] and 100 * r["kv_usage_max"], ".0f", " %"),
             fmt(r["vs_direct"], ".2f", "x"),
         ]
         for r in results
@@ -283,6 +331,8 @@ def main() -> None:
             "429s",
             "preemptions",
             "most running",
+            "KV used, mean",
+            "KV used, most",
             "vs direct",
         ],
         rows,
