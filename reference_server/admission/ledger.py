@@ -624,6 +624,13 @@ class KVAdmissionController:
         with self._lock:
             return self._reserved, len(self._live)
 
+    def room(self, now: float) -> tuple[int, int]:
+        """(tokens a newcomer may take now, requests in flight): the usable budget less what
+        the holders may hold at once by the rule in force (routing's view; the queue's own
+        check also counts the newcomer's shared prefix)."""
+        with self._lock:
+            return self.usable_tokens - self._committed(now), len(self._live)
+
     def live_handles(self) -> list[Handle]:
         """The handles currently holding a reservation, oldest first."""
         with self._lock:

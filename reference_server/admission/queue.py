@@ -78,6 +78,11 @@ class AdmissionQueue:
         """(tokens reserved, requests in flight) in the budget this queue admits against."""
         return self.ledger.load()
 
+    def room(self) -> tuple[int, int]:
+        """(tokens a newcomer may take now, requests in flight) in the budget this queue admits
+        against, by the ledger's rule in force: what routing compares."""
+        return self.ledger.room(self._clock())
+
     async def occupancy(self) -> tuple[float, float, int]:
         """The ledger's :meth:`~.ledger.KVAdmissionController.occupancy` now, of the budget
         this queue admits against."""

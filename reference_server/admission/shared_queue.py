@@ -84,6 +84,12 @@ class SharedQueue(AdmissionQueue):
         """Every gateway's (tokens reserved, requests in flight), as last heard from Redis."""
         return self.shared.seen.reserved, self.shared.seen.inflight
 
+    def room(self) -> tuple[int, int]:
+        """The shared budget's room (whole caps: the shared ledger counts them) and every
+        gateway's requests in flight, as last heard from Redis."""
+        reserved, inflight = self.load()
+        return self.ledger.usable_tokens - reserved, inflight
+
     async def occupancy(self) -> tuple[float, float, int]:
         """Every gateway's occupancy (:meth:`RedisLedger.occupancy`); raises
         :class:`LedgerUnavailable` when Redis is away."""

@@ -38,7 +38,7 @@ from kvclient._dialects import (
     runs_on_after_reset,
 )
 from kvclient._retry import parse_retry_after
-from kvclient._routing import ranked
+from kvclient._routing import pick
 
 from ..admission.ledger import Handle
 from ..http.answers import admissible_cap, retry_after_header, room, send_whole
@@ -292,14 +292,10 @@ class UpstreamBackend:
         if not candidates:
             raise unavailable("every upstream failed this request")
         need = candidates[0].ledger.need_tokens(plan.reserved_prompt, plan.reserved_output)
-        views = [k.upstream.endpoint(now) for k in candidates]
-        order = ranked(views, need)
-        if order:
-            return candidates[order[0]]
-        serving = [i for i, v in enumerate(views) if v.in_service]
-        if not serving:
+        chosen = pick([k.upstream.endpoint(now) for k in candidates], need)
+        if chosen is None:
             raise unavailable("no upstream is in service")
-        return candidates[max(serving, key=lambda i: views[i].free or 0)]
+        return candidates[chosen]
 
     # --- run ---------------------------------------------------------------------------------
 
@@ -478,7 +474,6 @@ class UpstreamBackend:
             }
         )
         await send({"type": "http.response.body", "body": data, "more_body": False})
-        upstream.relayed += 1
         return True
 
     async def _stream(
@@ -534,7 +529,6 @@ class UpstreamBackend:
         upstream.health.succeeded()
         rest = reader.end() if reader is not None else b""
         await send({"type": "http.response.body", "body": rest, "more_body": False})
-        upstream.relayed += 1
         # Tokens by its usage (an event may carry several); no more than the cap it was sent
         # with, whatever the stream says. A stream without usage says nothing of its speed.
         generated = completion_tokens(before[-_USAGE_TAIL:] + last)

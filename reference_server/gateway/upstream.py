@@ -260,7 +260,6 @@ class Upstream:
         self.budget: Budget | None = None
         self.discovery_error: str | None = None
         self.errors = 0
-        self.relayed = 0
         #: Measured per-sequence decode rate (tokens/s): the median of the recent answers'.
         self.measured_rate: float | None = None
         self._rates: deque[float] = deque(maxlen=_RATE_WINDOW)
@@ -480,10 +479,10 @@ class Upstream:
         if known is None:
             return Endpoint(free=0, in_service=False)
         ledger = known.ledger
-        reserved, inflight = ledger.load()
+        free, inflight = known.queue.room()
         full = ledger.max_concurrency is not None and inflight >= ledger.max_concurrency
         return Endpoint(
-            free=-1 if full or known.queue.waiting else ledger.usable_tokens - reserved,
+            free=-1 if full or known.queue.waiting else free,
             in_flight=inflight,
             in_service=self.health.in_service(now),
         )
