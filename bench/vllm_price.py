@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import vllm_engine
 
 from kvclient import AsyncClient, HuggingFaceCounter, RetryPolicy
-from kvclient._dialects import preemptions_from_vllm_metrics
+from kvclient.engines.metrics import preemptions_from_vllm_metrics
 from kvclient.loadgen import percentile
 from reference_server.gateway import GatewayConfig
 from reference_server.gateway.config import DEFAULT_MAX_QUEUE_WAIT

@@ -21,7 +21,6 @@ from ._cli_options import (
     resolve_client,
     setup_logging,
 )
-from ._dialects import TOKENIZE_ENGINES
 from ._exceptions import KVClientError
 from ._help import HelpFormatter
 from ._tokens import (
@@ -30,6 +29,7 @@ from ._tokens import (
     TokenCounter,
     count_chat_request,
 )
+from .engines.tokenize import TOKENIZE_ENGINES
 
 
 def _parser() -> argparse.ArgumentParser:

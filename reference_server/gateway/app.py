@@ -3,7 +3,7 @@
 The same admission core as the reference server (the ledger, the FIFO queue, the Retry-After
 estimate, the error shapes, the one generation endpoint) over upstream engines instead of the
 simulated one: :class:`~reference_server.gateway.relay.UpstreamBackend`. Upstream budgets and
-windows are discovered through :mod:`kvclient._dialects` (vLLM, llama.cpp, TGI, SGLang), or
+windows are discovered through :mod:`kvclient.engines` (vLLM, llama.cpp, TGI, SGLang), or
 given with ``kv_tokens``, on the first request (and again for an upstream that failed to answer).
 """
 

@@ -29,16 +29,10 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Scope, Send
 
-from kvclient._dialects import (
-    PROGRESS_ENGINES,
-    PROMPT_SHARING_ENGINES,
-    RENDER_FIELDS,
-    Tokenized,
-    countable_render_fields,
-    runs_on_after_reset,
-)
 from kvclient._retry import parse_retry_after
 from kvclient._routing import ranked
+from kvclient.engines.behaviour import PROGRESS_ENGINES, PROMPT_SHARING_ENGINES, runs_on_after_reset
+from kvclient.engines.tokenize import RENDER_FIELDS, Tokenized, countable_render_fields
 
 from ..admission.ledger import Handle
 from ..http.answers import admissible_cap, retry_after_header, room, send_whole

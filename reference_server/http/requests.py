@@ -17,8 +17,8 @@ import anyio
 from starlette.types import Receive, Scope
 
 from kvclient import ChatTemplateError, TokenCounter
-from kvclient._dialects import SpendError, request_spend
 from kvclient._tokens import count_chat_request
+from kvclient.engines.spend import SpendError, request_spend
 
 from .errors import APIError, bad_request
 
