@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from .app import GatewayState
+    from .state import GatewayState
 
 __all__ = ["GatewayCollector", "registry_for"]
 

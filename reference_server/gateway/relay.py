@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import anyio
@@ -49,6 +49,7 @@ from .rewrite import (
     response_headers,
     with_cap,
 )
+from .state import GatewayState
 from .upstream import (
     UPSTREAM_ERRORS,
     Known,
@@ -57,9 +58,6 @@ from .upstream import (
     read_limited,
     release,
 )
-
-if TYPE_CHECKING:
-    from .app import GatewayState
 
 __all__ = ["UpstreamBackend", "unavailable"]
 
