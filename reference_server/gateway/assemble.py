@@ -39,7 +39,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvclient._exceptions import APIResponseError
+from kvclient import APIResponseError
 from kvclient._streaming import DONE, LineSplitter, SSEDecoder, merge_delta
 
 __all__ = ["Assembler", "BrokenStream", "EngineError", "assemble"]

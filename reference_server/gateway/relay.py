@@ -29,10 +29,10 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Scope, Send
 
-from kvclient._retry import parse_retry_after
-from kvclient._routing import ranked
+from kvclient import parse_retry_after
 from kvclient.engines.behaviour import PROGRESS_ENGINES, PROMPT_SHARING_ENGINES, runs_on_after_reset
 from kvclient.engines.tokenize import RENDER_FIELDS, Tokenized, countable_render_fields
+from kvclient.routing import ranked
 
 from ..admission.ledger import Handle
 from ..http.answers import admissible_cap, retry_after_header, room, send_whole
