@@ -499,3 +499,33 @@ def test_run_to_cap_fields_per_engine() -> None:
 )
 def test_kv_exhaustion_errors(code: str | None, message: str | None, expected: bool) -> None:
     assert is_kv_exhaustion(code, message) is expected
+
+
+# --- the metric names table ------------------------------------------------------------------
+
+from dataclasses import fields  # noqa: E402
+
+from kvclient.engines.metrics import METRIC_NAMES, EngineMetrics  # noqa: E402
+
+
+def _names(row: EngineMetrics) -> list[str]:
+    found = [getattr(row, f.name) for f in fields(row) if f.name not in ("engine", "prefix")]
+    found = [name for name in found if isinstance(name, str)]
+    return found if row.losses is None else [*found, row.losses.metric]
+
+
+@pytest.mark.parametrize("engine", sorted(METRIC_NAMES))
+def test_each_engines_metric_names_carry_its_prefix(engine: str) -> None:
+    row = METRIC_NAMES[engine]
+    assert row.engine == engine
+    prefix = row.prefix or "kv_"  # ours: the reference server's names
+    assert _names(row)
+    assert all(name.startswith(prefix) for name in _names(row)), _names(row)
+
+
+def test_a_metric_name_belongs_to_one_engine() -> None:
+    owners: dict[str, set[str]] = {}
+    for row in METRIC_NAMES.values():
+        for name in _names(row):
+            owners.setdefault(name, set()).add(row.engine)
+    assert all(len(engines) == 1 for engines in owners.values()), owners
