@@ -139,12 +139,17 @@ def test_kvclient_imports_the_server_only_inside_its_commands() -> None:
         if not module.startswith("kvclient"):
             continue
         where = str(path.relative_to(ROOT))
-        at_import = set(map(id, _module_level_imports(tree.body)))
+        in_functions = {
+            id(node)
+            for function in ast.walk(tree)
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in _all_imports(function)
+        }
         for node in _all_imports(tree):
             names = _imported(node, module, _is_package(path))
             if not any(n.split(".")[0] == "reference_server" for n in names):
                 continue
-            if id(node) in at_import or where not in SERVER_IMPORTERS:
+            if id(node) not in in_functions or where not in SERVER_IMPORTERS:
                 found.append(f"{where}:{node.lineno}")
     assert not found, "kvclient imports reference_server at: " + ", ".join(found)
 
