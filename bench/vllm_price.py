@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import vllm_engine
 
 from kvclient import AsyncClient, HuggingFaceCounter, RetryPolicy
-from kvclient._dialects import preemptions_from_vllm_metrics, prometheus_samples
+from kvclient.engines.metrics import preemptions_from_vllm_metrics, prometheus_samples
 from kvclient.loadgen import percentile
 from reference_server.admission.ledger import DEFAULT_SAFETY_FRACTION
 from reference_server.gateway import GatewayConfig

@@ -41,7 +41,13 @@ from ._models import Completion, CompletionChunk, RetryEvent, ToolCall, Usage
 from ._retry import RetryBudget, RetryPolicy, parse_retry_after
 from ._server_counter import ServerTokenizeCounter
 from ._sync_client import Client, Stream
-from ._tokens import HuggingFaceCounter, TiktokenCounter, TokenCounter, Tokenizer
+from ._tokens import (
+    HuggingFaceCounter,
+    TiktokenCounter,
+    TokenCounter,
+    Tokenizer,
+    count_chat_request,
+)
 from ._version import __version__
 
 __all__ = [
@@ -84,6 +90,7 @@ __all__ = [
     "UnprocessableEntityError",
     "Usage",
     "__version__",
+    "count_chat_request",
     "effective_output_cap",
     "kv_bytes_per_token",
     "parse_retry_after",

@@ -25,7 +25,6 @@ from ._client import (
     BaseClient,
     Prepared,
 )
-from ._dialects import Answer, Discovery, Probe
 from ._exceptions import APIResponseError, KVClientError
 from ._http import Bounded, stale_connection, transport_error
 from ._models import Completion, CompletionChunk, RetryEvent
@@ -34,6 +33,7 @@ from ._retry import RetryPolicy
 from ._shims import AsyncLock, AsyncSignal, async_close_chain, async_drop, async_eager
 from ._streaming import AsyncLines, StreamBase, aiter_events
 from ._tokens import Message, TokenCounter
+from .engines.discovery import Answer, Discovery, Probe
 
 __all__ = ["AsyncClient", "AsyncStream"]
 

@@ -36,7 +36,6 @@ from typing import Any
 import httpx
 
 from ._accounting import effective_output_cap
-from ._dialects import Answer, Discovery, Probe, classify_error, discover_context
 from ._exceptions import (
     APIResponseError,
     APIStatusError,
@@ -50,6 +49,8 @@ from ._replicas import Call, Replica, Replicas, base_urls
 from ._retry import RetryPolicy, parse_retry_after
 from ._tokens import Message, TiktokenCounter, TokenCounter, count_chat_request
 from ._version import __version__
+from .engines.discovery import Answer, Discovery, Probe, discover_context
+from .engines.errors import classify_error
 
 __all__ = ["BaseClient", "Prepared", "from_env"]
 

@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from ._accounting import effective_output_cap
-from ._cli_options import (
+from ._exceptions import KVClientError
+from ._tokens import (
+    DEFAULT_NON_TEXT_PART_TOKENS,
+    TiktokenCounter,
+    TokenCounter,
+    count_chat_request,
+)
+from .cli_options import (
+    HelpFormatter,
     add_api_key,
     add_context_window,
     add_log_level,
@@ -21,15 +29,7 @@ from ._cli_options import (
     resolve_client,
     setup_logging,
 )
-from ._dialects import TOKENIZE_ENGINES
-from ._exceptions import KVClientError
-from ._help import HelpFormatter
-from ._tokens import (
-    DEFAULT_NON_TEXT_PART_TOKENS,
-    TiktokenCounter,
-    TokenCounter,
-    count_chat_request,
-)
+from .engines.tokenize import TOKENIZE_ENGINES
 
 
 def _parser() -> argparse.ArgumentParser:

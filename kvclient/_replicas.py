@@ -2,7 +2,7 @@
 
 Each replica of ``base_url=[...]`` has its own cooldown, send window, pacer, health, and counts
 of what is in flight there. :class:`Replicas` sends each attempt where its reservation fits best
-(see :mod:`kvclient._routing`), fails an attempt over at once to an untried replica when its own
+(see :mod:`kvclient.routing`), fails an attempt over at once to an untried replica when its own
 never answered, said it cannot serve (502/503/504) or is full (429), and notes the room each
 answer advertises. A :class:`Call` is one call's retry state plus the replica its current
 attempt goes to. With one replica all of this reduces to that replica's cooldown, window and
@@ -25,7 +25,7 @@ from ._http import redact_url
 from ._models import RetryEvent
 from ._pacing import DEFAULT_PACE_MAX_AGE, PACE_LAG, Pacer, parse_ratelimit
 from ._retry import Cooldown, RetryCall, RetryPolicy, SendWindow
-from ._routing import Endpoint, Health, pick
+from .routing import Endpoint, Health, pick
 
 __all__ = [
     "REPLICA_FAILURES",
@@ -246,7 +246,7 @@ class Replicas:
     def route(self, call: Call, *, again: bool = False) -> None:
         """Send ``call``'s next try where its reservation fits best among the replicas in
         service that it has not tried in this attempt (``again``: a fail-over within it; else
-        a new attempt, which may go anywhere) (see :func:`kvclient._routing.pick`); its
+        a new attempt, which may go anywhere) (see :func:`kvclient.routing.pick`); its
         cooldown and pacing become that replica's."""
         if not self.several or call.pinned:
             return

@@ -5,8 +5,8 @@ it will use. The price is a round trip before every request (measured in the REA
 millisecond on loopback against the reference server), so it is opt-in; a local
 ``HuggingFaceCounter.from_pretrained`` is as exact where the model directory is at hand.
 
-The request and answer shapes of each engine live in ``_dialects`` (:func:`count_by_tokenize`,
-driven here with blocking I/O).
+The request and answer shapes of each engine live in :mod:`kvclient.engines.tokenize`
+(:func:`count_by_tokenize`, driven here with blocking I/O).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import Any
 
 import httpx
 
-from ._dialects import TOKENIZE_ENGINES, Answer, Probe, count_by_tokenize
 from ._exceptions import TokenizerError
 from ._tokens import DEFAULT_NON_TEXT_PART_TOKENS, _check_part_tokens, _is_media_part
+from .engines.discovery import Answer, Probe
+from .engines.tokenize import TOKENIZE_ENGINES, count_by_tokenize
 
 __all__ = ["ServerTokenizeCounter"]
 

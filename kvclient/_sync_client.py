@@ -24,7 +24,6 @@ from ._client import (
     BaseClient,
     Prepared,
 )
-from ._dialects import Answer, Discovery, Probe
 from ._exceptions import APIResponseError, KVClientError
 from ._http import Bounded, stale_connection, transport_error
 from ._models import Completion, CompletionChunk, RetryEvent
@@ -33,6 +32,7 @@ from ._retry import RetryPolicy
 from ._shims import Lock, Signal, close_chain, drop, eager
 from ._streaming import StreamBase, iter_events, iter_lines
 from ._tokens import Message, TokenCounter
+from .engines.discovery import Answer, Discovery, Probe
 
 __all__ = ["Client", "Stream"]
 

@@ -23,9 +23,15 @@ from typing import Any
 import anyio
 import httpx
 
-from ._cli_options import add_json, add_log_level, setup_logging, to_stdout, write_json
-from ._help import HelpFormatter
 from ._tokens import TiktokenCounter
+from .cli_options import (
+    HelpFormatter,
+    add_json,
+    add_log_level,
+    setup_logging,
+    to_stdout,
+    write_json,
+)
 from .loadgen._metrics import RequestRecord, Summary, summarize
 from .loadgen._report import format_count, format_seconds, parse_prometheus_text, print_table
 from .loadgen._runner import Sender, run_load

@@ -27,10 +27,10 @@ if TYPE_CHECKING:
     from .simulated.app import ServerState, create_app
     from .simulated.config import ServerConfig
     from .simulated.engine import (
-        Completion,
         EngineFaultError,
         EngineOOMError,
         EngineStats,
+        Generated,
         SimulatedEngine,
     )
     from .testing import RunningServer, running_server, serve_in_thread
@@ -45,10 +45,10 @@ _WHERE = {
     "ServerState": ".simulated.app",
     "create_app": ".simulated.app",
     "ServerConfig": ".simulated.config",
-    "Completion": ".simulated.engine",
     "EngineFaultError": ".simulated.engine",
     "EngineOOMError": ".simulated.engine",
     "EngineStats": ".simulated.engine",
+    "Generated": ".simulated.engine",
     "SimulatedEngine": ".simulated.engine",
     "RunningServer": ".testing",
     "running_server": ".testing",
@@ -56,10 +56,10 @@ _WHERE = {
 }
 
 __all__ = [
-    "Completion",
     "EngineFaultError",
     "EngineOOMError",
     "EngineStats",
+    "Generated",
     "Handle",
     "KVAdmissionController",
     "LedgerStats",

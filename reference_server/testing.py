@@ -26,8 +26,8 @@ from .simulated.config import ServerConfig
 
 if TYPE_CHECKING:
     from .admission.ledger import KVAdmissionController
-    from .gateway.app import GatewayState
     from .gateway.config import GatewayConfig
+    from .gateway.state import GatewayState
     from .simulated.engine import SimulatedEngine
 
 __all__ = ["RunningServer", "running_gateway", "running_server", "serve_in_thread"]
@@ -142,7 +142,7 @@ def running_gateway(
     config: GatewayConfig, *, host: str = "127.0.0.1", send_buffer: int | None = None
 ) -> Iterator[RunningServer]:
     """Start ``kvclient gateway`` on a free loopback port; ``server.gateway`` is its
-    :class:`~reference_server.gateway.app.GatewayState`."""
+    :class:`~reference_server.gateway.state.GatewayState`."""
     from .gateway.app import create_gateway_app
 
     with serve_in_thread(create_gateway_app(config), host=host, send_buffer=send_buffer) as server:

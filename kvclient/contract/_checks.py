@@ -20,8 +20,9 @@ from typing import Any
 
 import anyio
 
-from .._dialects import Answer as DialectAnswer
-from .._dialects import Discovery, KVLosses, discover_context
+from ..engines.discovery import Answer as DialectAnswer
+from ..engines.discovery import Discovery, discover_context
+from ..engines.metrics import KVLosses
 from ._judge import (
     BurstOutcome,
     EngineLosses,

@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._dialects import is_kv_exhaustion
 from .._prometheus import parse_samples
+from ..engines.errors import is_kv_exhaustion
 from ._results import CheckStatus
 
 __all__ = [

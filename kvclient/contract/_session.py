@@ -24,10 +24,12 @@ from typing import Any
 import anyio
 import httpx
 
-from .._dialects import Answer as DialectAnswer
-from .._dialects import KVLosses, discover_budget, kv_losses_from_metrics, run_to_cap_fields
 from .._exceptions import APIResponseError
 from .._streaming import AsyncLines
+from ..engines.behaviour import run_to_cap_fields
+from ..engines.budget import discover_budget
+from ..engines.discovery import Answer as DialectAnswer
+from ..engines.metrics import KVLosses, kv_losses_from_metrics
 from ._judge import (
     BurstOutcome,
     ErrorBody,
@@ -121,8 +123,8 @@ class Session:
     ) -> dict[str, Any]:
         """A generation request's body; ``run_to_cap``: with the fields that make the engine
         generate all of ``max_tokens`` (``ignore_eos``, ``min_tokens``: see
-        :func:`~kvclient._dialects.run_to_cap_fields`), so that admitted requests really hold
-        their KV to the end."""
+        :func:`~kvclient.engines.behaviour.run_to_cap_fields`), so that admitted requests really
+        hold their KV to the end."""
         body: dict[str, Any] = {}
         if self.model is not None:
             body["model"] = self.model

@@ -12,7 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from .._cli_options import (
+from ..cli_options import (
+    HelpFormatter,
     add_api_key,
     add_context_window,
     add_json,
@@ -25,7 +26,6 @@ from .._cli_options import (
     to_stdout,
     write_json,
 )
-from .._help import HelpFormatter
 from . import run_contract
 from ._results import (
     CHECK_NAMES,

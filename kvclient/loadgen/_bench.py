@@ -17,8 +17,9 @@ from typing import Any
 import anyio
 import httpx
 
-from .._dialects import Answer, Budget, Probe, discover_budget
 from .._tokens import TokenCounter
+from ..engines.budget import Budget, discover_budget
+from ..engines.discovery import Answer, Probe
 from ._metrics import SLO, RequestRecord, summarize
 from ._preflight import Served
 from ._report import kv_losses_during, metric_delta, parse_prometheus_text

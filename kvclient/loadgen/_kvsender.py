@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._async_client import AsyncClient
-from .._dialects import is_kv_exhaustion
 from .._exceptions import (
     APIConnectionError,
     APIResponseError,
@@ -17,6 +16,7 @@ from .._exceptions import (
     ServerBusyError,
 )
 from .._models import Completion, RetryEvent
+from ..engines.errors import is_kv_exhaustion
 from ._metrics import RecordTimer, RequestRecord
 from ._workload import WorkItem
 

@@ -13,7 +13,7 @@ import anyio
 import anyio.lowlevel
 import httpx
 
-from .._dialects import is_kv_exhaustion
+from ..engines.errors import is_kv_exhaustion
 from ._metrics import RecordTimer
 from ._workload import WorkItem
 

@@ -10,8 +10,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from .._dialects import KVLosses, kv_losses_from_metrics
 from .._prometheus import parse_samples
+from ..engines.metrics import KVLosses, kv_losses_from_metrics
 from ._metrics import Distribution, Summary
 from ._results import BenchResult, SweepResult
 
@@ -210,7 +210,7 @@ def metric_delta(
 
 def kv_losses_during(before: str | None, after: str | None) -> KVLosses | None:
     """What the engine lost for lack of KV between two ``/metrics`` texts, in its own dialect
-    (:func:`~kvclient._dialects.kv_losses_from_metrics`); None when either is unknown."""
+    (:func:`~kvclient.engines.metrics.kv_losses_from_metrics`); None when either is unknown."""
     if before is None or after is None:
         return None
     now = kv_losses_from_metrics(after)

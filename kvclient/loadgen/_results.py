@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._dialects import KVLosses
+from ..engines.metrics import KVLosses
 from ._metrics import RequestRecord, Summary
 from ._sweep import SweepPoint
 

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import anyio
 
-from .._cli_options import (
+from .._exceptions import KVClientError
+from .._tokens import TiktokenCounter, TokenCounter
+from ..cli_options import (
+    HelpFormatter,
     add_api_key,
     add_context_window,
     add_json,
@@ -31,9 +34,6 @@ from .._cli_options import (
     to_stdout,
     write_json,
 )
-from .._exceptions import KVClientError
-from .._help import HelpFormatter
-from .._tokens import TiktokenCounter, TokenCounter
 from ._bench import (
     DEFAULT_CONCURRENCY,
     DEFAULT_NUM_REQUESTS,

@@ -5,12 +5,14 @@
 - :mod:`.rewrite`: what changes on the way (the cap, the headers), pure;
 - :mod:`.assemble`: a plain answer assembled from the stream it was asked upstream as, pure;
 - :mod:`.relay`: the backend of the generation endpoint: count, route, forward, relay;
+- :mod:`.state`: what one gateway owns, and the discovery of its upstreams;
 - :mod:`.metrics`, :mod:`.app`, :mod:`.cli`.
 
 It never imports the simulated engine.
 """
 
-from .app import GatewayState, create_gateway_app
+from .app import create_gateway_app
 from .config import GatewayConfig
+from .state import GatewayState
 
 __all__ = ["GatewayConfig", "GatewayState", "create_gateway_app"]

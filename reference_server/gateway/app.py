@@ -3,7 +3,7 @@
 The same admission core as the reference server (the ledger, the FIFO queue, the Retry-After
 estimate, the error shapes, the one generation endpoint) over upstream engines instead of the
 simulated one: :class:`~reference_server.gateway.relay.UpstreamBackend`. Upstream budgets and
-windows are discovered through :mod:`kvclient._dialects` (vLLM, llama.cpp, TGI, SGLang), or
+windows are discovered through :mod:`kvclient.engines` (vLLM, llama.cpp, TGI, SGLang), or
 given with ``kv_tokens``, on the first request (and again for an upstream that failed to answer).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import anyio
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
@@ -21,104 +21,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvclient import TiktokenCounter, TokenCounter
-
 from ..http.errors import APIError
 from ..http.generation import GenerationEndpoint
 from ..http.middleware import build_app
 from ..http.requests import ClientGone, read_body
 from .config import GatewayConfig
-from .metrics import registry_for
 from .relay import UpstreamBackend, unavailable
-from .sharing import SharedLedgers
-from .upstream import UPSTREAM_ERRORS, Known, Upstream, UpstreamUnavailable, parse_json
+from .state import GatewayState
+from .upstream import UPSTREAM_ERRORS, Known, Upstream, parse_json
 
-__all__ = ["GatewayState", "create_gateway_app"]
+__all__ = ["create_gateway_app"]
 
 logger = logging.getLogger("kvclient.gateway")
 
 _MAX_LISTING_BYTES = 4 * 1024 * 1024
-
-
-class GatewayState:
-    """Everything one gateway owns; ``app.state.gateway``."""
-
-    def __init__(self, config: GatewayConfig) -> None:
-        self.config = config
-        n = len(config.upstreams)
-        overrides = [*config.kv_tokens, *[None] * (n - len(config.kv_tokens))]
-        running = [*config.max_running, *[None] * (n - len(config.max_running))]
-        self.upstreams = [
-            Upstream(url, kv, config, most)
-            for url, kv, most in zip(config.upstreams, overrides, running, strict=True)
-        ]
-        self.fallback_counter: TokenCounter = config.counter or TiktokenCounter()
-        self.backends: list[UpstreamBackend] = []
-        self._discovery_lock: anyio.Lock | None = None
-        #: The shared ledger (``--ledger``), or None: each upstream's ledger is this process's.
-        self.shared: SharedLedgers | None = None
-        if config.ledger is not None:
-            self.shared = SharedLedgers(
-                config.ledger,
-                lease_seconds=config.lease_seconds,
-                ca_file=config.ledger_ca_file,
-                client_cert=config.ledger_client_cert,
-                client_key=config.ledger_client_key,
-            )
-            for upstream in self.upstreams:
-                upstream.shared = self.shared
-        self.registry = registry_for(self)
-
-    @property
-    def known(self) -> list[Known]:
-        """The upstreams discovered so far."""
-        return [u.known for u in self.upstreams if u.known is not None]
-
-    def send_timeouts(self) -> int:
-        return sum(backend.cut for backend in self.backends)
-
-    async def admission(self) -> list[Known]:
-        """The upstreams known to the gateway, discovering (again) those not yet known."""
-        if any(u.known is None for u in self.upstreams):
-            if self._discovery_lock is None:
-                self._discovery_lock = anyio.Lock()
-            async with self._discovery_lock:
-                now = time.monotonic()
-                for upstream in self.upstreams:
-                    if upstream.known is not None or not upstream.health.in_service(now):
-                        continue
-                    try:
-                        await upstream.discover()
-                        upstream.discovery_error = None
-                        upstream.health.succeeded()
-                    except UpstreamUnavailable as exc:
-                        upstream.discovery_error = str(exc)
-                        upstream.health.failed(now, at_once=True)  # it never answered
-                        logger.warning("upstream %s: %s", upstream.name, exc)
-        return self.known
-
-    def window(self, known: Sequence[Known]) -> int:
-        """The largest request the gateway can ever admit: each upstream's context window, or
-        its usable budget (whole blocks) where that is smaller, as ``/v1/models`` reports it.
-        So an unset ``max_tokens`` is clamped to what can really be reserved, never refused."""
-        sizes = []
-        for k in known:
-            ledger = k.ledger
-            whole = ledger.usable_tokens // ledger.block_size * ledger.block_size
-            sizes.append(min(ledger.context_window, whole))
-        return min(sizes)
-
-    def model(self) -> str | None:
-        for upstream in self.upstreams:
-            if upstream.discovery is not None and upstream.discovery.model is not None:
-                return upstream.discovery.model
-        return None
-
-    async def aclose(self) -> None:
-        for upstream in self.upstreams:
-            await upstream.aclose()
-        if self.shared is not None:
-            await self.shared.aclose()
 
 
 # --- small endpoints ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A plain (non-streamed) completion assembled from the stream it went upstream as: pure, no I/O.
 
 An engine that runs a plain request to its end after its client has gone, but stops a stream
-at its next token (llama.cpp: :func:`kvclient._dialects.runs_on_after_reset`), is sent a
+at its next token (llama.cpp: :func:`kvclient.engines.behaviour.runs_on_after_reset`), is sent a
 client's plain request as a stream; the client gets the plain answer that stream stands for:
 
 - ``id``, ``object`` (``chat.completion`` or ``text_completion``), ``created``, ``model``,
@@ -39,7 +39,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvclient._exceptions import APIResponseError
+from kvclient import APIResponseError
 from kvclient._streaming import DONE, LineSplitter, SSEDecoder, merge_delta
 
 __all__ = ["Assembler", "BrokenStream", "EngineError", "assemble"]

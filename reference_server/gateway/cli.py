@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvclient._cli_options import TOKENIZER_HELP, add_log_level, setup_logging
-from kvclient._help import HelpFormatter
+from kvclient.cli_options import TOKENIZER_HELP, HelpFormatter, add_log_level, setup_logging
 
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION, RULES
 from ..http.serving import configure, load_tokenizer, serve, serve_workers

@@ -15,7 +15,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 if TYPE_CHECKING:
     from ..admission.queue import AdmissionQueue
     from ..admission.shared import SharedState
-    from .app import GatewayState
+    from .state import GatewayState
 
 __all__ = ["GatewayCollector", "registry_for"]
 

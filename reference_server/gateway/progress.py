@@ -1,7 +1,7 @@
 """A holder's progress, read from its engine's stream: pure, no I/O.
 
 Under the peak admission rule (:mod:`reference_server.admission.peak`) the gateway asks an
-engine that can say so (:data:`kvclient._dialects.PROGRESS_ENGINES`) for the usage so far in
+engine that can say so (:data:`kvclient.engines.behaviour.PROGRESS_ENGINES`) for the usage so far in
 every chunk of a stream (``stream_options.continuous_usage_stats``), and follows each holder's
 ``completion_tokens`` as the chunks pass. What the client did not ask for is taken out again: the
 usage in its chunks stays (a field OpenAI's chunks have), the last chunk that carries only the

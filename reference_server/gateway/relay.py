@@ -22,23 +22,17 @@ import logging
 import time
 from collections.abc import Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import anyio
 from starlette.responses import Response
 from starlette.types import Scope, Send
 
-from kvclient._dialects import (
-    PROGRESS_ENGINES,
-    PROMPT_SHARING_ENGINES,
-    RENDER_FIELDS,
-    Tokenized,
-    countable_render_fields,
-    runs_on_after_reset,
-)
-from kvclient._retry import parse_retry_after
-from kvclient._routing import pick
+from kvclient import parse_retry_after
+from kvclient.engines.behaviour import PROGRESS_ENGINES, PROMPT_SHARING_ENGINES, runs_on_after_reset
+from kvclient.engines.tokenize import RENDER_FIELDS, Tokenized, countable_render_fields
+from kvclient.routing import pick
 
 from ..admission.ledger import Handle
 from ..http.answers import admissible_cap, retry_after_header, room, send_whole
@@ -55,6 +49,7 @@ from .rewrite import (
     response_headers,
     with_cap,
 )
+from .state import GatewayState
 from .upstream import (
     UPSTREAM_ERRORS,
     Known,
@@ -63,9 +58,6 @@ from .upstream import (
     read_limited,
     release,
 )
-
-if TYPE_CHECKING:
-    from .app import GatewayState
 
 __all__ = ["UpstreamBackend", "unavailable"]
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from kvclient._dialects import LENGTH_FIELDS, MIN_LENGTH_FIELDS
+from kvclient.engines.spend import LENGTH_FIELDS, MIN_LENGTH_FIELDS
 
 from ..http.errors import APIError
 
@@ -93,7 +93,7 @@ def response_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes
 
 def with_cap(raw: bytes, body: dict[str, Any], cap: int) -> bytes:
     """The body that goes upstream: the client's own bytes with every output-length field (in
-    any engine's dialect, :data:`~kvclient._dialects.LENGTH_FIELDS`) the reserved cap.
+    any engine's dialect, :data:`~kvclient.engines.spend.LENGTH_FIELDS`) the reserved cap.
 
     - no length field at all: ``max_tokens`` appended to the client's bytes (no key of the
       object decodes to it, so the appended one is the only one);
@@ -101,7 +101,7 @@ def with_cap(raw: bytes, body: dict[str, Any], cap: int) -> bytes:
       unchanged (a key spelled with ``\\u`` escapes or given twice could be read otherwise by
       another parser);
     - anything else: the parsed body re-encoded with each length field given set to the cap
-      (and a minimum length above the cap, :data:`~kvclient._dialects.MIN_LENGTH_FIELDS`,
+      (and a minimum length above the cap, :data:`~kvclient.engines.spend.MIN_LENGTH_FIELDS`,
       lowered to it).
     """
     given = [name for name in LENGTH_FIELDS if name in body]

@@ -1,7 +1,7 @@
 """An engine's decode speed, measured from its own counters (pure).
 
-Two scrapes of an engine's ``/metrics`` (see ``kvclient._dialects.decode_counters``) say how many
-tokens it generated in between; the gateway's ledger says how many of its requests were running
+Two scrapes of an engine's ``/metrics`` (see ``kvclient.engines.metrics.decode_counters``) say how
+many tokens it generated in between; the gateway's ledger says how many of its requests were running
 meanwhile, on average over the time any was (``KVAdmissionController.occupancy``). Together:
 one point, ``n`` sequences and the seconds a decode step took. A step makes one token for every
 running sequence and takes longer the more there are, ``s(n) = a + b n``; the line is fitted
@@ -16,7 +16,7 @@ steps. Elsewhere the count of running requests is the ledger's: with a shared le
 measure it whole. It is exact when the gateways are the engine's only clients; other traffic
 adds tokens no holder of theirs made, and the engine looks faster per sequence than it is.
 
->>> from kvclient._dialects import DecodeCounters
+>>> from kvclient.engines.metrics import DecodeCounters
 >>> speed = SpeedEstimator()
 >>> tokens = held = busy = 0.0
 >>> speed.add(DecodeCounters(tokens), held, busy)
@@ -35,7 +35,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from kvclient._dialects import DecodeCounters
+from kvclient.engines.metrics import DecodeCounters
 
 __all__ = ["Speed", "SpeedEstimator"]
 

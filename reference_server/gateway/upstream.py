@@ -30,21 +30,12 @@ import aiohttp
 import anyio
 import yarl
 
-from kvclient._dialects import (
-    PROGRESS_ENGINES,
-    TOKENIZE_ENGINES,
-    Answer,
-    Budget,
-    Discovery,
-    Probe,
-    Tokenized,
-    decode_counters,
-    discover_budget,
-    discover_context,
-    lockstep_from_metrics,
-    tokenize,
-)
-from kvclient._routing import Endpoint, Health
+from kvclient.engines.behaviour import PROGRESS_ENGINES
+from kvclient.engines.budget import Budget, discover_budget
+from kvclient.engines.discovery import Answer, Discovery, Probe, discover_context
+from kvclient.engines.metrics import decode_counters, lockstep_from_metrics
+from kvclient.engines.tokenize import TOKENIZE_ENGINES, Tokenized, tokenize
+from kvclient.routing import Endpoint, Health
 
 from ..admission.ledger import KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable

@@ -16,9 +16,8 @@ from typing import Any, Literal
 import anyio
 from starlette.types import Receive, Scope
 
-from kvclient import ChatTemplateError, TokenCounter
-from kvclient._dialects import SpendError, request_spend
-from kvclient._tokens import count_chat_request
+from kvclient import ChatTemplateError, TokenCounter, count_chat_request
+from kvclient.engines.spend import SpendError, request_spend
 
 from .errors import APIError, bad_request
 

@@ -424,7 +424,7 @@ def load_tokenizer(path: Any) -> Any:
     """A counter from ``--tokenizer PATH``, a local model directory or a bare tokenizer.json,
     as every ``kvclient`` command takes it; a ValueError that says why when it cannot be read."""
     from kvclient import KVClientError
-    from kvclient._cli_options import load_tokenizer as load
+    from kvclient.cli_options import load_tokenizer as load
 
     try:
         return load(path)

@@ -3,13 +3,13 @@ really overflow), its backend and app, its settings and its command line."""
 
 from .app import ServerState, SimulatedBackend, create_app
 from .config import ServerConfig
-from .engine import Completion, EngineFaultError, EngineOOMError, EngineStats, SimulatedEngine
+from .engine import EngineFaultError, EngineOOMError, EngineStats, Generated, SimulatedEngine
 
 __all__ = [
-    "Completion",
     "EngineFaultError",
     "EngineOOMError",
     "EngineStats",
+    "Generated",
     "ServerConfig",
     "ServerState",
     "SimulatedBackend",

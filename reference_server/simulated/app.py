@@ -41,7 +41,7 @@ from ..http.requests import (
     scope_header,
 )
 from .config import ServerConfig
-from .engine import Completion, EngineFaultError, EngineOOMError
+from .engine import EngineFaultError, EngineOOMError, Generated
 from .state import CountingMiddleware, ServerState
 
 __all__ = ["EngineInput", "ServerState", "SimulatedBackend", "create_app", "prompt_ids"]
@@ -245,7 +245,7 @@ class SimulatedBackend:
             response = JSONResponse(body, headers=headers)
         await send_whole(response, send)
 
-    def _body(self, kind: Kind, completion: Completion, prompt_tokens: int) -> Any:
+    def _body(self, kind: Kind, completion: Generated, prompt_tokens: int) -> Any:
         state = self.state
         usage = _usage(prompt_tokens, completion.completion_tokens)
         model = state.config.model

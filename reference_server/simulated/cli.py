@@ -9,14 +9,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvclient import ModelProfile
-from kvclient._cli_options import (
+from kvclient.cli_options import (
+    HelpFormatter,
     add_context_window,
     add_log_level,
     add_model,
     add_tokenizer,
     setup_logging,
 )
-from kvclient._help import HelpFormatter
 
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION, STRATEGIES
 from ..http.serving import configure, load_tokenizer, serve

@@ -45,7 +45,7 @@ from kvclient import DEFAULT_BLOCK_SIZE, Tokenizer
 
 from .scheduler import EngineOOMError, ScheduledSequence, Scheduler, prefix_keys
 
-__all__ = ["Completion", "EngineFaultError", "EngineOOMError", "EngineStats", "SimulatedEngine"]
+__all__ = ["EngineFaultError", "EngineOOMError", "EngineStats", "Generated", "SimulatedEngine"]
 
 FinishReason = Literal["stop", "length"]
 #: Receives each tick's new text and the tokens generated so far (for streams' usage).
@@ -74,8 +74,8 @@ class EngineFaultError(Exception):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Completion:
-    """What a finished sequence produced."""
+class Generated:
+    """What a finished sequence produced: its text, its token count and why it stopped."""
 
     text: str
     completion_tokens: int
@@ -239,7 +239,7 @@ class SimulatedEngine:
         prompt_ids: Sequence[int] | None = None,
         min_tokens: int = 0,
         ignore_eos: bool = False,
-    ) -> Completion:
+    ) -> Generated:
         """Decode up to ``max_tokens`` tokens after a prompt of ``prompt_tokens`` tokens.
 
         ``prompt_ids`` are the prompt's token ids: with prefix caching on, its full blocks are
@@ -306,7 +306,7 @@ class SimulatedEngine:
         finally:
             with self._lock:
                 self._scheduler.remove(seq, self._clock())
-        return Completion(
+        return Generated(
             text="".join(pieces),
             completion_tokens=delivered,
             finish_reason=_finish_reason(natural, stop_at, max_tokens),

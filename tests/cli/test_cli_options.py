@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from kvclient._cli_options import LOG_LEVELS, resolve_client
 from kvclient._client import API_KEY_ENV, BASE_URL_ENV
 from kvclient.cli import COMMANDS, _parser
+from kvclient.cli_options import LOG_LEVELS, resolve_client
 from reference_server.http.serving import LOG_LEVELS as SERVER_LOG_LEVELS
 
 #: Commands that are clients of a server: they read the client's environment variables.

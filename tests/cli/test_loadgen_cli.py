@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from kvclient import AsyncClient, RetryPolicy, TiktokenCounter
-from kvclient._dialects import Budget
+from kvclient.engines.budget import Budget
 from kvclient.loadgen import SLO, Shape, SyntheticWorkload, cli, run_load, summarize
 from kvclient.loadgen._bench import (
     DEFAULT_CONCURRENCY,

@@ -18,7 +18,7 @@ from kvclient import (
     ServiceUnavailableError,
     UnprocessableEntityError,
 )
-from kvclient._dialects import classify_error, parse_error_body
+from kvclient.engines.errors import classify_error, parse_error_body
 from tests.helpers import vllm_bodies
 from tests.helpers.client import (
     make_async_client,

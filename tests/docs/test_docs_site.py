@@ -33,6 +33,13 @@ API_PAGES = {
     "kvclient": "api/kvclient",
     "kvclient.openai": "api/openai",
     "kvclient.contract": "api/contract",
+    "kvclient.engines.behaviour": "api/engines",
+    "kvclient.engines.budget": "api/engines",
+    "kvclient.engines.discovery": "api/engines",
+    "kvclient.engines.errors": "api/engines",
+    "kvclient.engines.metrics": "api/engines",
+    "kvclient.engines.spend": "api/engines",
+    "kvclient.engines.tokenize": "api/engines",
     "kvclient.testing": "api/testing",
     "reference_server.testing": "api/reference-server-testing",
 }

@@ -20,7 +20,7 @@ from tests.helpers.real_tokenizers import counter, model_dir
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 3000}}
 
 
-# --- the counter over each dialect (count_by_tokenize, in kvclient/_dialects.py) ----------------
+# --- the counter over each dialect (count_by_tokenize, in kvclient/engines/tokenize.py) ---------
 
 
 def _recording(seen: list[tuple[str, Any]], answer: Any) -> httpx.Client:

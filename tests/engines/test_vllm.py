@@ -16,8 +16,9 @@ import pytest
 import vllm_engine
 
 from kvclient import Client, HuggingFaceCounter, PromptTooLongError, RetryPolicy
-from kvclient._dialects import classify_error, preemptions_from_vllm_metrics
 from kvclient.contract import CheckStatus, run_contract
+from kvclient.engines.errors import classify_error
+from kvclient.engines.metrics import preemptions_from_vllm_metrics
 from reference_server.gateway import GatewayConfig, GatewayState
 from reference_server.testing import running_gateway
 from tests.helpers.servers import wait_for

@@ -9,13 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvclient._dialects import (
-    LENGTH_FIELDS,
-    Spend,
-    SpendError,
-    countable_render_fields,
-    request_spend,
-)
+from kvclient.engines.spend import LENGTH_FIELDS, Spend, SpendError, request_spend
+from kvclient.engines.tokenize import countable_render_fields
 from reference_server.gateway.rewrite import with_cap
 
 

@@ -1,4 +1,4 @@
-"""The routing rules (kvclient._routing), shared by the multi-replica client and the gateway."""
+"""The routing rules (kvclient.routing), shared by the multi-replica client and the gateway."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvclient._routing import Endpoint, Health, pick, ranked
+from kvclient.routing import Endpoint, Health, pick, ranked
 
 endpoints = st.lists(
     st.builds(

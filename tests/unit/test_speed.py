@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvclient._dialects import DecodeCounters, decode_counters
+from kvclient.engines.metrics import DecodeCounters, decode_counters
 from reference_server.gateway.speed import SpeedEstimator
 
 VLLM = """\

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from kvclient import PromptTooLongError
-from kvclient._dialects import Answer, Discovery, classify_error, discover_context
+from kvclient.engines.discovery import Answer, Discovery, discover_context
+from kvclient.engines.errors import classify_error
 from tests.helpers import vllm_bodies
 
 NOT_FOUND = Answer(404, {"detail": "Not Found"})
@@ -274,12 +275,8 @@ def test_a_string_code_stays_the_code() -> None:
 
 # --- KV budget --------------------------------------------------------------------------------
 
-from kvclient._dialects import (  # noqa: E402
-    Budget,
-    discover_budget,
-    preemptions_from_vllm_metrics,
-    prometheus_samples,
-)
+from kvclient.engines.budget import Budget, discover_budget  # noqa: E402
+from kvclient.engines.metrics import preemptions_from_vllm_metrics, prometheus_samples  # noqa: E402
 
 _VLLM_CACHE_LABELS = (
     'block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
@@ -374,12 +371,9 @@ vllm:num_preemptions_created{engine="0",model_name="/m/tiny"} 1.7961827e+09
 
 # --- what an engine lost for lack of KV -------------------------------------------------------
 
-from kvclient._dialects import (  # noqa: E402
-    KVLosses,
-    is_kv_exhaustion,
-    kv_losses_from_metrics,
-    run_to_cap_fields,
-)
+from kvclient.engines.behaviour import run_to_cap_fields  # noqa: E402
+from kvclient.engines.errors import is_kv_exhaustion  # noqa: E402
+from kvclient.engines.metrics import KVLosses, kv_losses_from_metrics  # noqa: E402
 
 #: vLLM 0.32 (recorded lines).
 VLLM_PREEMPTED = """# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
@@ -505,3 +499,33 @@ def test_run_to_cap_fields_per_engine() -> None:
 )
 def test_kv_exhaustion_errors(code: str | None, message: str | None, expected: bool) -> None:
     assert is_kv_exhaustion(code, message) is expected
+
+
+# --- the metric names table ------------------------------------------------------------------
+
+from dataclasses import fields  # noqa: E402
+
+from kvclient.engines.metrics import METRIC_NAMES, EngineMetrics  # noqa: E402
+
+
+def _names(row: EngineMetrics) -> list[str]:
+    found = [getattr(row, f.name) for f in fields(row) if f.name not in ("engine", "prefix")]
+    found = [name for name in found if isinstance(name, str)]
+    return found if row.losses is None else [*found, row.losses.metric]
+
+
+@pytest.mark.parametrize("engine", sorted(METRIC_NAMES))
+def test_each_engines_metric_names_carry_its_prefix(engine: str) -> None:
+    row = METRIC_NAMES[engine]
+    assert row.engine == engine
+    prefix = row.prefix or "kv_"  # ours: the reference server's names
+    assert _names(row)
+    assert all(name.startswith(prefix) for name in _names(row)), _names(row)
+
+
+def test_a_metric_name_belongs_to_one_engine() -> None:
+    owners: dict[str, set[str]] = {}
+    for row in METRIC_NAMES.values():
+        for name in _names(row):
+            owners.setdefault(name, set()).add(row.engine)
+    assert all(len(engines) == 1 for engines in owners.values()), owners

@@ -1,4 +1,5 @@
-"""The options several ``kvclient`` commands share, defined once.
+"""The options every ``kvclient`` command shares (``serve`` and ``gateway`` included), defined
+once, and their one help format.
 
 One spelling, one metavar, one meaning and the same environment variables in every command that
 takes them (``tests/cli/test_cli_options.py`` walks every parser to keep it so). Also the logging
@@ -20,6 +21,8 @@ from ._tokens import DEFAULT_NON_TEXT_PART_TOKENS, HuggingFaceCounter, TokenCoun
 
 __all__ = [
     "LOG_LEVELS",
+    "TOKENIZER_HELP",
+    "HelpFormatter",
     "add_api_key",
     "add_context_window",
     "add_json",
@@ -30,8 +33,10 @@ __all__ = [
     "env_names",
     "hidden_alias",
     "load_tokenizer",
+    "no_url_message",
     "resolve_client",
     "setup_logging",
+    "to_stdout",
     "write_json",
 ]
 
@@ -171,3 +176,16 @@ def no_url_message() -> str:
 def say(prog: str, message: str) -> None:
     """One line on standard error, named after the command."""
     print(f"{prog}: {message}", file=sys.stderr, flush=True)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """One help format for every ``kvclient`` command: descriptions as written, and ``(default:
+    X)`` after an option's help unless the help already says what the default is (a flag's
+    default is off, and goes unsaid)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        unsaid = action.default is None or action.default is argparse.SUPPRESS
+        if "default" in text or unsaid or action.default is False or action.default == []:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
