@@ -11,7 +11,7 @@ window over 3,072 KV tokens, 8 sequences at most), through ``kvclient.AsyncClien
   its stream shows it), and what does not fit waits in its FIFO queue (``--max-queue-wait``
   300 s), admitted the moment there is room; kvclient says how long it will wait (``Prefer:
   wait``);
-- **caps**: the same with ``--admission caps``: every holder counts its whole reservation;
+- **caps**: the same with ``--admission-rule caps``: every holder counts its whole reservation;
 - **gateway, no queue**: the peak rule with ``--max-queue-wait 0``: a 429 + Retry-After at
   once, the client pacing itself from the RateLimit room;
 - **tight** (not run by default): the peak rule admitting to 95 % of vLLM's pool instead of
@@ -63,7 +63,7 @@ DEADLINE = 900.0
 LABELS = {
     "direct": "direct to vLLM",
     "gateway": "through kvclient gateway (defaults: peak rule, a FIFO queue)",
-    "caps": "through kvclient gateway --admission caps",
+    "caps": "through kvclient gateway --admission-rule caps",
     "no-queue": "through kvclient gateway --max-queue-wait 0 (429 at once)",
     "tight": "through kvclient gateway --safety-fraction 0.95",
 }
@@ -220,7 +220,7 @@ def _run(name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]]
         config = GatewayConfig(
             upstreams=(engine.url,),
             max_running=(engine.max_num_seqs,),
-            admission="caps" if name == "caps" else "peak",
+            admission_rule="caps" if name == "caps" else "peak",
             max_queue_wait=0.0 if name == "no-queue" else DEFAULT_MAX_QUEUE_WAIT,
             safety_fraction=0.95 if name == "tight" else DEFAULT_SAFETY_FRACTION,
         )

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add = parser.add_argument
     add(
-        "--admission", choices=RULES, default="peak",
+        "--admission-rule", choices=RULES, default="peak",
         help="peak: admit by the most the holders can hold at once from their progress, where "
         "the engine qualifies; caps: by the sum of their whole reservations (default: "
         "%(default)s)",
@@ -184,7 +184,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         upstreams=tuple(args.upstream),
         kv_tokens=tuple(args.kv_tokens),
         max_running=tuple(args.max_running),
-        admission=args.admission,
+        admission_rule=args.admission_rule,
         context_window=args.context_window,
         safety_fraction=args.safety_fraction,
         max_queue_wait=args.max_queue_wait,

@@ -103,11 +103,11 @@ class GatewayConfig:
     ledger_ca_file: str | None = None
     ledger_client_cert: str | None = None
     ledger_client_key: str | None = None
-    #: The admission rule (``--admission``): ``"peak"``, the worst-case peak of the holders'
+    #: The admission rule (``--admission-rule``): ``"peak"``, the worst-case peak of the holders'
     #: sum over the coming decode steps from their relayed progress, where the engine qualifies
     #: (else whole caps, with the reason in /health, /metrics and the log); ``"caps"``, the sum
     #: of every holder's whole reservation.
-    admission: Rule = "peak"
+    admission_rule: Rule = "peak"
     #: ``max_running[i]``: how many sequences upstream ``i`` runs at once (vLLM's
     #: ``--max-num-seqs``); None: discovered where the engine says (llama.cpp's slots, ours).
     max_running: tuple[int | None, ...] = ()
@@ -128,8 +128,8 @@ class GatewayConfig:
         for running in self.max_running:
             if running is not None and running < 1:
                 raise ValueError(f"--max-running must be at least 1, got {running}")
-        if self.admission not in RULES:
-            raise ValueError(f"--admission must be one of {', '.join(RULES)}")
+        if self.admission_rule not in RULES:
+            raise ValueError(f"--admission-rule must be one of {', '.join(RULES)}")
         if self.context_window is not None and self.context_window < 1:
             raise ValueError(f"--context-window must be at least 1, got {self.context_window}")
         if not 0.0 < self.safety_fraction <= 1.0:

@@ -98,7 +98,7 @@ class GatewayCollector:
         }
         reasons = GaugeMetricFamily(
             "kv_upstream_caps_reason",
-            "1, with the reason, for an upstream that counts whole caps under --admission peak.",
+            "1, with the reason, for an upstream on whole caps under --admission-rule peak.",
             labels=["upstream", "reason"],
         )
         for u, s in rows:

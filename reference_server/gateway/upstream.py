@@ -388,7 +388,7 @@ class Upstream:
                 block_size=budget.block_size,
                 max_concurrency=running,
                 release_margin=0.05,
-                rule=self.config.admission,
+                rule=self.config.admission_rule,
             )
         except ValueError as exc:
             raise UpstreamUnavailable(f"unusable budget (KV {kv} tokens): {exc}") from None
@@ -421,7 +421,7 @@ class Upstream:
     def _caps_reason(
         self, engine: str | None, running: int | None, unbounded: bool = False
     ) -> str | None:
-        """Why this upstream's holders count at their whole caps under ``--admission peak``,
+        """Why this upstream's holders count at their whole caps under ``--admission-rule peak``,
         or None when the peak rule may run (``unbounded``: the engine runs every request it is
         sent at each step)."""
         if self.shared is not None:

@@ -137,7 +137,7 @@ def test_a_newcomer_runs_beside_holders_whose_caps_left_no_room(
     at worst 403 + 303 + C's 403) admits C as soon as B's first token has come."""
     scripted, url = engine
     answers: dict[str, Any] = {}
-    with running_gateway(_config(url, admission=rule)) as gw:
+    with running_gateway(_config(url, admission_rule=rule)) as gw:
         a = threading.Thread(target=_complete, args=(gw.base_url, "A", 400, answers))
         a.start()
         wait_for(lambda: "A" in scripted.started, timeout=10)
@@ -264,7 +264,7 @@ def test_in_front_of_the_reference_server_the_peak_runs_more_and_nothing_overflo
 
         with running_server(**_ENGINE) as upstream:
             config = GatewayConfig(
-                upstreams=(upstream.base_url,), decode_rate=400.0, admission=rule,
+                upstreams=(upstream.base_url,), decode_rate=400.0, admission_rule=rule,
                 max_queue_wait=120.0, speed_interval=0.2,
             )  # fmt: skip
             with running_gateway(config) as gw:
