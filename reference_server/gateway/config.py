@@ -11,9 +11,9 @@ import yarl
 from kvclient import TokenCounter
 
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION, RULES, Rule
-from ..admission.scripts import DEFAULT_LEASE_SECONDS
 from ..http.generation import DEFAULT_SEND_TIMEOUT
 from ..http.requests import DEFAULT_MAX_BODY_BYTES
+from ..shared_ledger.scripts import DEFAULT_LEASE_SECONDS
 
 __all__ = [
     "DEFAULT_DECODE_RATE",

@@ -14,7 +14,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 if TYPE_CHECKING:
     from ..admission.queue import AdmissionQueue
-    from ..admission.shared import SharedState
+    from ..shared_ledger.ledger import SharedState
     from .state import GatewayState
 
 __all__ = ["GatewayCollector", "registry_for"]
@@ -29,7 +29,7 @@ def registry_for(state: GatewayState) -> CollectorRegistry:
 
 def _shared_state(queue: AdmissionQueue) -> SharedState | None:
     """Every gateway's totals for the upstream of ``queue``, when its ledger is shared."""
-    from ..admission.shared_queue import SharedQueue  # redis is needed only when shared
+    from ..shared_ledger.queue import SharedQueue  # redis is needed only when shared
 
     return queue.shared.seen if isinstance(queue, SharedQueue) else None
 

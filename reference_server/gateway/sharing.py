@@ -19,7 +19,7 @@ from ..admission.ledger import KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable
 
 if TYPE_CHECKING:
-    from ..admission.shared import Lease, RedisLedger, Wakeups
+    from ..shared_ledger.ledger import Lease, RedisLedger, Wakeups
 
 __all__ = ["SharedLedgers"]
 
@@ -39,7 +39,7 @@ class SharedLedgers:
         client_key: str | None = None,
     ) -> None:
         # Imported here: redis is needed only when a ledger is shared.
-        from ..admission.shared import Lease, Wakeups, connect
+        from ..shared_ledger.ledger import Lease, Wakeups, connect
 
         self.url = url
         self.client = connect(url, ca_file=ca_file, client_cert=client_cert, client_key=client_key)
@@ -65,8 +65,8 @@ class SharedLedgers:
         """The shared queue of upstream ``name``, priced by ``ledger``; raises
         ``UpstreamUnavailable`` when another gateway has it configured differently or Redis
         cannot be reached (discovery is tried again later)."""
-        from ..admission.shared import LedgerConflict, RedisLedger
-        from ..admission.shared_queue import SharedQueue
+        from ..shared_ledger.ledger import LedgerConflict, RedisLedger
+        from ..shared_ledger.queue import SharedQueue
         from .upstream import UpstreamUnavailable
 
         shared = RedisLedger(self.client, name=name, pricing=ledger, lease=self.lease)
@@ -101,7 +101,7 @@ class SharedLedgers:
             await self.lease.run()
 
     async def aclose(self) -> None:
-        from ..admission.shared import close
+        from ..shared_ledger.ledger import close
 
         with anyio.CancelScope(shield=True):
             for shared in self.ledgers:

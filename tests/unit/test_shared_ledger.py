@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from reference_server import Handle
-from reference_server.admission import shared_queue
 from reference_server.admission.interface import AsyncLedger, LocalLedger
 from reference_server.admission.queue import LedgerUnavailable, Rejected
-from reference_server.admission.shared import (
+from reference_server.shared_ledger import queue as shared_queue
+from reference_server.shared_ledger.ledger import (
     Lease,
     LedgerConflict,
     RedisLedger,
@@ -31,7 +31,7 @@ from reference_server.admission.shared import (
     connect,
     fingerprint,
 )
-from reference_server.admission.shared_queue import SharedQueue
+from reference_server.shared_ledger.queue import SharedQueue
 from tests.helpers.redis_server import RedisSentinel, RedisServer, TLSFiles
 from tests.unit.test_server_ledger import make
 

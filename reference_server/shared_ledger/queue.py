@@ -18,9 +18,9 @@ from collections.abc import Callable, Hashable
 
 import anyio
 
-from .ledger import Handle, Headroom, KVAdmissionController
-from .queue import AdmissionQueue, LedgerUnavailable, Rejected, wait_limit
-from .shared import RedisLedger, Wakeups
+from ..admission.ledger import Handle, Headroom, KVAdmissionController
+from ..admission.queue import AdmissionQueue, LedgerUnavailable, Rejected, wait_limit
+from .ledger import RedisLedger, Wakeups
 
 __all__ = ["FALLBACK_POLL_SECONDS", "POLL_SECONDS", "SharedQueue"]
 

@@ -39,8 +39,8 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from .ledger import Handle, KVAdmissionController
-from .queue import LedgerUnavailable
+from ..admission.ledger import Handle, KVAdmissionController
+from ..admission.queue import LedgerUnavailable
 from .scripts import (
     ADMIT,
     CONFIG,

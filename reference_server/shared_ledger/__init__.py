@@ -1,0 +1,11 @@
+"""The shared ledger: an upstream's reservations kept in Redis, so that every gateway process
+admits against one budget (``kvclient gateway --ledger redis://...``). Apart from
+:mod:`reference_server.admission`, which is pure: this is its I/O.
+
+- :mod:`.ledger`: :class:`~.ledger.RedisLedger`, the leases, the connection (TLS, Sentinel),
+  the pub/sub wake-ups;
+- :mod:`.queue`: :class:`~.queue.SharedQueue`, the FIFO queue across processes;
+- :mod:`.scripts`: the Lua scripts, each operation one atomic script.
+
+Nothing is imported here: redis is needed only when a ledger is shared.
+"""
