@@ -17,6 +17,7 @@ import anyio
 
 from ..admission.ledger import KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable
+from .errors import UpstreamUnavailable
 
 if TYPE_CHECKING:
     from ..shared_ledger.ledger import Lease, RedisLedger, Wakeups
@@ -67,7 +68,6 @@ class SharedLedgers:
         cannot be reached (discovery is tried again later)."""
         from ..shared_ledger.ledger import LedgerConflict, RedisLedger
         from ..shared_ledger.queue import SharedQueue
-        from .upstream import UpstreamUnavailable
 
         shared = RedisLedger(self.client, name=name, pricing=ledger, lease=self.lease)
         try:

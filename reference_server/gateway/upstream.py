@@ -41,6 +41,7 @@ from ..admission.ledger import KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable
 from ..http.requests import GenerationRequest
 from .config import GatewayConfig, public_url
+from .errors import UpstreamUnavailable
 from .sharing import SharedLedgers
 from .speed import Speed, SpeedEstimator
 
@@ -71,10 +72,6 @@ _SPEED_MISSES = 3
 #: Seconds a stream's count may stand still while another's moves before the engine is taken
 #: not to run them in lockstep: many decode steps even for a large batch on a CPU.
 _STALL_SECONDS = 3.0
-
-
-class UpstreamUnavailable(Exception):
-    """The upstream could not be reached or could not say what it has."""
 
 
 #: What a failed upstream exchange raises: no answer, a broken one, a timeout.
