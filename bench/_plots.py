@@ -252,15 +252,21 @@ def plot_retry_storm(
         for ax in (attempts_ax, latency_ax):
             ax.grid(axis="y", visible=False)
         _legend_outside(fig, [attempts_ax, latency_ax], ncols=4)
-        overload = data["rate"] / data["capacity"]["completed_per_second"]
-        _titles(
-            fig,
-            f"Retry storm: {data['requests']} requests at {data['rate']:.1f}/s "
-            f"({overload:.3g}x capacity) for {data['burst_seconds']:g} s, "
-            f"deadline {data['deadline']:g} s each",
-            "the same trace for each client, against a fresh reference server (reserve mode)",
-            data,
-        )
+        if "users" in data:  # --users: the first burst
+            title = (
+                f"First burst: {data['users']} users of one client, {data['requests']} "
+                f"requests, every first request at time 0, deadline {data['deadline']:g} s each"
+            )
+            subtitle = "the same users for each client, against a fresh reference server"
+        else:
+            overload = data["rate"] / data["capacity"]["completed_per_second"]
+            title = (
+                f"Retry storm: {data['requests']} requests at {data['rate']:.1f}/s "
+                f"({overload:.3g}x capacity) for {data['burst_seconds']:g} s, "
+                f"deadline {data['deadline']:g} s each"
+            )
+            subtitle = "the same trace for each client, against a fresh reference server"
+        _titles(fig, title, subtitle + " (reserve mode)", data)
         return save(fig, path)
 
 

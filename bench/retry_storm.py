@@ -31,7 +31,17 @@ of the ceiling run's, and a p99 latency at most 1.5x the ceiling run's. With ``-
 tokens/s per sequence, 5x overload: long holds, as on a real engine), also
 a time-averaged reservation at least the naive client's in the same run.
 
+With ``--users N`` (the first burst): a closed loop of N users sharing one client instead of an
+open-loop trace, their first requests all sent at time 0. kvclient is given neither the model nor
+the context window, so it reads ``/v1/models`` first, as an application does, and the room that
+answer advertises paces that first burst; the row ``kvclient no discovery`` is given both, so it
+has no hint of the room before its first answers come back. No capacity run (the overload is
+N users against the room the server has); the ceiling is the same users through a FIFO-queued
+server. Goals there: at most 1.05 attempts per completed request, and a time-averaged
+reservation at least the naive client's.
+
     python bench/retry_storm.py [--quick] [--slow] [--plot docs/img/retry_storm.png]
+    python bench/retry_storm.py --slow --users 40 [--requests 120]  # the first burst
     python bench/retry_storm.py --plot docs/img/retry_storm.png --plot-only  # from the last run
 """
 
@@ -92,9 +102,14 @@ LABELS = {
     "kvclient cooldown_by_size": "kvclient, RetryPolicy(cooldown_by_size=True)",
     "kvclient pace_in_order": "kvclient, RetryPolicy(pace_in_order=True)",
     "kvclient.openai": "openai SDK through kvclient",
+    "kvclient no discovery": "kvclient, model and window given (no hint before its first answer)",
 }
+#: ``--users``: the rows run unless ``--clients`` says otherwise.
+USERS_CLIENTS = "naive,kvclient no discovery,kvclient"
 # The rows the goals are checked for.
 GOAL_CLIENTS = ("kvclient", "kvclient pace=False", "kvclient pace_in_order", "kvclient.openai")
+#: ``--users``: the requests each user sends unless ``--requests`` says how many in all.
+REQUESTS_PER_USER = 3
 
 SERVER_ARGS = (
     "--kv-tokens",
@@ -169,7 +184,10 @@ async def run_client(
     deadline: float,
     *,
     concurrency: int | None = None,
+    discover: bool = False,
 ) -> dict[str, Any]:
+    """One client's run; ``discover``: kvclient is given neither model nor window (it reads
+    ``/v1/models`` before its first request)."""
     sampler = MetricsSampler(url, interval=0.05)
     sent_by_hook = 0
 
@@ -210,10 +228,11 @@ async def run_client(
         )
         sender = OpenAISender(sdk, deadline=deadline)
     else:
+        given = not discover or name.endswith("no discovery")
         client = AsyncClient(
             base_url=url,
-            model=MODEL,
-            context_window=CONTEXT,
+            model=MODEL if given else None,
+            context_window=CONTEXT if given else None,
             http_client=http,
             retry=RetryPolicy(
                 deadline=deadline,
@@ -320,16 +339,29 @@ def measure_ceiling(
         return anyio.run(run_client, "kvclient pace=False", url, items, offsets, deadline)
 
 
+def measure_users_ceiling(
+    items: list[WorkItem], users: int, cpu: int | None, deadline: float, extra: list[str]
+) -> dict[str, Any]:
+    """``--users``: the same users through a FIFO-queued server (no 429s)."""
+    args = (*SERVER_ARGS, *extra, "--max-queue-wait", QUEUE_WAIT)
+    with reference_server_process(*args, cpu=cpu) as url:
+        run = functools.partial(run_client, concurrency=users)
+        return anyio.run(run, "kvclient pace=False", url, items, None, deadline)
+
+
 def one_client(
     name: str,
     items: list[WorkItem],
-    offsets: list[float],
+    offsets: list[float] | None,
     deadline: float,
     cpu: int | None,
     extra: list[str],
+    users: int | None = None,
 ) -> dict[str, Any]:
+    """One client against a fresh server: the open-loop trace, or ``users`` sharing it."""
     with reference_server_process(*SERVER_ARGS, *extra, cpu=cpu) as url:
-        return anyio.run(run_client, name, url, items, offsets, deadline)
+        run = functools.partial(run_client, concurrency=users, discover=users is not None)
+        return anyio.run(run, name, url, items, offsets, deadline)
 
 
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -346,9 +378,20 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, help="per request (default 60 s, --quick 12 s)")
     parser.add_argument(
         "--clients",
-        default="naive,openai,openai max_retries=10,kvclient pace=False,kvclient,"
-        "kvclient cooldown_by_size,kvclient pace_in_order,kvclient.openai",
-        help="comma-separated subset to run",
+        help="comma-separated subset to run (default: naive,openai,openai max_retries=10,"
+        "kvclient pace=False,kvclient,kvclient cooldown_by_size,kvclient pace_in_order,"
+        f"kvclient.openai; with --users: {USERS_CLIENTS})",
+    )
+    parser.add_argument(
+        "--users",
+        type=int,
+        help="the first burst: a closed loop of this many users sharing one client, all "
+        "sending their first requests at time 0; kvclient discovers the window first",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        help=f"with --users: requests in all (default {REQUESTS_PER_USER} per user)",
     )
     parser.add_argument(
         "--capacity",
@@ -377,13 +420,25 @@ def main() -> None:
         if args.overload == DEFAULT_OVERLOAD:
             args.overload = SLOW_OVERLOAD
     draw = functools.partial(plot_retry_storm, goal_attempts=GOAL_ATTEMPTS)
-    if plot_only(parser, args, "retry_storm", draw):
+    if plot_only(parser, args, "retry_storm_first_burst" if args.users else "retry_storm", draw):
         return
+    if args.users is not None and args.users < 1:
+        parser.error("--users must be at least 1")
+    if args.clients is None:
+        args.clients = (
+            USERS_CLIENTS
+            if args.users
+            else "naive,openai,openai max_retries=10,kvclient pace=False,kvclient,"
+            "kvclient cooldown_by_size,kvclient pace_in_order,kvclient.openai"
+        )
     burst = args.burst or (3.0 if args.quick else 12.0)
     deadline = args.deadline or (12.0 if args.quick else 60.0)
     pinned = pin_to_cpu(0)
     cpu = 1 if pinned else None
     counter = TiktokenCounter()
+    if args.users:
+        first_burst(args, deadline, cpu, counter)
+        return
 
     if args.capacity:
         capacity: dict[str, Any] = {"completed_per_second": args.capacity, "given": True}
@@ -503,6 +558,91 @@ def main() -> None:
             "results": results,
         },
     )
+    plot_result(args, written, draw)
+
+
+def first_burst(args: argparse.Namespace, deadline: float, cpu: int | None, counter: Any) -> None:
+    """``--users``: N users of one client whose first requests all go at time 0."""
+    users: int = args.users
+    n = args.requests or REQUESTS_PER_USER * users
+    items = SyntheticWorkload(seed=SEED).items(n, counter)
+    print(f"{users} users, {n} requests, deadline {deadline:g} s", flush=True)
+    print("… ceiling: the same users through a FIFO-queued server", flush=True)
+    ceiling = measure_users_ceiling(items, users, cpu, deadline, args.server_arg)
+    ceiling["client"] = "ceiling"
+    results = []
+    for name in [c.strip() for c in args.clients.split(",") if c.strip()]:
+        print(f"… {name}", flush=True)
+        results.append(one_client(name, items, None, deadline, cpu, args.server_arg, users))
+    rows = []
+    for r in [*results, ceiling]:
+        label = LABELS.get(r["client"], r["client"])
+        if r is ceiling:
+            label = "(ceiling: the same users, FIFO-queued server, no 429s)"
+        rows.append(
+            [
+                label,
+                fmt(r["attempts_per_completed"], ".3f"),
+                f"{r['completed_within_deadline']}/{r['requests']}",
+                fmt(r["latency_p50"], ".1f", " s"),
+                fmt(r["latency_p99"], ".1f", " s"),
+                f"{r['http_429_server']:,.0f}",
+                fmt(r["utilisation_reserved_over_usable"], ".1%"),
+            ]
+        )
+    print_table(
+        f"First burst: {users} users of one client, {n} requests of the seed's mix, every user's "
+        f"first request at time 0, deadline {deadline:g} s, reference server in reserve mode, "
+        "one per client" + (f" ({' '.join(args.server_arg)})" if args.server_arg else ""),
+        [
+            "client",
+            "attempts / completed",
+            "completed within deadline",
+            "p50 latency",
+            "p99 latency",
+            "429s sent",
+            "server KV utilisation",
+        ],
+        rows,
+    )
+    naive = next((r for r in results if r["client"] == "naive"), None)
+    by_client: dict[str, dict[str, bool]] = {}
+    for kv in results:
+        if not kv["client"].startswith("kvclient"):
+            continue
+        goals = {"attempts_per_completed": (kv["attempts_per_completed"] or 99) <= GOAL_ATTEMPTS}
+        if naive is not None:
+            goals["reservation_vs_naive"] = (kv["utilisation_reserved_over_usable"] or 0) >= (
+                naive["utilisation_reserved_over_usable"] or 0
+            )
+        by_client[kv["client"]] = goals
+        print(
+            f"\n{kv['client']}: attempts/completed <= {GOAL_ATTEMPTS}: "
+            f"{'met' if goals['attempts_per_completed'] else 'NOT met'} "
+            f"({fmt(kv['attempts_per_completed'], '.3f')})"
+            + (
+                f"; reservation >= the naive client's: "
+                f"{'met' if goals['reservation_vs_naive'] else 'NOT met'} "
+                f"({fmt(kv['utilisation_reserved_over_usable'], '.1%')} vs "
+                f"{fmt(naive['utilisation_reserved_over_usable'], '.1%')})"
+                if naive is not None
+                else ""
+            )
+        )
+    written = write_json(
+        "retry_storm_first_burst",
+        {
+            "pinned": cpu is not None,
+            "users": users,
+            "requests": n,
+            "deadline": deadline,
+            "ceiling": ceiling,
+            "server_args": [*SERVER_ARGS, *args.server_arg],
+            "goals_met_by_client": by_client,
+            "results": results,
+        },
+    )
+    draw = functools.partial(plot_retry_storm, goal_attempts=GOAL_ATTEMPTS)
     plot_result(args, written, draw)
 
 

@@ -318,7 +318,7 @@ class AsyncClient(BaseClient):
                 # Handed on unread: httpx's read timeout bounds each chunk from here (a
                 # client's stream bounds each event), and closing the body gives the slot back.
                 body.deadline = None
-                body.on_close(lambda: self._release_slot("ok", call))
+                body.on_close(lambda: self._release_slot("ok", call, streamed=True))
             else:
                 self._release_slot("ok", call)
             return result
@@ -373,8 +373,8 @@ class AsyncClient(BaseClient):
                 await self._window_changed.wait(min(left, WINDOW_POLL))
         call.held(time.monotonic() - started)
 
-    def _release_slot(self, outcome: str, call: Call) -> None:
-        if self._replicas.released(outcome, call):
+    def _release_slot(self, outcome: str, call: Call, *, streamed: bool = False) -> None:
+        if self._replicas.released(outcome, call, streamed=streamed):
             self._window_changed.notify_all()
 
     async def _discover_at(self, replica: Replica | None) -> Discovery:

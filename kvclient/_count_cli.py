@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ._accounting import effective_output_cap
+from ._client import BASE_URL_ENV, from_env
 from ._exceptions import KVClientError
 from ._tokens import (
     DEFAULT_NON_TEXT_PART_TOKENS,
@@ -24,8 +25,10 @@ from .cli_options import (
     add_log_level,
     add_model,
     add_tokenizer,
+    env_names,
     hidden_alias,
     load_tokenizer,
+    no_url_message,
     resolve_client,
     setup_logging,
 )
@@ -58,8 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     counters.add_argument(
         "--server",
         metavar="URL",
-        help="ask this server's /tokenize instead, with --api-key and --model "
-        "(default: count here)",
+        nargs="?",
+        const="",
+        help="ask this server's /tokenize instead, with --api-key and --model; without a URL, "
+        f"the server at {env_names(BASE_URL_ENV)}, as the client finds it (a value that is "
+        "not an http(s) URL is the INPUT) (default: count here)",
     )
     add_api_key(parser)
     add_model(parser, "with --server: the model whose tokenizer counts (default: the server's)")
@@ -110,6 +116,21 @@ def _read_chat(args: argparse.Namespace) -> str:
     return source
 
 
+def _resolve_server(args: argparse.Namespace) -> None:
+    """``--server`` without a URL: the one the environment names, as the client reads it
+    (``--server "some prompt"``: that is the input, not a URL). Raises ValueError when there
+    is none."""
+    if args.server is None:
+        return
+    if args.server and not args.server.startswith(("http://", "https://")) and args.text is None:
+        args.text, args.server = args.server, ""
+    if not args.server:
+        found = from_env(BASE_URL_ENV)
+        if found is None:
+            raise ValueError(f"--server: {no_url_message()}")
+        args.server = found
+
+
 def _counter(args: argparse.Namespace) -> TokenCounter:
     if args.tokenizer is not None:
         return load_tokenizer(args.tokenizer, non_text_part_tokens=args.media_tokens)
@@ -132,7 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(_compat(sys.argv[1:] if argv is None else argv))
     setup_logging(args.log_level)
     resolve_client(args)
+    counter: TokenCounter | None = None
     try:
+        _resolve_server(args)
         counter = _counter(args)
         if args.chat:
             try:
@@ -156,6 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KVClientError, TypeError, ValueError) as exc:
         print(f"kvclient count: {exc}", file=sys.stderr)
         return 2
+    finally:
+        close = getattr(counter, "close", None)  # a server's counter holds connections
+        if callable(close):
+            close()
     print(f"prompt_tokens: {tokens}")
     if args.context_window is not None:
         try:

@@ -230,8 +230,10 @@ class Pacer:
     longer: a request sent because its hint had aged out and refused all the same doubles how
     long later hints are trusted (up to ``PACE_TRUST_MAX_FACTOR`` x ``max_age``, never past
     their ``t``), so a client whose holders run long waits for evidence of room (an answer that
-    shows it) instead of probing every ``max_age``; one admitted that way resets it. Before any
-    hint every request goes, as without pacing.
+    shows it) instead of probing every ``max_age``; one admitted that way resets it. A hint whose
+    reserved room is all this client's (``observe(ours=...)``) is trusted that long at once: room
+    can only come back as our requests end, and their answers show it (until one ends unseen:
+    :meth:`released_unseen`). Before any hint every request goes, as without pacing.
     Sends made less than ``lag`` seconds before a hint arrives still count against it: the
     server may have written it before they reached it. Refusals (``observe`` with
     ``refused=True`` and the refused send) time a send's way to the server and back; when they
@@ -255,8 +257,8 @@ class Pacer:
     """
 
     __slots__ = (
-        "_expires", "_free", "_lock", "_queues", "_quota", "_recent", "_rtts", "_seen", "_sent",
-        "_trickle", "_trust", "_waiters", "_waiting", "lag", "max_age",
+        "_expires", "_free", "_lock", "_plain", "_queues", "_quota", "_recent", "_rtts", "_seen",
+        "_sent", "_trickle", "_trust", "_waiters", "_waiting", "lag", "max_age",
     )  # fmt: skip
 
     def __init__(self, *, max_age: float = DEFAULT_PACE_MAX_AGE, lag: float = PACE_LAG) -> None:
@@ -276,6 +278,8 @@ class Pacer:
         self._sent = 0
         self._seen = -math.inf
         self._expires = -math.inf
+        # When the latest hint would expire were its reserved room not all ours.
+        self._plain = -math.inf
         self._trickle = -math.inf
         # Held requests by key: their keys in order, and each key's latest poll (a key past its
         # TTL is no longer waiting once it reaches the front; it queues again when it asks).
@@ -301,6 +305,7 @@ class Pacer:
         own: tuple[float, int] | None = None,
         *,
         refused: bool = False,
+        ours: int | None = None,
     ) -> None:
         """A response that arrived at monotonic time ``now`` advertised ``hint``.
 
@@ -308,6 +313,11 @@ class Pacer:
         hint already accounts for it (reserved, released or refused), so it is not counted again.
         ``refused``: the answer is a refusal (429), written as soon as the server saw the
         request, so ``now - when`` times a send's way to the ledger and back.
+        ``ours``: at most how many KV tokens this client's requests hold at the server besides
+        the answered one (None: not known). When the hint's reserved tokens are all ours, room
+        comes back only as our own requests end, and each of their answers brings a fresh hint:
+        the hint is trusted as long as advice that proved right is (``PACE_TRUST_MAX_FACTOR`` x
+        ``max_age``, never past its ``t``) instead of sending a probe that could only be refused.
         """
         with self._lock:
             if refused and own is not None and now >= own[0]:
@@ -319,9 +329,12 @@ class Pacer:
                 else:
                     self._trust = self.max_age
             lag = self.effective_lag()
-            age = self._trust
+            age = plain = self._trust
+            if ours is not None and hint.quota is not None and hint.quota - hint.remaining <= ours:
+                age = PACE_TRUST_MAX_FACTOR * self.max_age  # nobody else's room to come back
             if hint.reset:
                 age = min(age, float(hint.reset) + lag)
+                plain = min(plain, float(hint.reset) + lag)
             if now < self._seen:
                 return  # an older answer read late: the newer one stands
             recent = self._recent
@@ -336,6 +349,14 @@ class Pacer:
             self._sent = sum(tokens for _, tokens in recent)
             self._seen = now
             self._expires = now + age
+            self._plain = now + plain
+
+    def released_unseen(self) -> None:
+        """One of this client's requests ended without an answer that shows the room (a
+        stream's end, a failure): its room came back unseen, so a hint trusted for holding only
+        our room is trusted no longer than any other."""
+        with self._lock:
+            self._expires = min(self._expires, self._plain)
 
     def live(self, now: float) -> bool:
         """Whether the latest hint is still trusted at ``now``: answers keep showing the room."""

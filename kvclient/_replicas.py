@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from ._accounting import DEFAULT_BLOCK_SIZE
 from ._exceptions import APIConnectionError, APIStatusError, APITimeoutError, InsufficientQuotaError
 from ._http import redact_url
 from ._models import RetryEvent
@@ -46,6 +47,8 @@ REPLICA_SET_ASIDE = 2.0
 REPLICA_EXTENSION = "kvclient.replica"
 #: The request extension carrying its send as the pacer counted it (see RetryCall.paced).
 PACED_EXTENSION = "kvclient.paced"
+#: The request extension carrying its call's size, as its send-window slot counts it.
+SIZE_EXTENSION = "kvclient.size"
 
 
 def normalize_base_url(base_url: str | httpx.URL) -> tuple[str, tuple[str, str] | None]:
@@ -197,7 +200,11 @@ class Call(RetryCall):
 
     def extensions(self) -> dict[str, Any]:
         """The request extensions that tie an attempt's answer back to this call's replica."""
-        return {REPLICA_EXTENSION: self.replica, PACED_EXTENSION: self.paced}
+        return {
+            REPLICA_EXTENSION: self.replica,
+            PACED_EXTENSION: self.paced,
+            SIZE_EXTENSION: self.size,
+        }
 
 
 class Replicas:
@@ -287,9 +294,12 @@ class Replicas:
             with self._lock:
                 call.replica.health.succeeded()
 
-    def released(self, outcome: str, call: Call) -> bool:
-        """``call``'s send ended (``outcome`` as :meth:`SendWindow.release` takes it): no longer
-        in flight. True when the send window changed (waiting sends should look again)."""
+    def released(self, outcome: str, call: Call, *, streamed: bool = False) -> bool:
+        """``call``'s send ended (``outcome`` as :meth:`SendWindow.release` takes it; ``streamed``:
+        its answer streamed and is now closed): no longer in flight. True when the send window
+        changed (waiting sends should look again)."""
+        if self._policy.pace and (streamed or outcome == "other"):
+            call.replica.pacer.released_unseen()  # no answer showed the room it held
         if call.sending:
             call.sending = False
             replica = call.replica
@@ -339,6 +349,24 @@ class Replicas:
             replica.cooldown.extend(now, error.retry_after, size)
         return True
 
+    def _ours(self, replica: Replica, response: httpx.Response) -> int | None:
+        """At most how many KV tokens this client's requests hold at ``replica`` besides the one
+        ``response`` answers, by its send window (None: the window is off, nothing counted).
+        The answered request's slot is still taken: it holds nothing there unless its answer
+        streams on (a whole answer's reservation is released as it goes; a 429 reserved none)."""
+        if not self._policy.window:
+            return None
+        window = replica.window
+        tokens, requests = window.in_flight, window.requests
+        size = response.request.extensions.get(SIZE_EXTENSION)
+        streams = response.status_code < 400 and response.headers.get(
+            "content-type", ""
+        ).startswith("text/event-stream")
+        if isinstance(size, int) and not streams:
+            tokens, requests = tokens - size, requests - 1
+        # The server reserves in whole KV blocks, and may count a prompt a little differently.
+        return max(0, tokens) + DEFAULT_BLOCK_SIZE * max(0, requests)
+
     def note_room(self, response: httpx.Response) -> None:
         """Note the room ``response`` advertises, if any (see :class:`kvclient._pacing.Pacer`),
         for its replica's pacing and for routing."""
@@ -355,7 +383,13 @@ class Replicas:
         now = self._policy.clock()
         if pace:
             refused = response.status_code == 429  # its round trip times the way in
-            replica.pacer.observe(now, hint, extensions.get(PACED_EXTENSION), refused=refused)
+            replica.pacer.observe(
+                now,
+                hint,
+                extensions.get(PACED_EXTENSION),
+                refused=refused,
+                ours=self._ours(replica, response),
+            )
         if self.several:
             with self._lock:
                 replica.hint_free = hint.remaining

@@ -53,12 +53,17 @@ class Series:
     axis: str = "left"  # "right": scaled to its own axis, drawn on the right
 
 
-def _ticks(low: float, high: float, n: int = 5) -> list[float]:
+def _ticks(low: float, high: float, n: int = 5, *, whole: bool = False) -> list[float]:
+    """About ``n`` round ticks from ``low`` to ``high``; ``whole``: whole numbers only (an
+    axis that counts, such as 429s)."""
     if high <= low:
         return [low]
     raw = (high - low) / n
+    if whole:
+        raw = max(raw, 1.0)
     mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    multiples = (1, 2, 5, 10) if whole and mag == 1 else (1, 2, 2.5, 5, 10)
+    step = next(m * mag for m in multiples if m * mag >= raw)
     first = math.ceil(low / step) * step
     return [first + i * step for i in range(int((high - first) / step) + 1)]
 
@@ -118,10 +123,12 @@ def svg_chart(
     y_label: str,
     y2_label: str | None = None,
     marker: tuple[float, str] | None = None,
+    y2_counts: bool = False,
 ) -> str:
     """A line chart as inline SVG, as wide as the page; ``marker`` draws a labelled vertical
     line at an x value. The legend sits above the plot area, never over a line; every axis has
-    its title (``y2_label``: the right axis, for series with ``axis="right"``)."""
+    its title (``y2_label``: the right axis, for series with ``axis="right"``; ``y2_counts``: it
+    counts, so its ticks are whole numbers)."""
     left = [s for s in series if s.axis == "left"]
     right = [s for s in series if s.axis == "right"]
     xs = [x for s in series for x, _ in s.points]
@@ -162,7 +169,7 @@ def svg_chart(
             f'text-anchor="end">{_fmt(t)}</text>'
         )
     if right:
-        for t in _ticks(r0, r1):
+        for t in _ticks(r0, r1, whole=y2_counts):
             out.append(
                 f'<text x="{_PAD_L + iw + 8}" y="{py(t, "right") + 4:.1f}" '
                 f'font-size="{_FONT_TICK}">{_fmt(t)}</text>'
@@ -275,6 +282,7 @@ def timeline_chart(records: Sequence[RequestRecord], samples: Sequence[Sample]) 
         x_label="seconds from the start",
         y_label="KV tokens",
         y2_label="429s received so far",
+        y2_counts=True,
     )
 
 

@@ -17,6 +17,7 @@ def plot_run(records: list[RequestRecord], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
     ok = [r for r in records if r.ok and r.latency is not None]
@@ -29,6 +30,8 @@ def plot_run(records: list[RequestRecord], path: Path) -> None:
     top.legend()
     bottom.bar([r.planned for r in records], [r.http_429 for r in records], width=0.05)
     bottom.set_ylabel("429s received")
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts: no 0.2 of a 429
+    bottom.set_ylim(bottom=0)
     bottom.set_xlabel("planned send time (s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..http.answers import room
 from ..http.errors import APIError
 from ..http.generation import GenerationEndpoint
 from ..http.middleware import build_app
@@ -53,8 +54,22 @@ async def _first_upstream(state: GatewayState) -> tuple[list[Known], Upstream]:
     return known, known[0].upstream
 
 
+def _room(known: Sequence[Known]) -> dict[str, str]:
+    """The RateLimit headers of the upstream in service with the most room now: where the next
+    request would most likely go. A client reads them at discovery and paces its first sends."""
+    now = time.monotonic()
+    serving = [k for k in known if k.upstream.health.in_service(now)] or list(known)
+
+    def free(k: Known) -> int:
+        return k.ledger.headroom(k.queue.now(), queued=k.queue.waiting_tokens).free
+
+    roomiest = max(serving, key=free)
+    return room(roomiest.ledger, roomiest.queue)
+
+
 async def _models(request: Request) -> Response:
-    """The first upstream's model list, each entry with the gateway's ``max_model_len``."""
+    """The first upstream's model list, each entry with the gateway's ``max_model_len``, and
+    the room left (RateLimit headers, as on every admission answer)."""
     state = _gateway(request)
     try:
         known, upstream = await _first_upstream(state)
@@ -73,7 +88,7 @@ async def _models(request: Request) -> Response:
     for entry in data:
         if isinstance(entry, dict):
             entry["max_model_len"] = window
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": data}, headers=_room(known))
 
 
 async def _tokenize(request: Request) -> Response:

@@ -367,6 +367,8 @@ class SimulatedBackend:
 
 
 async def _models(request: Request) -> Response:
+    """The model and its window, with the room left now (RateLimit headers): a client learns
+    how much it may send before its first request, not from a burst of refusals."""
     state: ServerState = request.app.state.server
     return JSONResponse(
         {
@@ -381,7 +383,8 @@ async def _models(request: Request) -> Response:
                     "max_model_len": state.config.context_window,
                 }
             ],
-        }
+        },
+        headers=room(state.ledger, state.queue),
     )
 
 

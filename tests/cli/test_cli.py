@@ -8,6 +8,7 @@ import pytest
 
 from kvclient import __version__
 from kvclient.cli import main
+from reference_server import running_server
 
 
 def test_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
@@ -63,3 +64,25 @@ def test_serve_help_names_itself(capsys: pytest.CaptureFixture[str]) -> None:
         main(["serve", "--help"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.startswith("usage: kvclient serve ")
+
+
+def test_count_server_without_a_url_asks_the_one_the_environment_names(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with running_server(kv_tokens=4096, context_window=2048) as server:
+        monkeypatch.setenv("KVCLIENT_BASE_URL", server.base_url)
+        before = server.metrics()["kv_http_requests_total"]
+        assert main(["count", "hello world", "--server"]) == 0
+        assert main(["count", "--server", "hello world"]) == 0  # not a URL: the input
+        asked = server.metrics()["kv_http_requests_total"] - before
+    assert capsys.readouterr().out.count("prompt_tokens: 2") == 2
+    assert asked >= 2  # counted by the server's /tokenize, not here
+
+
+def test_count_server_without_a_url_or_the_variable_says_what_to_set(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVCLIENT_BASE_URL", raising=False)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    assert main(["count", "hello world", "--server"]) == 2
+    assert "KVCLIENT_BASE_URL" in capsys.readouterr().err

@@ -213,9 +213,11 @@ def test_failures_keep_their_message_in_the_table(
 KNEE_SERVER = {
     "kv_tokens": 1024,
     "context_window": 2048,
-    # Slow enough that the engine, not the CPU, sets the capacity (0.3 s a request, three at a
-    # time): a loaded machine moves the knee little.
-    "decode_rate": 500.0,
+    # Slow enough that the engine, not the CPU, sets the capacity (0.6 s a request, three at a
+    # time: 5 requests/s). Every time below is in units of that service time, long beside the
+    # stalls of a busy 2-core machine (client and server share a process here): at 0.3 s a
+    # request with a 1 s SLO, a stall of a few hundred ms failed rates below the capacity.
+    "decode_rate": 250.0,
     "mean_output_tokens": 100_000.0,  # every request runs to its cap: a steady service time
     "seed": 1,
 }
@@ -246,13 +248,13 @@ def test_sweep_finds_the_knee_near_the_measured_capacity(
                 server.base_url,
                 "--sweep",
                 "--sweep-points", "4",
-                "--duration", "3",  # long enough for a 30 % overload to miss the SLO
+                "--duration", "6",  # ten service times: a 60 % overload misses the SLO
                 "--probe-requests", "24",
                 "--arrival", "constant",
                 "--prompt-tokens", str(KNEE_PROMPT),
                 "--max-tokens-range", str(KNEE_CAP),
                 "--no-stream",
-                "--slo-latency", "1.0",  # about 3.3x the service time of one request
+                "--slo-latency", "2.0",  # about 3.3x the service time of one request
                 "--sweep-attainment", "0.85",  # room for a stall of a loaded machine
                 "--json", str(out),
             ]

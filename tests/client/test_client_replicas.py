@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import httpx
@@ -16,8 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvclient import AsyncClient, Client
+from kvclient import AsyncClient, Client, RetryPolicy
 from kvclient._exceptions import KVClientError
+from kvclient._pacing import Pacer, format_ratelimit
+from kvclient._replicas import Replicas
 from kvclient.testing import FakeClock
 from tests.helpers.client import (
     COUNTER,
@@ -162,3 +165,48 @@ def test_threads_share_one_multi_replica_client_and_leave_nothing_in_flight() ->
         assert all(r.requests == 0 and r.tokens == 0 for r in kv._replicas), kv._replicas
         assert all(r.window.in_flight == 0 and r.window.requests == 0 for r in kv._replicas)
     assert len(errors) < 6  # most calls found a replica that answered
+
+
+class _OursPacer(Pacer):
+    """Records the ``ours`` each hint is observed with."""
+
+    __slots__ = ("ours",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ours: list[int | None] = []
+
+    def observe(self, *args: Any, ours: int | None = None, **kw: Any) -> None:
+        self.ours.append(ours)
+        super().observe(*args, ours=ours, **kw)
+
+
+@pytest.mark.parametrize(
+    ("status", "media", "ours"),
+    [
+        (200, "application/json", 300 + 200 + 2 * 16),  # released as it was answered
+        (429, "application/json", 300 + 200 + 2 * 16),  # refused: it reserved nothing
+        (200, "text/event-stream", 400 + 300 + 200 + 3 * 16),  # its stream holds its room
+    ],
+)
+def test_the_room_a_hint_shows_held_is_ours_by_the_send_window(
+    status: int, media: str, ours: int
+) -> None:
+    replicas = Replicas(["http://a.test"], RetryPolicy())
+    replica = replicas[0]
+    replica.pacer = spy = _OursPacer()
+    calls = [replicas.new_call(size) for size in (400, 300, 200)]
+    for call in calls:
+        assert replica.window.try_acquire(0.0, call.size)
+    request = httpx.Request(
+        "POST", "http://a.test/v1/completions", extensions=calls[0].extensions()
+    )
+    policy, current = format_ratelimit(quota=1000, remaining=100, reset=1.0)
+    headers = {"RateLimit-Policy": policy, "RateLimit": current, "Content-Type": media}
+    replicas.note_room(httpx.Response(status, headers=headers, request=request))
+    assert spy.ours == [ours]
+    off = Replicas(["http://a.test"], RetryPolicy(window=False))
+    off[0].pacer = spy = _OursPacer()
+    alone = httpx.Request("POST", "http://a.test/v1/completions")
+    off.note_room(httpx.Response(status, headers=headers, request=alone))
+    assert spy.ours == [None]  # no window, nothing counted: hints age as before

@@ -1,6 +1,6 @@
 """Servers advertise their room (RateLimit headers), clients pace from it: over loopback.
 
-The reference server and the gateway put the room on answers, streams and 429s; an
+The reference server and the gateway put the room on answers, streams, 429s and /v1/models; an
 AsyncClient (asyncio and trio) that paces collects fewer 429s than one that does not, under the
 same overload, counted by the server.
 """
@@ -123,6 +123,58 @@ async def test_a_paced_client_collects_fewer_429s_than_an_unpaced_one() -> None:
     assert paced < unpaced
     assert paced <= 1
     assert admitted == 13
+
+
+async def _first_burst(url: str, n: int = 12) -> None:
+    """One client, given no model and no window: ``n`` requests at once, its first. It reads
+    /v1/models before any of them goes (discovery), and that answer carries the room."""
+    policy = RetryPolicy(deadline=30)
+    async with AsyncClient(base_url=url, retry=policy) as client:
+        async with anyio.create_task_group() as group:
+            for _ in range(n):
+                group.start_soon(lambda: client.complete("x", max_tokens=900))
+        assert client.context_window is not None  # discovered
+
+
+@pytest.mark.anyio
+async def test_a_clients_first_burst_is_paced_by_the_room_its_discovery_read() -> None:
+    """No answer to a request yet, only discovery's: four of the twelve fit, the rest are held
+    until answers show room (before /v1/models carried it: seven or eight 429s)."""
+    with running_server(**BURST_CONFIG) as server:
+        await _first_burst(server.base_url)
+        with anyio.fail_after(5):
+            while not at_zero(server):  # noqa: ASYNC110 - polling state the server thread owns
+                await anyio.sleep(0.005)
+        metrics = server.metrics()
+    assert metrics["kv_admitted_total"] == 12
+    assert metrics["kv_rejected_total"] <= 1
+
+
+@pytest.mark.anyio
+async def test_a_clients_first_burst_through_the_gateway_is_paced_too() -> None:
+    with (
+        running_server(**{**BURST_CONFIG, "kv_tokens": 8192}) as upstream,
+        running_gateway(
+            GatewayConfig(
+                upstreams=(upstream.base_url,),
+                kv_tokens=(4096,),
+                decode_rate=2000.0,
+                max_queue_wait=0.0,  # refusing at once: every request that does not fit is a 429
+            )
+        ) as gateway,
+    ):
+        await _first_burst(gateway.base_url)
+        with anyio.fail_after(5):
+            while not at_zero(upstream):  # noqa: ASYNC110 - polling state the server thread owns
+                await anyio.sleep(0.005)
+        refused = sum(
+            u.known.ledger.stats().rejected_total
+            for u in gateway.app.state.gateway.upstreams
+            if u.known is not None
+        )
+        admitted = upstream.metrics()["kv_admitted_total"]
+    assert admitted == 12
+    assert refused <= 1
 
 
 class _SpyPacer(Pacer):

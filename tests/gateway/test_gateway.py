@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvclient import AsyncClient, Client, Completion, KVClientError, RetryPolicy
+from kvclient._pacing import parse_ratelimit
 from kvclient.contract import CheckStatus, run_contract
 from kvclient.routing import Endpoint, Health, ranked
 from reference_server import RunningServer, running_server, serve_in_thread
@@ -282,6 +283,33 @@ def test_two_upstreams_share_by_free_budget_and_survive_one_dying() -> None:
 
 
 # --- scripted upstreams: failures and pass-through ---------------------------------------------
+
+
+def test_models_carries_the_room_of_the_upstream_with_the_most() -> None:
+    # What a client reads at discovery to pace its first burst: the room the next request
+    # would most likely find (the upstream with the most free budget).
+    upstream = {**FAST, "context_window": 1024}
+    with ExitStack() as stack:
+        big = stack.enter_context(running_server(**upstream, kv_tokens=4096))
+        small = stack.enter_context(running_server(**upstream, kv_tokens=2048))
+        config = GatewayConfig(upstreams=(small.base_url, big.base_url))
+        gateway = stack.enter_context(running_gateway(config))
+        first = parse_ratelimit(httpx.get(gateway.base_url + "/v1/models").headers)
+        ledgers = {k.upstream.url: k.ledger for k in gateway_state(gateway).known}
+        big_ledger = ledgers[big.base_url]
+        handle = big_ledger.try_admit(100, 3000, now=time.monotonic())
+        assert handle is not None
+        try:
+            held = parse_ratelimit(httpx.get(gateway.base_url + "/v1/models").headers)
+        finally:
+            big_ledger.release(handle)
+    small_ledger = ledgers[small.base_url]
+    assert first is not None
+    assert held is not None
+    assert (first.quota, first.remaining) == (big_ledger.usable_tokens, big_ledger.usable_tokens)
+    # The big one now has less free than the small one: the small one's room is advertised.
+    assert big_ledger.usable_tokens - big_ledger.need_tokens(100, 3000) < small_ledger.usable_tokens
+    assert (held.quota, held.remaining) == (small_ledger.usable_tokens, small_ledger.usable_tokens)
 
 
 def test_the_gateway_listens_and_forwards_over_ipv6_loopback() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 
 from kvclient import TiktokenCounter
+from kvclient._pacing import parse_ratelimit
 from reference_server import ServerConfig, ServerState, create_app
 
 pytestmark = pytest.mark.anyio
@@ -84,6 +86,32 @@ async def test_models_lists_the_model_with_max_model_len() -> None:
     assert body["object"] == "list"
     assert body["data"][0]["id"] == "kvclient-sim"
     assert body["data"][0]["max_model_len"] == 2048
+
+
+async def test_models_carries_the_room_left_as_ratelimit_headers() -> None:
+    # A client reads /v1/models before its first request: the room there paces its first burst.
+    app = app_with()
+    ledger = state_of(app).ledger
+    async with client_for(app) as client:
+        empty = parse_ratelimit((await client.get("/v1/models")).headers)
+        handle = ledger.try_admit(100, 900, now=time.monotonic())
+        assert handle is not None
+        held = parse_ratelimit((await client.get("/v1/models")).headers)
+        ledger.release(handle)
+    assert empty is not None
+    assert held is not None
+    assert empty.quota == ledger.usable_tokens
+    assert empty.remaining == ledger.usable_tokens
+    assert held.remaining == ledger.usable_tokens - ledger.need_tokens(100, 900)
+    assert held.reset is not None
+    assert held.reset > 0
+
+
+async def test_models_carries_no_room_where_admission_is_not_by_reservation() -> None:
+    async with client_for(app_with(admission="prompt")) as client:
+        answer = await client.get("/v1/models")
+    assert answer.status_code == 200
+    assert parse_ratelimit(answer.headers) is None
 
 
 async def test_tokenize_answers_like_vllm() -> None:

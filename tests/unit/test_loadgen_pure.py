@@ -339,6 +339,25 @@ def test_html_page_is_self_contained_with_every_part() -> None:
     assert not re.search(r"<script|\bsrc=|\bhref=|url\(|@import", page)
 
 
+@pytest.mark.parametrize("refusals", [0, 1, 3, 12])
+def test_the_timelines_429_axis_counts_in_whole_numbers(refusals: int) -> None:
+    import re
+
+    from kvclient.loadgen._html import timeline_chart
+    from kvclient.loadgen._results import Sample
+
+    records = [_record(i, ok=True, admitted=True, end=0.2 + i / 10) for i in range(5)]
+    samples = [Sample(t=i / 10, kv_reserved=100.0 * i, refused_total=0.0) for i in range(5)]
+    samples.append(Sample(t=0.5, kv_reserved=0.0, refused_total=float(refusals)))
+    chart = timeline_chart(records, samples)
+    area = re.search(r'class="plot-area" x="([\d.]+)" y="[\d.]+" width="([\d.]+)"', chart)
+    assert area is not None
+    right = float(area[1]) + float(area[2]) + 8  # where the right axis's labels start
+    labels = re.findall(rf'<text x="{right:g}" y="[\d.]+" font-size="\d+">([^<]*)</text>', chart)
+    assert labels  # the right axis is drawn
+    assert all(re.fullmatch(r"\d[\d,]*", label) for label in labels), labels
+
+
 def test_a_stream_cut_by_a_kv_oom_event_is_an_oom() -> None:
     from kvclient._exceptions import APIResponseError
     from kvclient.loadgen._kvsender import failure_cause

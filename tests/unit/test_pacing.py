@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvclient import APIStatusError, RetryPolicy, ServerBusyError
 from kvclient._pacing import (
+    PACE_LAG,
     PACE_LAG_MAX,
     PACE_POLL,
     PACE_POLL_FIRST,
@@ -483,3 +484,35 @@ def test_a_hint_that_proved_right_is_trusted_longer_and_one_that_proved_stale_le
     pacer.observe(60.0, RoomHint(quota=1000, remaining=0, reset=0.5))
     assert pacer.take(60.4, 100) > 0
     assert pacer.take(60.7, 100) == 0.0  # 0.5 s + the lag
+
+
+def test_a_hint_whose_reserved_room_is_all_ours_is_trusted_until_our_answers_come() -> None:
+    # Room comes back only as our own requests end, and each of their answers brings a fresh
+    # hint: a probe could only be refused. With room held by others, it ages out as before.
+    full = RoomHint(quota=1000, remaining=100, reset=None)
+    ours = Pacer(max_age=1.0)
+    ours.observe(0.0, full, ours=900)
+    assert ours.take(1.5, 200) > 0
+    assert ours.take(7.9, 200) > 0  # PACE_TRUST_MAX_FACTOR x max_age
+    assert ours.take(8.0, 200) == 0.0
+    shared = Pacer(max_age=1.0)
+    shared.observe(0.0, full, ours=800)  # someone else holds 100: it may end unseen
+    assert shared.take(0.5, 200) > 0
+    assert shared.take(1.0, 200) == 0.0
+    unknown = Pacer(max_age=1.0)
+    unknown.observe(0.0, full)
+    assert unknown.take(1.0, 200) == 0.0
+    # Never past the hint's own next release: one of ours ends then, or its answer is late.
+    due = Pacer(max_age=1.0)
+    due.observe(0.0, RoomHint(quota=1000, remaining=100, reset=3.0), ours=900)
+    assert due.take(2.5, 200) > 0
+    assert due.take(3.0 + PACE_LAG + 0.01, 200) == 0.0
+
+
+def test_one_of_ours_ending_unseen_ends_the_longer_trust() -> None:
+    # A stream's end (or a failure) gives its room back with no answer to show it.
+    pacer = Pacer(max_age=1.0)
+    pacer.observe(0.0, RoomHint(quota=1000, remaining=100, reset=None), ours=900)
+    assert pacer.take(1.5, 200) > 0
+    pacer.released_unseen()
+    assert pacer.take(1.5, 200) == 0.0  # aged out as any hint would have: one goes to see
