@@ -150,6 +150,12 @@ class Scheduler:
         #: When the step in progress began and when it completes (None while nothing runs).
         self._step_started_at = 0.0
         self.next_step_at: float | None = None
+        #: The steps since the batch last changed its length are timed from one moment, the
+        #: first one's end, so that a step ends at the same float whether the steps before it
+        #: ran one at a time or in a batch (see :meth:`_step_end`).
+        self._steps_from = 0.0
+        self._steps_since = 0
+        self._step_length = 0.0
 
     @property
     def used_tokens(self) -> int:
@@ -181,13 +187,16 @@ class Scheduler:
         sequence gains as many tokens as there were steps.
         """
         while self.next_step_at is not None and self.next_step_at <= now:
-            first = self.next_step_at
-            seconds = self.step_seconds(len(self.running))
-            due = int((now - first) / seconds) + 1
-            while due > 1 and first + (due - 1) * seconds > now:  # float rounding
+            first = self._steps_since  # the next step's number in the run
+            most = min(seq.stop - seq.generated for seq in self.running.values())
+            # How many steps end by now (step ends never decrease, so they are a prefix).
+            due = int((now - self.next_step_at) / self._step_length) + 1
+            due = max(1, min(due, most))
+            while due > 1 and self._step_end(first + due - 1) > now:
                 due -= 1
-            steps = min(due, min(seq.stop - seq.generated for seq in self.running.values()))
-            self._steps(steps, first + (steps - 1) * seconds)
+            while due < most and self._step_end(first + due) <= now:
+                due += 1
+            self._steps(due, self._step_end(first + due - 1))
 
     def remove(self, seq: ScheduledSequence, now: float) -> None:
         """``seq`` leaves before its end (cancelled, its answer failed): its blocks are freed
@@ -231,7 +240,12 @@ class Scheduler:
             seq.running = False
             seq.done = True
         self._step_started_at = last_at
+        self._steps_since += steps
         self._schedule(last_at)
+
+    def _step_end(self, n: int) -> float:
+        """When the ``n``-th step (from 0) since the batch last changed its length ends."""
+        return self._steps_from + n * self._step_length
 
     def _first_overflowing(self, steps: int) -> int:
         """The pool overflowed within the last ``steps`` steps: at which one first (the pool
@@ -258,7 +272,8 @@ class Scheduler:
 
     def _schedule(self, now: float) -> None:
         """Start waiting sequences while slots are free (FIFO); time the step in progress."""
-        if not self.running:
+        idle = not self.running
+        if idle:
             self._step_started_at = now
         cap = self.max_running
         while self.waiting and (cap is None or len(self.running) < cap):
@@ -273,11 +288,16 @@ class Scheduler:
                 seq.done = True
         if not self.running:
             self.next_step_at = None
-        else:
+            return
+        seconds = self.step_seconds(len(self.running))
+        if idle or seconds != self._step_length:
             # The step in progress is as long as the batch it now holds (a sequence that joins
-            # has its prefill in it); never ends before now.
-            ends = self._step_started_at + self.step_seconds(len(self.running))
-            self.next_step_at = max(now, ends)
+            # has its prefill in it); never ends before now. The steps from it on are timed
+            # from its end.
+            self._steps_from = max(now, self._step_started_at + seconds)
+            self._steps_since = 0
+            self._step_length = seconds
+        self.next_step_at = self._step_end(self._steps_since)
 
     def _start(self, seq: ScheduledSequence) -> None:
         """Charge ``seq``'s prompt (its prefill), sharing the prefix blocks it may."""

@@ -399,3 +399,33 @@ def test_steps_run_in_batches_as_they_would_one_by_one(
         ]
 
     assert run(fine=True) == run(fine=False)
+
+
+def test_a_step_ends_at_the_same_moment_whether_steps_run_one_by_one_or_in_a_batch() -> None:
+    # A sequence's ninth and last step ends at 0.03125 + 9 steps: summing the steps one by one
+    # and multiplying them out in a batch once disagreed in the last bit, so the batch ran only
+    # eight steps by then, the sequence still ran, and the next prompt shared its prefix:
+    # a peak of 96 tokens in a batch, 80 one step at a time.
+    def run(fine: bool) -> list[object]:
+        s = scheduler(capacity_tokens=96)
+        prompt = list(range(64))
+        first = seq(prompt, stop=9)
+        s.add(first, 0.03125)
+        now = 0.03125 + 0.09
+        while fine and s.next_step_at is not None and s.next_step_at <= now:
+            s.advance(s.next_step_at)
+        s.advance(now)
+        second = seq(prompt, stop=0)
+        s.add(second, now)
+        s.advance(now + 1.0)
+        return [
+            s.steps_total,
+            s.generated_tokens_total,
+            s.peak_used_tokens,
+            s.shared_blocks_total,
+            s.oom_events_total,
+            first.generated,
+            first.done,
+        ]
+
+    assert run(fine=True) == run(fine=False)
