@@ -27,8 +27,8 @@ from ._client import (
 from ._exceptions import APIResponseError, KVClientError
 from ._http import Bounded, stale_connection, transport_error
 from ._models import Completion, CompletionChunk, RetryEvent
+from ._policy import RetryPolicy
 from ._replicas import Call, Replica, slot_outcome
-from ._retry import RetryPolicy
 from ._shims import Lock, Signal, close_chain, drop, eager
 from ._streaming import StreamBase, iter_events, iter_lines
 from ._tokens import Message, TokenCounter

@@ -22,8 +22,6 @@ PACKAGES = ("kvclient", "reference_server")
 #: The private kvclient modules the server half may import, and why. Short on purpose: what the
 #: server needs from kvclient is declared in a public module instead.
 DECLARED_PRIVATE = {
-    "_pacing": "the RateLimit headers' syntax, read by the client and written by the server; "
-    "to be declared (being changed now)",
     "_streaming": "SSE parsing the gateway reuses to assemble a stream; to be declared (the "
     "client shells that import it are being changed now)",
 }
