@@ -30,9 +30,10 @@ from ._models import Completion, CompletionChunk, RetryEvent
 from ._policy import RetryPolicy
 from ._replicas import Call, Replica, slot_outcome
 from ._shims import Lock, Signal, close_chain, drop, eager
-from ._streaming import StreamBase, iter_events, iter_lines
+from ._streaming import StreamBase
 from ._tokens import Message, TokenCounter
 from .engines.discovery import Answer, Discovery, Probe
+from .sse import iter_events, iter_lines
 
 __all__ = ["Client", "Stream"]
 
