@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 from _common import gateway_process, machine, print_table, reference_server_process, write_json
 
-from kvclient._pacing import parse_ratelimit
+from kvclient.headers import parse_ratelimit
 
 GOAL_RATIO = 1.2
 SERVER = ("--kv-tokens", "32768", "--context-window", "8192", "--decode-rate", "1000")

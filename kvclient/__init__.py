@@ -15,6 +15,7 @@ from ._accounting import (
     round_up_to_blocks,
 )
 from ._async_client import AsyncClient, AsyncStream
+from ._budget import RetryBudget
 from ._exceptions import (
     APIConnectionError,
     APIResponseError,
@@ -38,7 +39,7 @@ from ._exceptions import (
     UnprocessableEntityError,
 )
 from ._models import Completion, CompletionChunk, RetryEvent, ToolCall, Usage
-from ._retry import RetryBudget, RetryPolicy, parse_retry_after
+from ._policy import RetryPolicy
 from ._server_counter import ServerTokenizeCounter
 from ._sync_client import Client, Stream
 from ._tokens import (
@@ -49,6 +50,7 @@ from ._tokens import (
     count_chat_request,
 )
 from ._version import __version__
+from .headers import parse_retry_after
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",

@@ -28,12 +28,13 @@ from ._client import (
 from ._exceptions import APIResponseError, KVClientError
 from ._http import Bounded, stale_connection, transport_error
 from ._models import Completion, CompletionChunk, RetryEvent
+from ._policy import RetryPolicy
 from ._replicas import Call, Replica, slot_outcome
-from ._retry import RetryPolicy
 from ._shims import AsyncLock, AsyncSignal, async_close_chain, async_drop, async_eager
-from ._streaming import AsyncLines, StreamBase, aiter_events
+from ._streaming import StreamBase
 from ._tokens import Message, TokenCounter
 from .engines.discovery import Answer, Discovery, Probe
+from .sse import AsyncLines, aiter_events
 
 __all__ = ["AsyncClient", "AsyncStream"]
 

@@ -45,12 +45,13 @@ from ._exceptions import (
 )
 from ._http import MIN_ATTEMPT_TIMEOUT, Body, Bounded
 from ._models import Completion, RetryEvent
+from ._policy import RetryPolicy
 from ._replicas import Call, Replica, Replicas, base_urls
-from ._retry import RetryPolicy, parse_retry_after
 from ._tokens import Message, TiktokenCounter, TokenCounter, count_chat_request
 from ._version import __version__
 from .engines.discovery import Answer, Discovery, Probe, discover_context
 from .engines.errors import classify_error
+from .headers import parse_retry_after
 
 __all__ = ["BaseClient", "Prepared", "from_env"]
 

@@ -1,34 +1,14 @@
-"""Pacing from the room a server advertises: the RateLimit header fields, written and read (pure).
+"""Pacing a client's sends (pure): the room a server advertises, its cooldown, the send window.
 
-Our servers (the reference server and the gateway) say how much KV budget they have in the
-structured-field syntax of the IETF draft "RateLimit header fields for HTTP"
-(draft-ietf-httpapi-ratelimit-headers-12): one quota policy named ``"kv"``::
+Three rules, one per client (or per replica), each a small object over the times it is given:
 
-    RateLimit-Policy: "kv";q=29491;kvtok
-    RateLimit: "kv";r=1200;t=2;tms=1200
+- :class:`Pacer`: the latest room a server advertised in its ``RateLimit`` header (the syntax is
+  :mod:`kvclient.headers`'), less what this client has sent since: "send now, or hold this
+  long";
+- :class:`Cooldown`: the "not before" times a 429's Retry-After set, by request size;
+- :class:`SendWindow`: how much the client keeps in flight once the server has refused a request.
 
-``q`` is the usable KV budget, ``r`` what is free now (usable minus reserved minus what queued
-requests wait for), ``t`` whole seconds until the next reservation is due to end (0: none in
-flight). The draft counts requests or bytes and has no unit for KV-cache tokens, so the policy
-carries a parameter of ours, ``kvtok`` (a Boolean, true): the quota is in KV tokens, counted as
-the server reserves them (prompt + output cap, in whole KV blocks). A policy without it is not
-ours and is ignored; so is anything malformed. ``tms``, also ours, is ``t`` in milliseconds:
-reservations here last seconds, and whole seconds would keep a stale hint up to a second too
-long. ``kvqueue`` (ours, a Boolean on the policy) says the server queues what does not fit (a
-FIFO admission queue, ``--max-queue-wait``): a client then sends at once and takes its place in
-that line, since holding requests locally only loses them their places (measured: 80 requests
-through a queueing gateway took 61 s paced, 14 s sent at once). These are the only lines that
-know the syntax.
-
-:class:`Pacer` turns the latest hint into "send now, or hold this long": one per client.
-
->>> policy, current = format_ratelimit(quota=29491, remaining=1200, reset=1.2)
->>> policy, current
-('"kv";q=29491;kvtok', '"kv";r=1200;t=2;tms=1200')
->>> parse_ratelimit({"RateLimit-Policy": policy, "RateLimit": current})
-RoomHint(quota=29491, remaining=1200, reset=1.2, queues=False)
->>> parse_ratelimit({"RateLimit": '"default";r=5;t=1'}) is None
-True
+:class:`kvclient._retry.RetryCall` asks them before each send.
 """
 
 from __future__ import annotations
@@ -36,16 +16,16 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
-import re
 import threading
 from collections import deque
-from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Hashable
 from typing import Any
+
+from .headers import RoomHint
 
 __all__ = [
     "DEFAULT_PACE_MAX_AGE",
-    "MS_PARAM",
+    "DEFAULT_WINDOW_RESET",
     "PACE_LAG",
     "PACE_LAG_MAX",
     "PACE_POLL",
@@ -54,24 +34,11 @@ __all__ = [
     "PACE_TRICKLE",
     "PACE_TRUST_MAX_FACTOR",
     "PACE_WAITER_TTL",
-    "POLICY_HEADER",
-    "POLICY_NAME",
-    "RATELIMIT_HEADER",
-    "UNIT_PARAM",
+    "Cooldown",
     "Pacer",
-    "RoomHint",
-    "format_ratelimit",
-    "parse_ratelimit",
+    "SendWindow",
 ]
 
-POLICY_HEADER = "RateLimit-Policy"
-RATELIMIT_HEADER = "RateLimit"
-#: The quota policy's name, and our parameter saying that its unit is KV tokens.
-POLICY_NAME = "kv"
-UNIT_PARAM = "kvtok"
-#: Our parameter on the policy saying that the server queues requests that do not fit yet.
-QUEUE_PARAM = "kvqueue"
-MS_PARAM = "tms"
 #: A hint is trusted for at most this long (seconds), and never past its ``t``: the room it
 #: describes changes with every admission and release, some of which this client does not see.
 #: Not much less: once it ages out a probe goes, and one second without an answer (every
@@ -113,109 +80,8 @@ PACE_POLL_LAST = 0.25
 #: polls, late even on a loaded machine.
 PACE_WAITER_TTL = 1.0
 
-_MAX_FIELD_LENGTH = 1024
-_INTEGER = re.compile(r"\d{1,15}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoomHint:
-    """What a server advertised: usable budget, free now, seconds to the next due release."""
-
-    quota: int | None
-    remaining: int
-    reset: float | None
-    #: The server queues what does not fit (FIFO): pacing before the send would only lose places.
-    queues: bool = False
-
-
-def format_ratelimit(
-    *, quota: int, remaining: int, reset: float, queues: bool = False
-) -> tuple[str, str]:
-    """``(RateLimit-Policy, RateLimit)`` values for a budget of ``quota`` KV tokens with
-    ``remaining`` free and the next release due in ``reset`` seconds (``t`` rounded up to
-    whole seconds, ``tms`` to milliseconds); ``queues``: the server queues what does not fit."""
-    reset = max(0.0, reset) if math.isfinite(reset) else 0.0
-    queue = f";{QUEUE_PARAM}" if queues else ""
-    return (
-        f'"{POLICY_NAME}";q={max(0, quota)};{UNIT_PARAM}{queue}',
-        f'"{POLICY_NAME}";r={max(0, remaining)};t={math.ceil(reset)};'
-        f"{MS_PARAM}={math.ceil(reset * 1000)}",
-    )
-
-
-def _joined(headers: Mapping[str, str] | Any, name: str) -> str | None:
-    """A field's lines joined as one List (RFC 9651 3.1), or None when absent or too long."""
-    get_list = getattr(headers, "get_list", None)
-    if callable(get_list):
-        values = [v for v in get_list(name) if isinstance(v, str)]
-    else:
-        lowered = name.lower()
-        values = [v for k, v in headers.items() if isinstance(k, str) and k.lower() == lowered]
-        values = [v for v in values if isinstance(v, str)]
-    if not values:
-        return None
-    joined = ", ".join(values)
-    return joined if len(joined) <= _MAX_FIELD_LENGTH else None
-
-
-def _our_params(field: str) -> dict[str, str | None] | None:
-    """The parameters of the ``"kv"`` member of a List field, or None when it has none."""
-    # Split by hand: our names and values hold no commas, semicolons or escapes.
-    for member in field.split(","):
-        item, *params = member.split(";")
-        name = item.strip()
-        if len(name) >= 2 and name[0] == name[-1] == '"':
-            name = name[1:-1]
-        if name != POLICY_NAME:
-            continue
-        found: dict[str, str | None] = {}
-        for param in params:
-            key, equals, value = param.partition("=")
-            found[key.strip()] = value.strip() if equals else None
-        return found
-    return None
-
-
-def _integer(value: str | None) -> int | None:
-    if value is None or not _INTEGER.fullmatch(value):
-        return None
-    return int(value)
-
-
-def parse_ratelimit(headers: Mapping[str, str] | Any) -> RoomHint | None:
-    """The ``"kv"`` room a response advertises, or None (absent, not in KV tokens, malformed).
-
-    Both fields are needed: the policy marked ``kvtok`` (the unit) and the current ``r``.
-    Never raises.
-    """
-    try:
-        policy_field = _joined(headers, POLICY_HEADER)
-        current_field = _joined(headers, RATELIMIT_HEADER)
-        if policy_field is None or current_field is None:
-            return None
-        policy = _our_params(policy_field)
-        if policy is None or UNIT_PARAM not in policy or policy[UNIT_PARAM] not in (None, "?1"):
-            return None
-        current = _our_params(current_field)
-        if current is None:
-            return None
-        remaining = _integer(current.get("r"))
-        if remaining is None:
-            return None
-        millis = _integer(current.get(MS_PARAM))
-        seconds = _integer(current.get("t"))
-        if millis is not None:
-            reset: float | None = millis / 1000
-        else:
-            reset = None if seconds is None else float(seconds)
-        return RoomHint(
-            quota=_integer(policy.get("q")),
-            remaining=remaining,
-            reset=reset,
-            queues=QUEUE_PARAM in policy and policy[QUEUE_PARAM] in (None, "?1"),
-        )
-    except Exception:  # a header parser must never take the client down
-        return None
+#: Seconds without a refusal after which the send window opens fully again.
+DEFAULT_WINDOW_RESET = 10.0
 
 
 class Pacer:
@@ -498,3 +364,101 @@ class Pacer:
             if len(recent) > 4096 or recent[0][0] < now - self.lag:  # bounded, whatever happens
                 while recent and (len(recent) > 4096 or recent[0][0] < now - self.lag):
                     recent.popleft()
+
+
+class Cooldown:
+    """Client-wide "not before" times, by request size, shared by every request of one client.
+
+    A 429 with Retry-After T for a request of ``size`` tokens (prompt + output cap) says that
+    the server cannot fit ``size`` tokens before now + T, so no request at least that large is
+    sent before then: they hold instead of each discovering the overload with a 429 of their
+    own. It says nothing about smaller requests, which may still fit in the room that is left,
+    so they are held only by refusals of requests no larger than themselves. A refusal of
+    unknown size holds every request, and a request of unknown size is held by every refusal:
+    without sizes (the default, ``RetryPolicy.cooldown_by_size=False``) the whole client cools
+    down. Value logic over the times it is given; a lock only keeps concurrent updates
+    consistent.
+    """
+
+    __slots__ = ("_entries", "_lock", "advice")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # (size, until), sorted: an entry that a smaller-or-equal size with a later-or-equal
+        # time already covers is dropped, so larger sizes have later times.
+        self._entries: list[tuple[float, float]] = []
+        self.advice: float | None = None
+
+    def extend(self, now: float, advice: float, size: int | None = None) -> None:
+        """The server asked for ``advice`` seconds at monotonic time ``now`` for a request of
+        ``size`` tokens (None: unknown, holds every size)."""
+        bound = 0.0 if size is None else float(size)
+        until = now + advice
+        with self._lock:
+            live = [e for e in self._entries if e[1] > now]
+            if any(s <= bound and u >= until for s, u in live):
+                self._entries = live
+                return  # already held at least that long
+            kept = [e for e in live if not (e[0] >= bound and e[1] <= until)]
+            kept.append((bound, until))
+            kept.sort()
+            self._entries = kept
+            self.advice = advice
+
+    def remaining(self, now: float, size: int | None = None) -> float:
+        """Seconds a request of ``size`` tokens (None: any size) holds before sending."""
+        entries = self._entries
+        if not entries:
+            return 0.0
+        bound = math.inf if size is None else float(size)
+        until = max((u for s, u in entries if s <= bound), default=-math.inf)
+        return max(0.0, until - now)
+
+
+class SendWindow:
+    """How much one client keeps in flight once the server has refused a request (pure).
+
+    The cooldown says *when* the server may have room again; this says *how much*. Without it,
+    every request held during a cooldown is sent the moment it ends, and most of them are refused
+    again: a herd, once per cooldown. The window counts KV tokens (each request's prompt + output
+    cap; 1 when unknown): a refusal (429/503) closes it to the tokens of the other requests still
+    in flight, which is what the server is holding for this client now; from then on a new send
+    waits until enough of those finish (a request alone in flight always goes). Counting tokens
+    rather than requests lets the room a large request leaves be taken by several small ones.
+    Each success widens it a little (about one request per window's worth of successes, TCP's
+    additive increase), and ``reset`` seconds without a refusal open it fully. Until the first
+    refusal the window is open and costs one uncontended lock per send.
+    """
+
+    __slots__ = ("_last_refusal", "_lock", "in_flight", "limit", "requests", "reset")
+
+    def __init__(self, *, reset: float = DEFAULT_WINDOW_RESET) -> None:
+        self._lock = threading.Lock()
+        self.in_flight = 0  # tokens
+        self.requests = 0
+        self.limit = math.inf
+        self.reset = reset
+        self._last_refusal = -math.inf
+
+    def try_acquire(self, now: float, size: int = 1) -> bool:
+        """Take room for one send of ``size`` tokens if the window allows it."""
+        with self._lock:
+            if self.limit != math.inf and now - self._last_refusal >= self.reset:
+                self.limit = math.inf
+            if self.requests == 0 or self.in_flight + size <= self.limit:
+                self.in_flight += size
+                self.requests += 1
+                return True
+            return False
+
+    def release(self, outcome: str, now: float, size: int = 1) -> None:
+        """Give back a send's room: ``outcome`` is "ok", "refused" (429/503) or "other"."""
+        with self._lock:
+            if outcome == "refused":
+                # The others in flight are what the server holds now: keep to that.
+                self.limit = max(float(size), min(self.limit, self.in_flight - float(size)))
+                self._last_refusal = now
+            elif outcome == "ok" and self.limit != math.inf:
+                self.limit += size * size / self.limit
+            self.in_flight = max(0, self.in_flight - size)
+            self.requests = max(0, self.requests - 1)

@@ -24,8 +24,10 @@ from ._accounting import DEFAULT_BLOCK_SIZE
 from ._exceptions import APIConnectionError, APIStatusError, APITimeoutError, InsufficientQuotaError
 from ._http import redact_url
 from ._models import RetryEvent
-from ._pacing import DEFAULT_PACE_MAX_AGE, PACE_LAG, Pacer, parse_ratelimit
-from ._retry import Cooldown, RetryCall, RetryPolicy, SendWindow
+from ._pacing import DEFAULT_PACE_MAX_AGE, PACE_LAG, Cooldown, Pacer, SendWindow
+from ._policy import RetryPolicy
+from ._retry import RetryCall
+from .headers import parse_ratelimit
 from .routing import Endpoint, Health, pick
 
 __all__ = [

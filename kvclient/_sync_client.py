@@ -27,12 +27,13 @@ from ._client import (
 from ._exceptions import APIResponseError, KVClientError
 from ._http import Bounded, stale_connection, transport_error
 from ._models import Completion, CompletionChunk, RetryEvent
+from ._policy import RetryPolicy
 from ._replicas import Call, Replica, slot_outcome
-from ._retry import RetryPolicy
 from ._shims import Lock, Signal, close_chain, drop, eager
-from ._streaming import StreamBase, iter_events, iter_lines
+from ._streaming import StreamBase
 from ._tokens import Message, TokenCounter
 from .engines.discovery import Answer, Discovery, Probe
+from .sse import iter_events, iter_lines
 
 __all__ = ["Client", "Stream"]
 

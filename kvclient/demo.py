@@ -155,7 +155,7 @@ def _naive(http: httpx.AsyncClient) -> Sender:
 
 def _kvclient(http: httpx.AsyncClient) -> Sender:
     from ._async_client import AsyncClient
-    from ._retry import RetryPolicy
+    from ._policy import RetryPolicy
     from .loadgen._kvsender import KVClientSender
 
     client = AsyncClient(

@@ -34,7 +34,7 @@ from locust import User, events, task
 
 from ._exceptions import KVClientError
 from ._models import Completion, RetryEvent
-from ._retry import RetryPolicy
+from ._policy import RetryPolicy
 from ._sync_client import Client
 from ._tokens import TiktokenCounter
 from .loadgen._kvsender import failure_cause

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio.lowlevel
 
-from ._retry import RetryPolicy
+from ._policy import RetryPolicy
 
 __all__ = ["FakeClock"]
 

@@ -25,11 +25,11 @@ import anyio
 import httpx
 
 from .._exceptions import APIResponseError
-from .._streaming import AsyncLines
 from ..engines.behaviour import run_to_cap_fields
 from ..engines.budget import discover_budget
 from ..engines.discovery import Answer as DialectAnswer
 from ..engines.metrics import KVLosses, kv_losses_from_metrics
+from ..sse import AsyncLines
 from ._judge import (
     BurstOutcome,
     ErrorBody,

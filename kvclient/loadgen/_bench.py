@@ -245,7 +245,7 @@ async def run_bench(
 ) -> BenchResult:
     """One run as ``config`` says, against a server the preflight has checked."""
     from .._async_client import AsyncClient
-    from .._retry import RetryPolicy
+    from .._policy import RetryPolicy
     from ._kvsender import KVClientSender
     from ._naive import NaiveSender
     from ._runner import run_load

@@ -76,7 +76,7 @@ async def preflight(
 ) -> Served:
     """Check the server once, with no retries; raise :class:`PreflightError` with the reason."""
     from .._async_client import AsyncClient
-    from .._retry import RetryPolicy
+    from .._policy import RetryPolicy
 
     policy = RetryPolicy(max_attempts=1, deadline=limit, window=False)
     client = AsyncClient(

@@ -14,7 +14,7 @@ import httpx
 from .._async_client import AsyncClient
 from .._exceptions import APIConnectionError, KVClientError
 from .._models import RetryEvent
-from .._retry import RetryPolicy
+from .._policy import RetryPolicy
 from .._tokens import TokenCounter
 from ._base_transport import _UNKNOWN_BASE_URL, DEFAULT_LIMITS, _parse, _Shared
 from ._plan import generation_kind

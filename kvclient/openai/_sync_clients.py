@@ -15,7 +15,7 @@ import httpx
 import openai
 
 from .._models import RetryEvent
-from .._retry import RetryPolicy
+from .._policy import RetryPolicy
 from .._tokens import TokenCounter
 from ._base_clients import _check_retries, _existing, _replicas, _sdk_base_url
 from ._sync_transport import Transport

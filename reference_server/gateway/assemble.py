@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvclient import APIResponseError
-from kvclient._streaming import DONE, LineSplitter, SSEDecoder, merge_delta
+from kvclient.sse import DONE, LineSplitter, SSEDecoder, merge_delta
 
 __all__ = ["Assembler", "BrokenStream", "EngineError", "assemble"]
 

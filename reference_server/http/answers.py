@@ -1,7 +1,7 @@
 """The answers admission gives over HTTP: the cap a request is admitted with (or the 413 and 400
 that refuse it for good), the 429 with Retry-After, and the RateLimit headers of the room left.
 
-Shared by both apps; the syntax of RateLimit and Retry-After lives in :mod:`kvclient._pacing`.
+Shared by both apps; the syntax of RateLimit and Retry-After lives in :mod:`kvclient.headers`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Send
 
 from kvclient import effective_output_cap
-from kvclient._pacing import POLICY_HEADER, RATELIMIT_HEADER, format_ratelimit
+from kvclient.headers import POLICY_HEADER, RATELIMIT_HEADER, format_ratelimit
 
 from ..admission.ledger import Handle, Headroom, KVAdmissionController
 from ..admission.queue import AdmissionQueue, Rejected
@@ -42,7 +42,7 @@ async def send_whole(response: Response, send: Send) -> None:
 
 
 def ratelimit_headers(room: Headroom, *, queues: bool = False) -> dict[str, str]:
-    """``RateLimit-Policy`` and ``RateLimit`` for ``room`` (see :mod:`kvclient._pacing` for the
+    """``RateLimit-Policy`` and ``RateLimit`` for ``room`` (see :mod:`kvclient.headers` for the
     syntax, the ``kvtok`` unit and ``kvqueue``: ``queues``, what does not fit waits in a FIFO
     queue); none for a strategy whose room is not in reserved tokens."""
     if not room.advertised:

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from kvclient import AsyncClient, Client, RetryPolicy
 from kvclient._exceptions import KVClientError
-from kvclient._pacing import Pacer, format_ratelimit
+from kvclient._pacing import Pacer
 from kvclient._replicas import Replicas
+from kvclient.headers import format_ratelimit
 from kvclient.testing import FakeClock
 from tests.helpers.client import (
     COUNTER,

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvclient import AsyncClient, Client, RetryPolicy, ServerBusyError
-from kvclient._retry import SendWindow
+from kvclient._pacing import SendWindow
 from kvclient.testing import FakeClock
 from tests.helpers.client import BASE_URL, CONTEXT, COUNTER, MODEL, busy, ok_completion
 

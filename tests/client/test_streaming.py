@@ -8,7 +8,7 @@ import gc
 import pytest
 
 from kvclient import APIResponseError
-from kvclient._streaming import SSEDecoder, iter_events
+from kvclient.sse import SSEDecoder, iter_events
 from tests.helpers.client import (
     CONTEXT,
     FakeServer,

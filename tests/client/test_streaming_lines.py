@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvclient import APIResponseError, AsyncClient, Client, RetryPolicy, ToolCall
-from kvclient._streaming import (
+from kvclient.contract._session import _consume
+from kvclient.sse import (
     MAX_LINE_BYTES,
     AsyncLines,
     LineSplitter,
@@ -23,7 +24,6 @@ from kvclient._streaming import (
     iter_lines,
     merge_delta,
 )
-from kvclient.contract._session import _consume
 from tests.helpers.client import (
     COUNTER,
     MODEL,

@@ -40,6 +40,8 @@ API_PAGES = {
     "kvclient.engines.metrics": "api/engines",
     "kvclient.engines.spend": "api/engines",
     "kvclient.engines.tokenize": "api/engines",
+    "kvclient.headers": "api/headers",
+    "kvclient.sse": "api/sse",
     "kvclient.testing": "api/testing",
     "reference_server.testing": "api/reference-server-testing",
 }

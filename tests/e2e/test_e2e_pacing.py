@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from kvclient import AsyncClient, RetryPolicy
-from kvclient._pacing import Pacer, RoomHint, parse_ratelimit
+from kvclient._pacing import Pacer
+from kvclient.headers import RoomHint, parse_ratelimit
 from reference_server import RunningServer, running_server
 from reference_server.gateway import GatewayConfig
 from reference_server.testing import running_gateway

@@ -28,8 +28,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvclient import AsyncClient, Client, Completion, KVClientError, RetryPolicy
-from kvclient._pacing import parse_ratelimit
 from kvclient.contract import CheckStatus, run_contract
+from kvclient.headers import parse_ratelimit
 from kvclient.routing import Endpoint, Health, ranked
 from reference_server import RunningServer, running_server, serve_in_thread
 from reference_server.gateway import GatewayConfig, GatewayState

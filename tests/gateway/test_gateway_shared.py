@@ -20,7 +20,7 @@ import llama_engine
 import pytest
 import redis
 
-from kvclient._pacing import parse_ratelimit
+from kvclient.headers import parse_ratelimit
 from reference_server import running_server
 from reference_server.gateway import GatewayConfig
 from reference_server.gateway.config import public_url

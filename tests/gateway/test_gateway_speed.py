@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvclient._pacing import parse_ratelimit
+from kvclient.headers import parse_ratelimit
 from reference_server import RunningServer, running_server
 from reference_server.gateway import GatewayConfig
 from reference_server.testing import running_gateway

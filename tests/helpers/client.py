@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from kvclient import AsyncClient, Client, TiktokenCounter
-from kvclient._pacing import format_ratelimit
+from kvclient.headers import format_ratelimit
 from kvclient.testing import FakeClock
 
 BASE_URL = "http://kv.test"

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 
 from kvclient import TiktokenCounter
-from kvclient._pacing import parse_ratelimit
+from kvclient.headers import parse_ratelimit
 from reference_server import ServerConfig, ServerState, create_app
 
 pytestmark = pytest.mark.anyio

@@ -21,12 +21,7 @@ PACKAGES = ("kvclient", "reference_server")
 
 #: The private kvclient modules the server half may import, and why. Short on purpose: what the
 #: server needs from kvclient is declared in a public module instead.
-DECLARED_PRIVATE = {
-    "_pacing": "the RateLimit headers' syntax, read by the client and written by the server; "
-    "to be declared (being changed now)",
-    "_streaming": "SSE parsing the gateway reuses to assemble a stream; to be declared (the "
-    "client shells that import it are being changed now)",
-}
+DECLARED_PRIVATE: dict[str, str] = {}
 
 #: Where kvclient may import reference_server: inside a function of these files only.
 SERVER_IMPORTERS = {"kvclient/cli.py", "kvclient/demo.py"}

@@ -1,9 +1,7 @@
-"""Pacing from the server's advertised room: the header syntax, the Pacer rule, the hold step,
-and the server's side (the ledger's headroom, the RateLimit fields it builds)."""
+"""Pacing from the server's advertised room: the Pacer rule, the hold step, and the server's side
+(the ledger's headroom, the RateLimit fields it builds); the header syntax: test_headers.py."""
 
 from __future__ import annotations
-
-import math
 
 import httpx
 import pytest
@@ -18,81 +16,14 @@ from kvclient._pacing import (
     PACE_POLL_FIRST,
     PACE_TRICKLE,
     PACE_WAITER_TTL,
+    Cooldown,
     Pacer,
-    RoomHint,
-    format_ratelimit,
-    parse_ratelimit,
 )
-from kvclient._retry import Cooldown, RetryCall
+from kvclient._retry import RetryCall
+from kvclient.headers import RoomHint, format_ratelimit, parse_ratelimit
 from kvclient.testing import FakeClock
 from reference_server.admission.ledger import Headroom, KVAdmissionController
 from reference_server.http.answers import ratelimit_headers
-
-# --- the header syntax -----------------------------------------------------------------------
-
-
-@given(
-    quota=st.integers(0, 10**12),
-    remaining=st.integers(0, 10**12),
-    reset=st.floats(0, 1e6, allow_nan=False),
-)
-def test_what_the_server_writes_the_client_reads(quota: int, remaining: int, reset: float) -> None:
-    policy, current = format_ratelimit(quota=quota, remaining=remaining, reset=reset)
-    hint = parse_ratelimit(httpx.Headers({"RateLimit-Policy": policy, "RateLimit": current}))
-    assert hint is not None
-    assert hint.quota == quota
-    assert hint.remaining == remaining
-    assert hint.reset == math.ceil(reset * 1000) / 1000  # tms: milliseconds, rounded up
-    assert current.split(";")[2] == f"t={math.ceil(reset)}"  # the draft's whole seconds
-
-
-@given(st.text(max_size=300), st.text(max_size=300))
-def test_the_parser_never_raises(policy: str, current: str) -> None:
-    hint = parse_ratelimit({"RateLimit-Policy": policy, "RateLimit": current})
-    assert hint is None or hint.remaining >= 0
-
-
-@pytest.mark.parametrize(
-    ("policy", "current", "expected"),
-    [
-        # Other policies beside ours, a Token for the name, parameters in any order.
-        ('"burst";q=10;w=1, kv;kvtok;q=500', 'other;r=1, "kv";t=3;r=40', (500, 40, 3)),
-        ('"kv";q=500;kvtok=?1', '"kv";r=0', (500, 0, None)),
-        ('"kv";q=500;kvtok', '"kv";r=9;t=2;tms=1500', (500, 9, 1.5)),  # tms wins over t
-        ('"kv";q=500;kvtok', '"kv";r=9;t=2;tms=x', (500, 9, 2.0)),
-        ('"kv";q=500', '"kv";r=40;t=3', None),  # no kvtok: not in KV tokens
-        ('"kv";q=500;kvtok=?0', '"kv";r=40;t=3', None),
-        ('"kv";q=500;kvtok', '"default";r=40;t=3', None),  # no "kv" item in RateLimit
-        ('"kv";q=500;kvtok', '"kv";r=-1;t=3', None),
-        ('"kv";q=500;kvtok', '"kv";r=1.5', None),
-        ('"kv";q=500;kvtok', '"kv";t=3', None),
-        ('"kv";q=500;kvtok', "", None),
-    ],
-)
-def test_only_our_policy_in_kv_tokens_is_read(
-    policy: str, current: str, expected: tuple[int, int, float | None] | None
-) -> None:
-    hint = parse_ratelimit({"ratelimit-policy": policy, "ratelimit": current})
-    if expected is None:
-        assert hint is None
-    else:
-        assert hint == RoomHint(quota=expected[0], remaining=expected[1], reset=expected[2])
-
-
-def test_a_list_split_over_several_lines_is_one_list() -> None:
-    headers = httpx.Headers(
-        [("RateLimit-Policy", '"a";q=1'), ("RateLimit-Policy", '"kv";q=9;kvtok'),
-         ("RateLimit", '"a";r=0'), ("RateLimit", '"kv";r=7;t=1')]
-    )  # fmt: skip
-    assert parse_ratelimit(headers) == RoomHint(quota=9, remaining=7, reset=1)
-
-
-def test_no_headers_no_hint() -> None:
-    assert parse_ratelimit(httpx.Headers({"Retry-After": "1"})) is None
-    assert (
-        parse_ratelimit({"RateLimit": '"kv";r=1' * 200, "RateLimit-Policy": '"kv";kvtok'}) is None
-    )
-
 
 # --- the pacing rule --------------------------------------------------------------------------
 
