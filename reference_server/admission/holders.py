@@ -14,6 +14,7 @@ from .values import Handle
 
 __all__ = [
     "DEFAULT_RELAY_LAG",
+    "RuleInForce",
     "as_holder",
     "borrowable",
     "lag_tokens",
@@ -108,3 +109,41 @@ def stalled(live: Iterable[Handle], now: float, seconds: float) -> list[Handle]:
     if not any(now - h.seen_at < seconds for h in moving):
         return []
     return [h for h in moving if now - h.seen_at >= seconds and (h.generated or 0) < h.output_cap]
+
+
+class RuleInForce:
+    """Whether a ledger configured for the peak rule runs on it now, and why not: for good (the
+    engine does not qualify: ``for_good``), or until the holders live when the engine was seen
+    out of lockstep have gone (``for_now``, ``draining``). Under the ledger's lock."""
+
+    __slots__ = ("draining", "for_good", "for_now", "peak_configured")
+
+    def __init__(self, *, peak_configured: bool) -> None:
+        self.peak_configured = peak_configured
+        self.for_good: str | None = None
+        self.for_now: str | None = None
+        self.draining: set[int] = set()
+
+    @property
+    def tracks_progress(self) -> bool:
+        """Holders' progress is worth following (it may be on caps for now, until drained)."""
+        return self.peak_configured and self.for_good is None
+
+    @property
+    def peak(self) -> bool:
+        return self.tracks_progress and self.for_now is None
+
+    @property
+    def reason(self) -> str | None:
+        return (self.for_good or self.for_now) if self.peak_configured else None
+
+    def until_drained(self, reason: str, live: Collection[int]) -> None:
+        self.for_now = reason
+        self.draining = set(live)
+        if not self.draining:
+            self.for_now = None
+
+    def gone(self, handle_id: int) -> None:
+        self.draining.discard(handle_id)
+        if not self.draining:
+            self.for_now = None

@@ -41,9 +41,11 @@ from typing import Literal, get_args
 
 from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
 
+from .decode import Decoding, check_speed
 from .forecast import Drain, earliest_fit, earliest_peak_fit, expected_ends, quantile_above
 from .holders import (
     DEFAULT_RELAY_LAG,
+    RuleInForce,
     as_holder,
     borrowable,
     lender_in_prefill,
@@ -88,13 +90,6 @@ _MIN_OUTPUTS = 20
 STAGGER_ROUNDS = 8
 #: Promises remembered at most (the oldest are forgotten first): each estimate scans them all.
 _MAX_PROMISES = 64
-
-
-def _check_speed(decode_rate: float, throughput: float | None) -> None:
-    if not decode_rate > 0 or math.isinf(decode_rate):
-        raise ValueError(f"decode_rate must be a positive number, got {decode_rate}")
-    if throughput is not None and (not throughput > 0 or math.isinf(throughput)):
-        raise ValueError(f"throughput must be a positive number or None, got {throughput}")
 
 
 class KVAdmissionController:
@@ -144,11 +139,9 @@ class KVAdmissionController:
             raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
         if not (0.0 <= relay_lag < math.inf):
             raise ValueError(f"relay_lag must be a finite number >= 0, got {relay_lag}")
-        _check_speed(decode_rate, throughput)
+        self._decoding = Decoding(decode_rate, throughput)
         self.total_kv_tokens = total_kv_tokens
         self.context_window = context_window
-        self.decode_rate = float(decode_rate)
-        self.throughput = None if throughput is None else float(throughput)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.safety_fraction = safety_fraction
         self.block_size = block_size
@@ -163,11 +156,8 @@ class KVAdmissionController:
         self.usable_tokens = max(1, math.floor(total_kv_tokens * safety_fraction))
         self.rule: Rule = rule
         self.relay_lag = float(relay_lag)
-        #: Why a ``peak`` ledger runs on caps for good (the engine does not qualify).
-        self._caps_for_good: str | None = None
-        #: Why it runs on caps for now, and the holders that must go before it stops.
-        self._caps_for_now: str | None = None
-        self._draining: set[int] = set()
+        #: Whether the peak rule is in force, and why not.
+        self._in_force = RuleInForce(peak_configured=rule == "peak" and strategy == "reserve")
         #: Whether the engine shares the KV blocks of identical prompt prefixes (set by the
         #: server that knows it): then the peak rule counts them once (:meth:`prefix_keys`).
         self.shares_prefixes = False
@@ -185,51 +175,35 @@ class KVAdmissionController:
         self._peak_inflight = 0
         self._promises: list[_Promise] = []
         self._outputs: deque[int] = deque(maxlen=_OUTPUT_WINDOW)
-        #: Tokens one sequence has generated since the ledger began, at ``_progress_at``: a live
-        #: handle has generated about ``_progress - progress_at_admit`` (see :meth:`_advance`).
-        self._progress = 0.0
-        self._progress_at: float | None = None
-        #: Time integrals since the ledger began, at ``_progress_at``: of the live handles
-        #: (handle-seconds), and of the time any was live (see :meth:`occupancy`).
-        self._held_seconds = 0.0
-        self._busy_seconds = 0.0
 
     # --- decode speed ------------------------------------------------------------------------
 
-    def rate_at(self, sequences: int) -> float:
-        """Tokens per second one sequence decodes at while ``sequences`` decode together.
+    @property
+    def decode_rate(self) -> float:
+        """Tokens per second one sequence decodes at alone (see :meth:`rate_at`)."""
+        return self._decoding.decode_rate
 
-        A decode step makes one token for every running sequence and takes longer the more
-        there are: ``1 / decode_rate`` for one sequence, plus ``1 / throughput`` for each other
-        one. So one sequence alone decodes at ``decode_rate``, and many share ``throughput``
-        between them (the engine's tokens per second when its batch is large). Without a
-        ``throughput`` every sequence decodes at ``decode_rate`` however many there are.
-        """
-        if self.throughput is None or sequences <= 1:
-            return self.decode_rate
-        return 1.0 / (1.0 / self.decode_rate + (sequences - 1) / self.throughput)
+    @property
+    def throughput(self) -> float | None:
+        """Tokens per second a large batch makes in all, when known (see :meth:`rate_at`)."""
+        return self._decoding.throughput
+
+    def rate_at(self, sequences: int) -> float:
+        """Tokens per second one sequence decodes at while ``sequences`` decode together
+        (:meth:`.decode.Decoding.rate_at`)."""
+        return self._decoding.rate_at(sequences)
 
     def set_speed(self, decode_rate: float, throughput: float | None, now: float) -> None:
         """The engine's measured speed (see :meth:`rate_at`), from ``now`` on: the progress of
         the live handles so far is kept at the speed it was made at."""
-        _check_speed(decode_rate, throughput)
+        check_speed(decode_rate, throughput)
         with self._lock:
             self._advance(now)
-            self.decode_rate = float(decode_rate)
-            self.throughput = None if throughput is None else float(throughput)
+            self._decoding.set(decode_rate, throughput)
 
     def _advance(self, now: float) -> None:
-        """Move the decode progress to ``now`` at the rate the live handles decode at (lock
-        held). Time never runs backwards here: a ``now`` before the last one moves nothing."""
-        if self._progress_at is None:
-            self._progress_at = now
-        elif now > self._progress_at:
-            elapsed, live = now - self._progress_at, len(self._live)
-            self._progress += elapsed * self.rate_at(live)
-            self._held_seconds += elapsed * live
-            if live:
-                self._busy_seconds += elapsed
-            self._progress_at = now
+        """Move the decode progress to ``now`` (lock held)."""
+        self._decoding.advance(now, len(self._live))
 
     def occupancy(self, now: float) -> tuple[float, float, int]:
         """``(handle-seconds, busy seconds, admitted)`` since the ledger began: the time integral
@@ -238,14 +212,15 @@ class KVAdmissionController:
         any was."""
         with self._lock:
             self._advance(now)
-            return self._held_seconds, self._busy_seconds, self._admitted_total
+            decoding = self._decoding
+            return decoding.held_seconds, decoding.busy_seconds, self._admitted_total
 
     def generated(self, handle: Handle, now: float) -> float:
         """About how many tokens ``handle`` has generated by ``now`` (decoding since admission
         at the engine's speed; the engine may have stopped it sooner)."""
         with self._lock:
             self._advance(now)
-            return max(0.0, self._progress - handle.progress_at_admit)
+            return max(0.0, self._decoding.progress - handle.progress_at_admit)
 
     # --- pure pricing ------------------------------------------------------------------------
 
@@ -274,18 +249,13 @@ class KVAdmissionController:
     # --- the peak rule -----------------------------------------------------------------------
 
     def _peak_in_force(self) -> bool:
-        return (
-            self.rule == "peak"
-            and self.strategy == "reserve"
-            and self._caps_for_good is None
-            and self._caps_for_now is None
-        )
+        return self._in_force.peak
 
     @property
     def tracks_progress(self) -> bool:
         """Whether holders' progress is worth relaying: the peak rule may count it (it is
         configured and the engine qualifies; it may be on caps for now, until drained)."""
-        return self.rule == "peak" and self.strategy == "reserve" and self._caps_for_good is None
+        return self._in_force.tracks_progress
 
     def prefix_keys(self, token_ids: Sequence[int] | None, salt: Hashable) -> tuple[Hashable, ...]:
         """The keys of a prompt's shareable blocks where the engine shares them and the peak
@@ -298,27 +268,22 @@ class KVAdmissionController:
     def caps_reason(self) -> str | None:
         """Why a ledger configured for ``peak`` counts whole caps now (None when it does not)."""
         with self._lock:
-            if self.rule != "peak":
-                return None
-            if self.strategy != "reserve":
+            if self.rule == "peak" and self.strategy != "reserve":
                 return f"the {self.strategy} strategy counts no caps to begin with"
-            return self._caps_for_good or self._caps_for_now
+            return self._in_force.reason
 
     def set_caps_for_good(self, reason: str | None) -> None:
         """Run on caps whatever happens, for ``reason`` (the engine does not qualify for the
         peak rule); None lifts it."""
         with self._lock:
-            self._caps_for_good = reason
+            self._in_force.for_good = reason
 
     def run_on_caps(self, reason: str) -> None:
         """The engine was seen not to run every holder in lockstep (requests waiting inside it,
         a preemption, a stalled stream): count whole caps until every holder live now has
         gone. Said again while it lasts, it waits for the holders live then."""
         with self._lock:
-            self._caps_for_now = reason
-            self._draining = set(self._live)
-            if not self._draining:
-                self._caps_for_now = None
+            self._in_force.until_drained(reason, self._live)
 
     def progress(self, handle: Handle, generated: int, now: float) -> bool:
         """``handle`` has had ``generated`` tokens relayed by ``now`` (counted from the engine's
@@ -412,7 +377,7 @@ class KVAdmissionController:
                 reserved_tokens=need,
                 admitted_at=now,
                 due_at=now + output_cap / rate + self.release_margin,
-                progress_at_admit=self._progress,
+                progress_at_admit=self._decoding.progress,
             )
             if prefix and self._peak_in_force():
                 handle.prefix, handle.borrowed = prefix, borrowable(prefix, self._live.values())
@@ -459,9 +424,7 @@ class KVAdmissionController:
             del self._live[handle.id]
             if handle.prefix:
                 self._tainted = tainted_after(handle, self._live.values(), self._tainted)
-            self._draining.discard(handle.id)
-            if not self._draining:
-                self._caps_for_now = None
+            self._in_force.gone(handle.id)
             handle.released = True
             self._reserved -= handle.reserved_tokens
             self._released_total += 1
@@ -506,8 +469,9 @@ class KVAdmissionController:
         :func:`.forecast.expected_ends`. Its progress is what was relayed where it was,
         else what the engine's speed made of it since its admission."""
         self._advance(now)
+        progress = self._decoding.progress
         live = [
-            (h, h.generated if h.generated is not None else self._progress - h.progress_at_admit)
+            (h, h.generated if h.generated is not None else progress - h.progress_at_admit)
             for h in self._live.values()
         ]
         drain = Drain(self.rate_at, self.decode_rate, self.release_margin, self.overrun)
@@ -652,8 +616,6 @@ class KVAdmissionController:
                 peak_inflight=self._peak_inflight,
                 max_concurrency=self.max_concurrency,
                 rule="peak" if self._peak_in_force() else "caps",
-                caps_reason=(
-                    None if self.rule != "peak" else self._caps_for_good or self._caps_for_now
-                ),
-                committed_tokens=self._committed(self._progress_at or 0.0),
+                caps_reason=self._in_force.reason,
+                committed_tokens=self._committed(self._decoding.at or 0.0),
             )
