@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import free_port, instant_server_process, print_table, write_json
 
 from reference_server import KVAdmissionController
-from reference_server.shared_ledger.ledger import Lease, RedisLedger, connect
+from reference_server.shared_ledger.connection import connect
+from reference_server.shared_ledger.ledger import Lease, RedisLedger
 
 STREAMS = 32
 EVENTS_PER_STREAM = 64

@@ -33,7 +33,8 @@ from _common import machine, print_table, write_json
 from shared_ledger import redis_server
 
 from reference_server import KVAdmissionController
-from reference_server.shared_ledger.ledger import Lease, RedisLedger, Wakeups, connect
+from reference_server.shared_ledger.connection import connect
+from reference_server.shared_ledger.ledger import Lease, RedisLedger, Wakeups
 from reference_server.shared_ledger.queue import POLL_SECONDS, SharedQueue
 
 #: The upstream's budget: 9,000 usable tokens; the holder takes 8,000, the waiter asks 2,000.

@@ -40,7 +40,8 @@ class SharedLedgers:
         client_key: str | None = None,
     ) -> None:
         # Imported here: redis is needed only when a ledger is shared.
-        from ..shared_ledger.ledger import Lease, Wakeups, connect
+        from ..shared_ledger.connection import connect
+        from ..shared_ledger.ledger import Lease, Wakeups
 
         self.url = url
         self.client = connect(url, ca_file=ca_file, client_cert=client_cert, client_key=client_key)
@@ -101,7 +102,7 @@ class SharedLedgers:
             await self.lease.run()
 
     async def aclose(self) -> None:
-        from ..shared_ledger.ledger import close
+        from ..shared_ledger.connection import close
 
         with anyio.CancelScope(shield=True):
             for shared in self.ledgers:

@@ -2,8 +2,8 @@
 admits against one budget (``kvclient gateway --ledger redis://...``). Apart from
 :mod:`reference_server.admission`, which is pure: this is its I/O.
 
-- :mod:`.ledger`: :class:`~.ledger.RedisLedger`, the leases, the connection (TLS, Sentinel),
-  the pub/sub wake-ups;
+- :mod:`.ledger`: :class:`~.ledger.RedisLedger`, the leases, the pub/sub wake-ups;
+- :mod:`.connection`: reaching Redis (``redis://``, ``rediss://``, ``redis+sentinel://``);
 - :mod:`.queue`: :class:`~.queue.SharedQueue`, the FIFO queue across processes;
 - :mod:`.scripts`: the Lua scripts, each operation one atomic script.
 
