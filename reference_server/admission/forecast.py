@@ -156,13 +156,14 @@ def earliest_peak_fit(
     usable: int,
     block_size: int,
     tainted: Collection[Hashable] = (),
+    max_concurrency: int | None = None,
 ) -> float:
     """The first moment from ``now`` at which ``need`` fits under the peak rule.
 
     At a holder's expected end every holder still running has advanced as many steps as it
     had left (they decode in lockstep): the peak from then on is the peak over the steps after
-    those. Flat holders count until their own expected end. Promised returns are not counted
-    (the gateway does not stagger).
+    those. Flat holders count until their own expected end, and a place must be free among
+    ``max_concurrency``. Promised returns are not counted (the gateway does not stagger).
     """
     candidate = Holder.flat(need)
     holders = {id(h): holder_of(h) for _, h in live}
@@ -174,6 +175,8 @@ def earliest_peak_fit(
     for t in sorted({now} | {end for end, _ in live}):
         steps = max(s for at, s in advanced if at <= t)
         alive = [holders[id(h)] for end, h in live if end > t]
+        if max_concurrency is not None and len(alive) >= max_concurrency:
+            continue  # no place in the engine's batch yet
         alive.append(candidate)
         if peak(alive, block_size=block_size, after=steps, tainted=tainted) <= usable:
             return t

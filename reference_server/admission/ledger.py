@@ -527,6 +527,7 @@ class KVAdmissionController:
                 when = earliest_peak_fit(
                     need, now, live, lambda h: self._holder(h, now),
                     usable=self.usable_tokens, block_size=self.block_size, tainted=self._tainted,
+                    max_concurrency=self.max_concurrency,
                 )  # fmt: skip
                 return max(0.0, when - now)
             horizon = None

@@ -207,19 +207,29 @@ def test_contract_passes_through_the_gateway_in_front_of_vllm(
     before = _preemptions(vllm)
     config = GatewayConfig(upstreams=(vllm.url,), max_running=(vllm.max_num_seqs,))
     with running_gateway(config) as gateway:
-        # By the peak rule (vLLM's --max-num-seqs given). 12 x (prompt + 300) overruns the 3,072 KV tokens: the gateway must refuse some. Twice
-        # in a row: the second run meets the speed the gateway measured during the first.
+        # By the peak rule (vLLM's --max-num-seqs given). 16 x (prompt + 300) overruns both
+        # the 3,072 KV tokens and the 8 sequences vLLM runs: the gateway must refuse some, and
+        # its probe waits for a place. Twice in a row: the second run meets the speed the
+        # gateway measured during the first.
         reports = [
-            run_contract(gateway.base_url, burst=12, burst_max_tokens=300, timeout=90)
+            run_contract(gateway.base_url, burst=16, burst_max_tokens=300, timeout=90)
             for _ in range(2)
         ]
     assert before is not None
     assert _preemptions(vllm) == before  # what the gateway admitted, vLLM held
     for report in reports:
-        verdicts = {r.name: r.status for r in report.results}
-        assert set(verdicts.values()) == {CheckStatus.PASS}, {
-            r.name: r.evidence for r in report.results if r.status != CheckStatus.PASS
+        assert report.ok
+        # Every check passes; Retry-After's honesty may go unjudged: by the peak rule room
+        # opens as the holders' first tokens come, so the probe after a refusal can be admitted
+        # at once, before any release (the saturation check still judges the 429s' advice).
+        judged = {
+            r.name: r.evidence
+            for r in report.results
+            if r.status != CheckStatus.PASS
+            and not (r.name == "retry_after_honest" and r.status == CheckStatus.UNSUPPORTED)
         }
+        assert judged == {}
+        assert report["saturation"].status == CheckStatus.PASS
 
 
 def test_contract_fails_vllm_alone_for_preempting_what_it_admitted(
