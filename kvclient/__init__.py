@@ -38,17 +38,13 @@ from ._exceptions import (
     TokenizerError,
     UnprocessableEntityError,
 )
+from ._hf_tokenizer import HuggingFaceCounter
 from ._models import Completion, CompletionChunk, RetryEvent, ToolCall, Usage
 from ._policy import RetryPolicy
 from ._server_counter import ServerTokenizeCounter
 from ._sync_client import Client, Stream
-from ._tokens import (
-    HuggingFaceCounter,
-    TiktokenCounter,
-    TokenCounter,
-    Tokenizer,
-    count_chat_request,
-)
+from ._tiktoken import TiktokenCounter
+from ._tokens import TokenCounter, Tokenizer, count_chat_request
 from ._version import __version__
 from .headers import parse_retry_after
 

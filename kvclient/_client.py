@@ -47,7 +47,8 @@ from ._http import MIN_ATTEMPT_TIMEOUT, Body, Bounded
 from ._models import Completion, RetryEvent
 from ._policy import RetryPolicy
 from ._replicas import Call, Replica, Replicas, base_urls
-from ._tokens import Message, TiktokenCounter, TokenCounter, count_chat_request
+from ._tiktoken import TiktokenCounter
+from ._tokens import Message, TokenCounter, count_chat_request
 from ._version import __version__
 from .engines.discovery import Answer, Discovery, Probe, discover_context
 from .engines.errors import classify_error

@@ -12,12 +12,8 @@ from typing import Any
 from ._accounting import effective_output_cap
 from ._client import BASE_URL_ENV, from_env
 from ._exceptions import KVClientError
-from ._tokens import (
-    DEFAULT_NON_TEXT_PART_TOKENS,
-    TiktokenCounter,
-    TokenCounter,
-    count_chat_request,
-)
+from ._tiktoken import TiktokenCounter
+from ._tokens import DEFAULT_NON_TEXT_PART_TOKENS, TokenCounter, count_chat_request
 from .cli_options import (
     HelpFormatter,
     add_api_key,

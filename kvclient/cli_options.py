@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ._client import API_KEY_ENV, BASE_URL_ENV, from_env
-from ._tokens import DEFAULT_NON_TEXT_PART_TOKENS, HuggingFaceCounter, TokenCounter
+from ._hf_tokenizer import HuggingFaceCounter
+from ._tokens import DEFAULT_NON_TEXT_PART_TOKENS, TokenCounter
 
 __all__ = [
     "LOG_LEVELS",

@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import httpx
 
-from ._tokens import TiktokenCounter
+from ._tiktoken import TiktokenCounter
 from .cli_options import (
     HelpFormatter,
     add_json,

@@ -36,7 +36,7 @@ from ._exceptions import KVClientError
 from ._models import Completion, RetryEvent
 from ._policy import RetryPolicy
 from ._sync_client import Client
-from ._tokens import TiktokenCounter
+from ._tiktoken import TiktokenCounter
 from .loadgen._kvsender import failure_cause
 from .loadgen._workload import MIXED, Shape, SyntheticWorkload, WorkItem
 

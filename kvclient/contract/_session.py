@@ -418,7 +418,7 @@ class Session:
 
 def _estimate_tokens(prompt: str) -> int:
     # Last resort only (no /tokenize, no usage): loading the encoding takes a moment.
-    from .._tokens import TiktokenCounter
+    from .._tiktoken import TiktokenCounter
 
     return TiktokenCounter().count(prompt)
 

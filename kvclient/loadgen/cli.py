@@ -16,7 +16,8 @@ from pathlib import Path
 import anyio
 
 from .._exceptions import KVClientError
-from .._tokens import TiktokenCounter, TokenCounter
+from .._tiktoken import TiktokenCounter
+from .._tokens import TokenCounter
 from ..cli_options import (
     HelpFormatter,
     add_api_key,

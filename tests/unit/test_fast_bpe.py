@@ -286,13 +286,13 @@ def test_the_merge_check_is_remembered_by_the_files_hash(
     monkeypatch.setenv("KVCLIENT_CACHE", str(tmp_path / "cache"))
     directory = _model_dir(tmp_path, _tiktoken_style_spec())
     seen: list[bool] = []
-    import kvclient._tokens as tokens_module
+    import kvclient._hf_tokenizer as hf_module
 
     def spy(spec: Any, *, merges_checked: bool = False) -> FastBPE | None:
         seen.append(merges_checked)
         return fast_bpe(spec, merges_checked=merges_checked)
 
-    monkeypatch.setattr(tokens_module, "fast_bpe", spy)
+    monkeypatch.setattr(hf_module, "fast_bpe", spy)
     first = HuggingFaceCounter.from_pretrained(directory)
     second = HuggingFaceCounter.from_pretrained(directory)
     assert seen == [False, True]
@@ -311,9 +311,9 @@ def test_a_disagreement_on_load_falls_back_to_tokenizers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KVCLIENT_CACHE", str(tmp_path / "cache"))
-    import kvclient._tokens as tokens_module
+    import kvclient._hf_tokenizer as hf_module
 
-    monkeypatch.setattr(tokens_module, "agrees", lambda *args: False)
+    monkeypatch.setattr(hf_module, "agrees", lambda *args: False)
     directory = _model_dir(tmp_path, _tiktoken_style_spec())
     fallback = HuggingFaceCounter.from_pretrained(directory)
     assert fallback._bpe is None
