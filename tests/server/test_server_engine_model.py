@@ -5,8 +5,6 @@ streams that carry their exact progress (vLLM's ``continuous_usage_stats``)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -14,36 +12,11 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
-from kvclient import TiktokenCounter
-from reference_server import ServerConfig, ServerState, create_app, running_server
+from reference_server import ServerConfig, ServerState, running_server
 from reference_server.simulated.cli import build_parser, config_from_args
+from tests.server.test_server_app import COUNTER, FAST, app_with, client_for, state_of
 
 pytestmark = pytest.mark.anyio
-
-COUNTER = TiktokenCounter()
-FAST: dict[str, Any] = {
-    "kv_tokens": 4096,
-    "context_window": 2048,
-    "decode_rate": 20_000.0,
-    "mean_output_tokens": 50.0,
-    "tick_seconds": 0.005,
-}
-
-
-def app_with(**overrides: Any) -> Starlette:
-    return create_app(ServerConfig(**{**FAST, **overrides}))
-
-
-def state_of(app: Starlette) -> ServerState:
-    state: ServerState = app.state.server
-    return state
-
-
-@asynccontextmanager
-async def client_for(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-        yield client
 
 
 async def wait_until(predicate: Any) -> None:
