@@ -364,6 +364,22 @@ def one_client(
         return anyio.run(run, name, url, items, offsets, deadline)
 
 
+def each_client(
+    args: argparse.Namespace,
+    items: list[WorkItem],
+    offsets: list[float] | None,
+    deadline: float,
+    cpu: int | None,
+    users: int | None = None,
+) -> list[dict[str, Any]]:
+    """:func:`one_client` for each of ``--clients`` in turn."""
+    results = []
+    for name in [c.strip() for c in args.clients.split(",") if c.strip()]:
+        print(f"… {name}", flush=True)
+        results.append(one_client(name, items, offsets, deadline, cpu, args.server_arg, users))
+    return results
+
+
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
@@ -504,10 +520,7 @@ def main() -> None:
     print("… ceiling: the same trace through a FIFO-queued server", flush=True)
     ceiling = measure_ceiling(items, offsets, cpu, deadline, args.server_arg)
     ceiling["client"] = "ceiling"
-    results = []
-    for name in [c.strip() for c in args.clients.split(",") if c.strip()]:
-        print(f"… {name}", flush=True)
-        results.append(one_client(name, items, offsets, deadline, cpu, args.server_arg))
+    results = each_client(args, items, offsets, deadline, cpu)
 
     # The ceiling: what a perfect client could get from this burst. The server queues every
     # request in arrival order and admits it the moment it fits (a large request at the head of
@@ -591,10 +604,7 @@ def first_burst(args: argparse.Namespace, deadline: float, cpu: int | None, coun
     print("… ceiling: the same users through a FIFO-queued server", flush=True)
     ceiling = measure_users_ceiling(items, users, cpu, deadline, args.server_arg)
     ceiling["client"] = "ceiling"
-    results = []
-    for name in [c.strip() for c in args.clients.split(",") if c.strip()]:
-        print(f"… {name}", flush=True)
-        results.append(one_client(name, items, None, deadline, cpu, args.server_arg, users))
+    results = each_client(args, items, None, deadline, cpu, users)
     label = "(ceiling: the same users, FIFO-queued server, no 429s)"
     rows = table_rows(results, ceiling, label, attempts=".3f", utilisation=".1%", share=False)
     print_table(
