@@ -7,11 +7,9 @@ No lock, no clock: the ledger calls it under its own lock, with its ``now``.
 
 from __future__ import annotations
 
-import functools
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 
-from .forecast import earliest_fit, quantile_above
 from .values import Handle, _Promise
 
 __all__ = ["STAGGER_ROUNDS", "Advice"]
@@ -27,6 +25,9 @@ _MIN_OUTPUTS = 20
 STAGGER_ROUNDS = 8
 #: Promises remembered at most (the oldest are forgotten first): each estimate scans them all.
 _MAX_PROMISES = 64
+
+#: :func:`.forecast.earliest_fit` over a budget: ``(need, now, live, promises, duration)``.
+Fit = Callable[[int, float, list[tuple[float, Handle]], Sequence[_Promise], float], float]
 
 
 class Advice:
@@ -72,27 +73,17 @@ class Advice:
         need: int,
         now: float,
         live: list[tuple[float, Handle]],
-        *,
-        ordered: list[int] | None,
-        quantile: float | None,
+        fit: Fit,
         duration: float,
-        decode_rate: float,
         release_margin: float,
-        usable: int,
-        max_concurrency: int | None,
         promise: bool,
         client: Hashable | None,
     ) -> float:
-        """When ``need`` tokens fit, by the caps rule, counting promised returns as load (at most
-        ``STAGGER_ROUNDS`` of ``duration`` after the plain estimate); with ``promise``, the
-        answer is remembered as a promise to ``client``. ``live``: when each holder is expected
-        to end; ``ordered``: :meth:`recent_outputs`."""
-        horizon = None
-        if ordered is not None and quantile is not None:
-            horizon = quantile_above(ordered, -1, quantile)
-        if horizon is not None:  # a new request's own likely length
-            duration = min(duration, horizon / decode_rate)
-        fit = functools.partial(earliest_fit, usable=usable, max_concurrency=max_concurrency)
+        """When ``need`` tokens fit by ``fit`` (:func:`.forecast.earliest_fit` over the usable
+        budget), counting promised returns as load: a request of ``duration`` seconds, at most
+        ``STAGGER_ROUNDS`` of it (and ``release_margin``) after the plain estimate. With
+        ``promise``, the answer is remembered as a promise to ``client``. ``live``: when each
+        holder is expected to end."""
         plain = fit(need, now, live, [], 0.0)
         chosen = plain
         if self._promises:

@@ -31,6 +31,7 @@ Under ``reserve`` the budget is checked by one of two rules (``rule``):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -41,7 +42,7 @@ from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
 
 from .advice import STAGGER_ROUNDS, Advice
 from .decode import Decoding, check_speed
-from .forecast import Drain, earliest_peak_fit, expected_ends
+from .forecast import Drain, earliest_fit, earliest_peak_fit, expected_ends, quantile_above
 from .holders import (
     DEFAULT_RELAY_LAG,
     RuleInForce,
@@ -499,20 +500,16 @@ class KVAdmissionController:
                     max_concurrency=self.max_concurrency,
                 )  # fmt: skip
                 return max(0.0, when - now)
-            chosen = self._advice.earliest(
-                need,
-                now,
-                live,
-                ordered=ordered,
-                quantile=self.output_quantile,
-                duration=duration,
-                decode_rate=self.decode_rate,
-                release_margin=self.release_margin,
-                usable=self.usable_tokens,
-                max_concurrency=self.max_concurrency,
-                promise=promise,
-                client=client,
+            horizon = None
+            if ordered is not None and self.output_quantile is not None:
+                horizon = quantile_above(ordered, -1, self.output_quantile)
+            if horizon is not None:  # a new request's own likely length
+                duration = min(duration, horizon / self.decode_rate)
+            fit = functools.partial(
+                earliest_fit, usable=self.usable_tokens, max_concurrency=self.max_concurrency
             )
+            margin = self.release_margin
+            chosen = self._advice.earliest(need, now, live, fit, duration, margin, promise, client)
             return max(0.0, chosen - now)
 
     def outstanding_promises(self) -> int:
