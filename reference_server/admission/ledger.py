@@ -47,6 +47,7 @@ from .holders import (
     DEFAULT_RELAY_LAG,
     RuleInForce,
     as_holder,
+    freshest,
     borrowable,
     lender_in_prefill,
     stalled,
@@ -294,8 +295,8 @@ class KVAdmissionController:
         with self._lock:
             return stalled(self._live.values(), now, seconds)
 
-    def _holder(self, handle: Handle, now: float) -> Holder:
-        return as_holder(handle, now, decode_rate=self.decode_rate, relay_lag=self.relay_lag)
+    def _holder(self, handle: Handle, fresh: float) -> Holder:
+        return as_holder(handle, fresh, decode_rate=self.decode_rate, relay_lag=self.relay_lag)
 
     def _committed(
         self, now: float, extra: Holder | None = None, without: Handle | None = None
@@ -306,7 +307,8 @@ class KVAdmissionController:
             live = without is not None and self._live.get(without.id) is without
             gone = without.reserved_tokens if live and without is not None else 0
             return self._reserved - gone + (extra.most if extra is not None else 0)
-        holders = [self._holder(h, now) for h in self._live.values() if h is not without]
+        fresh = freshest(self._live.values(), now)
+        holders = [self._holder(h, fresh) for h in self._live.values() if h is not without]
         if extra is not None:
             holders.append(extra)
         if not holders:
@@ -494,8 +496,9 @@ class KVAdmissionController:
             ordered = self._advice.recent_outputs(self.output_quantile)
             live = self._expected_ends(ordered, now)
             if self._peak_in_force():
+                fresh = freshest(self._live.values(), now)
                 when = earliest_peak_fit(
-                    need, now, live, lambda h: self._holder(h, now),
+                    need, now, live, lambda h: self._holder(h, fresh),
                     usable=self.usable_tokens, block_size=self.block_size, tainted=self._tainted,
                     max_concurrency=self.max_concurrency,
                 )  # fmt: skip
