@@ -266,6 +266,16 @@ def _run(
     return result
 
 
+#: The rules :func:`ideal_running` plays: whole caps; the peak rule as built (a newcomer counts
+#: whole until its first token); the peak rule if a newcomer's start were known (its trajectory
+#: from admission on).
+IDEAL_RULES = {
+    "caps": "whole caps",
+    "peak": "peak rule (a newcomer whole until its first token)",
+    "peak, start known": "peak rule, if a newcomer's start were known",
+}
+
+
 def ideal_running(
     prompts: list[list[int]],
     caps: list[int],
@@ -276,10 +286,11 @@ def ideal_running(
     rule: str,
 ) -> float:
     """The mean number of sequences at once if the gateway saw every holder's progress exactly
-    and at once (no relay lag, prefill in no time), the engine stepping all of them together:
-    the FIFO queue admitting by ``rule`` ("peak" or "caps") as the ledger does, every request
-    running to its cap as they do here. What the rule itself allows on this mix, against which
-    the measured runs' means say what the relay's view costs."""
+    and at once (no relay lag, a newcomer's first token on the step after its admission), the
+    engine stepping all of them together: the FIFO queue admitting by ``rule`` (see
+    :data:`IDEAL_RULES`) as the ledger counts, every request running to its cap as they do here.
+    What the rule itself allows on this mix, against which the measured runs' means say what
+    the relay's view costs."""
     queue = list(zip(prompts, caps, strict=True))
     running: list[tuple[Holder, int]] = []  # (its holder at admission, steps it has run)
     steps = produced = 0
@@ -288,20 +299,23 @@ def ideal_running(
             ids, cap = queue[0]
             keys = prefix_blocks(ids, block_size)
             shared = any(h.prefix == keys for h, _ in running)
-            new = Holder(len(ids), len(ids) + cap, cap, keys, len(keys) if shared else 0)
+            admitted = Holder(len(ids), len(ids) + cap, cap + 1, keys, len(keys) if shared else 0)
             now = [
                 Holder(h.held + s, h.most, h.steps_left - s, h.prefix, h.borrowed)  # type: ignore[operator]
                 for h, s in running
             ]
-            if rule == "caps":
-                now = [Holder.flat(h.most, h.prefix, h.borrowed) for h in now]
+            new = admitted
+            if rule != "peak, start known":
                 new = Holder.flat(new.most, new.prefix, new.borrowed)
+            if rule == "caps":  # every reservation whole, shared blocks or not
+                now = [Holder.flat(h.most) for h in now]
+                new = Holder.flat(new.most)
             if peak([*now, new], block_size=block_size) > usable:
                 break
             queue.pop(0)
-            running.append((Holder(len(ids), len(ids) + cap, cap, keys, new.borrowed), 0))
+            running.append((admitted, 0))
         produced += len(running)
-        running = [(h, s + 1) for h, s in running if s + 1 < h.steps_left]  # type: ignore[operator]
+        running = [(h, s + 1) for h, s in running if s + 1 < h.most - h.held]
         steps += 1
     return produced / steps
 
@@ -411,7 +425,7 @@ def main() -> None:
     )
     model = step_model(results)
     for rule, mean in ideal.items():
-        line = f"{rule} rule, ideal (exact progress, no lag): {mean:.2f} at once"
+        line = f"{IDEAL_RULES[rule]}, ideal (exact progress, no lag): {mean:.2f} at once"
         if model is not None and direct is not None:
             a, b = model
             line += (
@@ -444,7 +458,7 @@ def ideals(
             max_running=engine.max_num_seqs,
             rule=rule,
         )
-        for rule in ("peak", "caps")
+        for rule in IDEAL_RULES
     }
 
 
