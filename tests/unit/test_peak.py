@@ -394,7 +394,7 @@ def test_counts_that_are_all_equally_late_need_no_margin() -> None:
     # Two holders last read together 2 s ago (the engine's API process stalled, say): in
     # lockstep both are as far on as each other, the future computed from their counts is the
     # real one shifted, and its peak covers it. One read since, the other is taken on.
-    def ledger_with_two() -> tuple[KVAdmissionController, Handle, Handle]:
+    def ledger_with_two() -> tuple[KVAdmissionController, Handle]:
         ledger = KVAdmissionController(
             total_kv_tokens=1000, context_window=4000, decode_rate=100.0, rule="peak",
             block_size=1, safety_fraction=1.0, relay_lag=0.0,
@@ -406,12 +406,12 @@ def test_counts_that_are_all_equally_late_need_no_margin() -> None:
         a.tracked = b.tracked = True
         ledger.progress(a, 300, 1.0)
         ledger.progress(b, 100, 1.0)
-        return ledger, a, b
+        return ledger, a
 
     # a ends in 100 steps at 500, b then holds 300: room for 200 on the step before.
-    ledger, a, b = ledger_with_two()
+    ledger, a = ledger_with_two()
     assert ledger.try_admit(100, 100, now=3.0) is not None
-    ledger, a, b = ledger_with_two()
+    ledger, a = ledger_with_two()
     ledger.progress(a, 301, 3.0)  # b not read for 2 s since: up to 400 more steps
     assert ledger.try_admit(100, 100, now=3.0) is None
 
