@@ -16,8 +16,9 @@ only when it ends (most outputs stop before their caps). The counter is charged 
 is held; the projected part makes an admission count at once (else one tenant would take every
 place a release opens before its counter moved) and falls away when a holder ends early, so a
 tenant is charged what it took. A tenant that becomes active (nothing held, nothing queued) is
-lifted to the lowest key among the active ones, as VTC does: idle time is not banked for a later
-burst. Among equal keys, the tenant holding least per weight goes first, then arrival order.
+lifted to the lowest counter among the active ones (what they have taken), as VTC does: idle
+time is not banked for a later burst. Among equal keys, the tenant holding least per weight goes
+first, then arrival order.
 
 **Work-conserving.** Nothing is held back for a tenant that is not waiting: a tenant alone may
 take the whole budget (up to its own ``max_share``).
@@ -263,13 +264,18 @@ class FairScheduler:
                 account.taken += spent
                 account.counter += spent / account.weight
 
-    def _lift(self, account: _Account, now: float) -> None:
-        """A tenant becoming active starts at the lowest key among the active ones."""
+    def _lifted(self, account: _Account) -> float:
+        """The counter of ``account`` once lifted to the lowest among the active tenants' (what
+        they have taken, not what their holders are due to take: a projection falls away when
+        a holder ends early, and the newcomer must not have been lifted past it)."""
         if account.active:
-            return
-        keys = [a.key(now) for a in self._accounts.values() if a.active and a is not account]
-        if keys:
-            account.counter += max(0.0, min(keys) - account.key(now))
+            return account.counter
+        counters = [a.counter for a in self._accounts.values() if a.active and a is not account]
+        return max(account.counter, min(counters, default=account.counter))
+
+    def _lift(self, account: _Account) -> None:
+        """A tenant becoming active starts at the lowest counter among the active ones."""
+        account.counter = self._lifted(account)
 
     # --- holders -------------------------------------------------------------------------------
 
@@ -301,7 +307,7 @@ class FairScheduler:
         self.advance(now)
         waiter.tenant = self.resolve(waiter.tenant)
         account = self._account(waiter.tenant)
-        self._lift(account, now)
+        self._lift(account)
         waiter.seq = next(self._seq)
         account.queues.setdefault(waiter.priority, deque()).append(waiter)
         self.waiting += 1
@@ -358,10 +364,7 @@ class FairScheduler:
     def tokens_ahead_of_newcomer(self, tenant: str, priority: int, now: float) -> int:
         """Tokens waiting ahead of a request ``tenant`` would send now (for its room)."""
         account = self._account(self.resolve(tenant))
-        key = account.key(now)
-        if not account.active:
-            keys = [a.key(now) for a in self._accounts.values() if a.active]
-            key = max(key, min(keys, default=key))
+        key = account.key(now) - account.counter + self._lifted(account)
         rank = (priority, key, account.held / account.weight, math.inf)
         return sum(w.need for w in self._all() if self._rank(w, now) < rank)
 

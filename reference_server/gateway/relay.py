@@ -86,8 +86,10 @@ def unavailable(message: str, retry_after: float = 1.0) -> APIError:
     )
 
 
-def _room_headers(known: Known, releasing: Handle | None = None) -> list[tuple[bytes, bytes]]:
-    headers = room(known.ledger, known.queue, releasing)
+def _room_headers(
+    known: Known, releasing: Handle | None = None, *, holder: Handle | None = None
+) -> list[tuple[bytes, bytes]]:
+    headers = room(known.ledger, known.queue, releasing, holder=holder)
     return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
@@ -488,7 +490,10 @@ class UpstreamBackend:
             {
                 "type": "http.response.start",
                 "status": response.status,
-                "headers": [*response_headers(response.raw_headers), *_room_headers(known)],
+                "headers": [
+                    *response_headers(response.raw_headers),
+                    *_room_headers(known, holder=handle),
+                ],
             }
         )
         # The stream's last two pieces: its usage, when it has one, comes at the end (kept by
