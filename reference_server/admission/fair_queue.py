@@ -145,6 +145,7 @@ class FairQueue(AdmissionQueue):
         if own != float("inf"):
             wait = max(wait, own)
         self.ledger.record_rejection(seat.need, wait)
+        self.fair.count_refusal(seat.tenant)
         room = self._tenant_room(seat.tenant, now, queued=tokens)
         return Rejected(need=seat.need, retry_after=wait, queued_ahead=ahead, room=room)
 

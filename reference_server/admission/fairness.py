@@ -163,7 +163,7 @@ H = TypeVar("H", bound=Held)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TenantStats:
     """One tenant's figures: tokens held now, KV token-seconds taken since it was first seen,
-    requests waiting, admitted and refused under overload."""
+    requests waiting, admitted and refused (429)."""
 
     tenant: str
     weight: float
@@ -238,7 +238,7 @@ class FairScheduler:
         hold = self._holds.get(key)
         return hold.tenant if hold is not None else None
 
-    def never_within(self, tenant: str, need: int) -> bool:
+    def never_within(self, tenant: str | None, need: int) -> bool:
         """Whether ``need`` tokens exceed what ``tenant`` may ever hold: it would wait for ever."""
         return need > self.limit(self.resolve(tenant))
 
@@ -317,9 +317,12 @@ class FairScheduler:
             victim = max(self._all(), key=lambda w: self._victim_key(w, now))
             self.remove(victim)
             victim.refused = True
-            self._accounts[victim.tenant].refused += 1
             refused.append(victim)
         return refused
+
+    def count_refusal(self, tenant: str) -> None:
+        """One of ``tenant``'s requests was refused (a 429), for its figures."""
+        self._account(self.resolve(tenant)).refused += 1
 
     def remove(self, waiter: Waiter) -> bool:
         """Take ``waiter`` out of the queue; False when it was not in it."""
