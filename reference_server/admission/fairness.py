@@ -208,7 +208,8 @@ class _Account:
 
 class FairScheduler:
     """Who of the waiters goes next, and what each tenant holds and has taken, for a budget of
-    ``usable`` tokens (see the module's docstring for the rules)."""
+    ``usable`` tokens (see the module's docstring for the rules). Not locked: one event loop
+    drives it (the queue's), as it drives the waiters."""
 
     def __init__(self, policy: FairPolicy, *, usable: int, now: float = 0.0) -> None:
         if usable < 1:
