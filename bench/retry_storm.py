@@ -364,8 +364,68 @@ def one_client(
         return anyio.run(run, name, url, items, offsets, deadline)
 
 
+def each_client(
+    args: argparse.Namespace,
+    items: list[WorkItem],
+    offsets: list[float] | None,
+    deadline: float,
+    cpu: int | None,
+    users: int | None = None,
+) -> list[dict[str, Any]]:
+    """:func:`one_client` for each of ``--clients`` in turn."""
+    results = []
+    for name in [c.strip() for c in args.clients.split(",") if c.strip()]:
+        print(f"… {name}", flush=True)
+        results.append(one_client(name, items, offsets, deadline, cpu, args.server_arg, users))
+    return results
+
+
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+#: The columns of both tables (the storm's and the first burst's).
+COLUMNS = [
+    "client",
+    "attempts / completed",
+    "completed within deadline",
+    "p50 latency",
+    "p99 latency",
+    "429s sent",
+    "server KV utilisation",
+]
+
+
+def table_rows(
+    results: list[dict[str, Any]],
+    ceiling: dict[str, Any],
+    ceiling_label: str,
+    *,
+    attempts: str,
+    utilisation: str,
+    share: bool,
+) -> list[list[str]]:
+    """A row of ``COLUMNS`` per client, the ceiling's (labelled ``ceiling_label``) last.
+    ``attempts`` and ``utilisation``: their format specs; ``share``: the share of requests
+    completed within the deadline before their count."""
+    rows = []
+    for r in [*results, ceiling]:
+        label = ceiling_label if r is ceiling else LABELS.get(r["client"], r["client"])
+        completed = f"{r['completed_within_deadline']}/{r['requests']}"
+        if share:
+            completed = f"{r['share_within_deadline']:.0%} ({completed})"
+        rows.append(
+            [
+                label,
+                fmt(r["attempts_per_completed"], attempts),
+                completed,
+                fmt(r["latency_p50"], ".1f", " s"),
+                fmt(r["latency_p99"], ".1f", " s"),
+                f"{r['http_429_server']:,.0f}",
+                fmt(r["utilisation_reserved_over_usable"], utilisation),
+            ]
+        )
+    return rows
 
 
 def main() -> None:
@@ -460,45 +520,19 @@ def main() -> None:
     print("… ceiling: the same trace through a FIFO-queued server", flush=True)
     ceiling = measure_ceiling(items, offsets, cpu, deadline, args.server_arg)
     ceiling["client"] = "ceiling"
-    results = []
-    for name in [c.strip() for c in args.clients.split(",") if c.strip()]:
-        print(f"… {name}", flush=True)
-        results.append(one_client(name, items, offsets, deadline, cpu, args.server_arg))
+    results = each_client(args, items, offsets, deadline, cpu)
 
-    rows = []
-    for r in [*results, ceiling]:
-        label = LABELS.get(r["client"], r["client"])
-        if r is ceiling:
-            # What a perfect client could get from this burst: the server queues every request
-            # in arrival order and admits it the moment it fits (a large request at the head of
-            # the queue leaves a gap behind it), never refusing one.
-            label = "(ceiling: the same trace, FIFO-queued server, no 429s)"
-        rows.append(
-            [
-                label,
-                fmt(r["attempts_per_completed"], ".2f"),
-                f"{r['share_within_deadline']:.0%} ({r['completed_within_deadline']}/"
-                f"{r['requests']})",
-                fmt(r["latency_p50"], ".1f", " s"),
-                fmt(r["latency_p99"], ".1f", " s"),
-                f"{r['http_429_server']:,.0f}",
-                fmt(r["utilisation_reserved_over_usable"], ".0%"),
-            ]
-        )
+    # The ceiling: what a perfect client could get from this burst. The server queues every
+    # request in arrival order and admits it the moment it fits (a large request at the head of
+    # the queue leaves a gap behind it), never refusing one.
+    label = "(ceiling: the same trace, FIFO-queued server, no 429s)"
+    rows = table_rows(results, ceiling, label, attempts=".2f", utilisation=".0%", share=True)
     print_table(
         f"Retry storm: {n} requests of the seed's mix at {rate:.1f}/s ({args.overload:g}x the "
         f"measured capacity of {capacity['completed_per_second']:.2f} req/s) for {burst:g} s, "
         f"deadline {deadline:g} s each, reference server in reserve mode, one per client"
         + (f" ({' '.join(args.server_arg)})" if args.server_arg else ""),
-        [
-            "client",
-            "attempts / completed",
-            "completed within deadline",
-            "p50 latency",
-            "p99 latency",
-            "429s sent",
-            "server KV utilisation",
-        ],
+        COLUMNS,
         rows,
     )
     by_client: dict[str, dict[str, Any]] = {}
@@ -570,39 +604,14 @@ def first_burst(args: argparse.Namespace, deadline: float, cpu: int | None, coun
     print("… ceiling: the same users through a FIFO-queued server", flush=True)
     ceiling = measure_users_ceiling(items, users, cpu, deadline, args.server_arg)
     ceiling["client"] = "ceiling"
-    results = []
-    for name in [c.strip() for c in args.clients.split(",") if c.strip()]:
-        print(f"… {name}", flush=True)
-        results.append(one_client(name, items, None, deadline, cpu, args.server_arg, users))
-    rows = []
-    for r in [*results, ceiling]:
-        label = LABELS.get(r["client"], r["client"])
-        if r is ceiling:
-            label = "(ceiling: the same users, FIFO-queued server, no 429s)"
-        rows.append(
-            [
-                label,
-                fmt(r["attempts_per_completed"], ".3f"),
-                f"{r['completed_within_deadline']}/{r['requests']}",
-                fmt(r["latency_p50"], ".1f", " s"),
-                fmt(r["latency_p99"], ".1f", " s"),
-                f"{r['http_429_server']:,.0f}",
-                fmt(r["utilisation_reserved_over_usable"], ".1%"),
-            ]
-        )
+    results = each_client(args, items, None, deadline, cpu, users)
+    label = "(ceiling: the same users, FIFO-queued server, no 429s)"
+    rows = table_rows(results, ceiling, label, attempts=".3f", utilisation=".1%", share=False)
     print_table(
         f"First burst: {users} users of one client, {n} requests of the seed's mix, every user's "
         f"first request at time 0, deadline {deadline:g} s, reference server in reserve mode, "
         "one per client" + (f" ({' '.join(args.server_arg)})" if args.server_arg else ""),
-        [
-            "client",
-            "attempts / completed",
-            "completed within deadline",
-            "p50 latency",
-            "p99 latency",
-            "429s sent",
-            "server KV utilisation",
-        ],
+        COLUMNS,
         rows,
     )
     naive = next((r for r in results if r["client"] == "naive"), None)

@@ -40,23 +40,22 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import httpx
-from _common import machine, print_table, write_json
+from _common import gateway_process, machine, pin_to_cpu, print_table, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import vllm_engine
 
 from kvclient import AsyncClient, HuggingFaceCounter, RetryPolicy
+from kvclient.engines.budget import budget_from_vllm_metrics
 from kvclient.engines.metrics import preemptions_from_vllm_metrics, prometheus_samples
 from kvclient.loadgen import percentile
 from reference_server.admission.ledger import DEFAULT_SAFETY_FRACTION
-from reference_server.gateway import GatewayConfig
-from reference_server.gateway.config import DEFAULT_MAX_QUEUE_WAIT
-from reference_server.testing import running_gateway
+from reference_server.admission.peak import Holder, peak, prefix_blocks
 
 SEED = 7
 DEADLINE = 900.0
@@ -104,9 +103,10 @@ def preemptions(url: str) -> float:
 
 
 async def burst(
-    url: str, items: list[tuple[str, int]], counter: HuggingFaceCounter
+    url: str, items: list[tuple[str, int]], counter: HuggingFaceCounter, limit: int | None = None
 ) -> dict[str, Any]:
-    """Send every item at once through one AsyncClient; what came back, and how."""
+    """Send every item at once through one AsyncClient (at most ``limit`` in flight: None, no
+    limit); what came back, and how."""
     posts = 0
     rejected = 0
 
@@ -133,12 +133,14 @@ async def burst(
             retry=RetryPolicy(deadline=DEADLINE, max_attempts=50),
         ) as client,
     ):
+        slots = anyio.Semaphore(limit or len(items))
 
         async def one(prompt: str, cap: int) -> None:
             nonlocal tokens
             started = time.monotonic()
             try:
-                result = await client.complete(prompt, max_tokens=cap)
+                async with slots:
+                    result = await client.complete(prompt, max_tokens=cap)
             except Exception as exc:
                 failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
                 return
@@ -166,14 +168,20 @@ async def burst(
     }
 
 
-class KVWatch:
-    """vLLM's own ``vllm:kv_cache_usage_perc``, read every half second while a run lasts: how
-    full the engine's KV cache really was (the mean over the samples taken while any was used,
-    and the most)."""
+class EngineWatch:
+    """vLLM's own gauges, read every half second while a run lasts: how full its KV cache
+    really was (``vllm:kv_cache_usage_perc``) and how many sequences it ran at once
+    (``vllm:num_requests_running``): the mean over the samples taken while any ran, and the
+    most."""
+
+    GAUGES: ClassVar[dict[str, str]] = {
+        "kv_usage": "vllm:kv_cache_usage_perc",
+        "running": "vllm:num_requests_running",
+    }
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.samples: list[float] = []
+        self.samples: dict[str, list[float]] = {name: [] for name in self.GAUGES}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -184,11 +192,12 @@ class KVWatch:
                     text = http.get(self.url + "/metrics").text
                 except httpx.HTTPError:
                     continue
-                found = prometheus_samples(text, "vllm:kv_cache_usage_perc")
-                if found:
-                    self.samples.append(sum(value for _, value in found))
+                for name, metric in self.GAUGES.items():
+                    found = prometheus_samples(text, metric)
+                    if found:
+                        self.samples[name].append(sum(value for _, value in found))
 
-    def __enter__(self) -> KVWatch:
+    def __enter__(self) -> EngineWatch:
         self._thread.start()
         return self
 
@@ -197,51 +206,118 @@ class KVWatch:
         self._thread.join()
 
     def summary(self) -> dict[str, float | None]:
-        used = [s for s in self.samples if s > 0]
-        return {
-            "kv_usage_mean": sum(used) / len(used) if used else None,
-            "kv_usage_max": max(used) if used else None,
-        }
+        out: dict[str, float | None] = {}
+        for name, samples in self.samples.items():
+            busy = [s for s in samples if s > 0]
+            out[f"{name}_mean"] = sum(busy) / len(busy) if busy else None
+            out[f"{name}_max"] = max(busy) if busy else None
+        return out
 
 
-def run(name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]]) -> dict[str, Any]:
-    with KVWatch(engine.url) as watch:
-        result = _run(name, engine, items)
+def label(name: str) -> str:
+    if name.startswith("direct@"):
+        return f"direct to vLLM, at most {name.partition('@')[2]} at once (the client waits)"
+    if name.startswith("lag@"):
+        return f"through kvclient gateway --relay-lag {name.partition('@')[2]}"
+    return LABELS[name]
+
+
+def run(
+    name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]], cpu: int | None
+) -> dict[str, Any]:
+    with EngineWatch(engine.url) as watch:
+        result = _run(name, engine, items, cpu)
     result.update(watch.summary())
     return result
 
 
-def _run(name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]]) -> dict[str, Any]:
+def gateway_args(name: str, engine: vllm_engine.VllmServer) -> list[str]:
+    """The ``kvclient gateway`` options of run ``name``."""
+    args = ["--max-running", str(engine.max_num_seqs)]
+    if name == "caps":
+        args += ["--admission-rule", "caps"]
+    if name == "no-queue":
+        args += ["--max-queue-wait", "0"]
+    if name == "tight":
+        args += ["--safety-fraction", "0.95"]
+    if name.startswith("lag@"):
+        args += ["--relay-lag", name.partition("@")[2]]
+    return args
+
+
+def _run(
+    name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]], cpu: int | None
+) -> dict[str, Any]:
     counter = HuggingFaceCounter.from_pretrained(str(engine.model))
     before = preemptions(engine.url)
-    if name == "direct":
-        result = anyio.run(burst, engine.url, items, counter)
+    if name.startswith("direct"):
+        limit = int(name.partition("@")[2]) if "@" in name else None
+        result = anyio.run(burst, engine.url, items, counter, limit)
     else:
-        config = GatewayConfig(
-            upstreams=(engine.url,),
-            max_running=(engine.max_num_seqs,),
-            admission_rule="caps" if name == "caps" else "peak",
-            max_queue_wait=0.0 if name == "no-queue" else DEFAULT_MAX_QUEUE_WAIT,
-            safety_fraction=0.95 if name == "tight" else DEFAULT_SAFETY_FRACTION,
-        )
-        with running_gateway(config) as gateway:
-            result = anyio.run(burst, gateway.base_url, items, counter)
-            upstream = gateway.gateway.upstreams[0]
-            speed = upstream.speed
-            result["measured_speed"] = (
-                None
-                if speed is None
-                else {"decode_rate": speed.decode_rate, "throughput": speed.throughput}
-            )
-            stats = upstream.known.ledger.stats() if upstream.known else None
-            result["most_running"] = stats.peak_inflight if stats else None
-            if upstream.known is not None:
-                held, busy, _ = upstream.known.ledger.occupancy(time.monotonic())
-                result["mean_running"] = held / busy if busy else None
-            result["lockstep_breaks"] = upstream.lockstep_breaks
+        # The gateway in a process of its own, as it is deployed (on the client's core when
+        # pinned: the CPU it spends is not taken from the engine's).
+        with gateway_process(engine.url, *gateway_args(name, engine), cpu=cpu) as url:
+            result = anyio.run(burst, url, items, counter)
+            metrics = httpx.get(url + "/metrics", timeout=30).text
+            breaks = prometheus_samples(metrics, "kv_upstream_lockstep_breaks")
+            result["lockstep_breaks"] = sum(value for _, value in breaks)
     result["preemptions"] = preemptions(engine.url) - before
     result["run"] = name
     return result
+
+
+#: The rules :func:`ideal_running` plays: whole caps; the peak rule as built (a newcomer counts
+#: whole until its first token); the peak rule if a newcomer's start were known (its trajectory
+#: from admission on).
+IDEAL_RULES = {
+    "caps": "whole caps",
+    "peak": "peak rule (a newcomer whole until its first token)",
+    "peak, start known": "peak rule, if a newcomer's start were known",
+}
+
+
+def ideal_running(
+    prompts: list[list[int]],
+    caps: list[int],
+    *,
+    usable: int,
+    block_size: int,
+    max_running: int,
+    rule: str,
+) -> float:
+    """The mean number of sequences at once if the gateway saw every holder's progress exactly
+    and at once (no relay lag, a newcomer's first token on the step after its admission), the
+    engine stepping all of them together: the FIFO queue admitting by ``rule`` (see
+    :data:`IDEAL_RULES`) as the ledger counts, every request running to its cap as they do here.
+    What the rule itself allows on this mix, against which the measured runs' means say what
+    the relay's view costs."""
+    queue = list(zip(prompts, caps, strict=True))
+    running: list[tuple[Holder, int]] = []  # (its holder at admission, steps it has run)
+    steps = produced = 0
+    while queue or running:
+        while queue and len(running) < max_running:
+            ids, cap = queue[0]
+            keys = prefix_blocks(ids, block_size)
+            shared = any(h.prefix == keys for h, _ in running)
+            admitted = Holder(len(ids), len(ids) + cap, cap + 1, keys, len(keys) if shared else 0)
+            now = [
+                Holder(h.held + s, h.most, h.steps_left - s, h.prefix, h.borrowed)  # type: ignore[operator]
+                for h, s in running
+            ]
+            new = admitted
+            if rule != "peak, start known":
+                new = Holder.flat(new.most, new.prefix, new.borrowed)
+            if rule == "caps":  # every reservation whole, shared blocks or not
+                now = [Holder.flat(h.most) for h in now]
+                new = Holder.flat(new.most)
+            if peak([*now, new], block_size=block_size) > usable:
+                break
+            queue.pop(0)
+            running.append((admitted, 0))
+        produced += len(running)
+        running = [(h, s + 1) for h, s in running if s + 1 < h.most - h.held]
+        steps += 1
+    return produced / steps
 
 
 def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -264,8 +340,9 @@ def main() -> None:
     parser.add_argument("--high", type=int, default=800, help="largest max_tokens")
     parser.add_argument(
         "--runs",
-        default="direct,gateway,caps,no-queue",
-        help="comma-separated: direct, gateway, caps, no-queue, tight",
+        default="direct,direct@4,gateway,caps",
+        help="comma-separated: direct, direct@N (at most N at once), gateway, caps, no-queue, "
+        "tight",
     )
     parser.add_argument(
         "--mix", choices=("caps", "prefix"), default="caps",
@@ -277,27 +354,35 @@ def main() -> None:
         help="run the runs this many times, interleaved (a busy machine's drift falls on all "
         "alike); each row is the round of median throughput (default: %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-pin", action="store_true",
+        help="leave vLLM on every core (default: vLLM on CPU 1, the client and the gateway on "
+        "CPU 0, so that what the gateway spends is not taken from the engine, as on a GPU)",
+    )  # fmt: skip
     args = parser.parse_args()
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     if args.mix == "prefix":
         items = prefix_workload(args.requests)
     else:
         items = workload(args.requests, args.low, args.high)
+    pinned = not args.no_pin and pin_to_cpu(0)
     print("… starting vLLM (a minute or two)", flush=True)
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    with vllm_engine.VllmServer() as engine:
+    with vllm_engine.VllmServer(cpus={1} if pinned else None) as engine:
         for round_ in range(args.rounds):
             for name in names:
-                print(f"… round {round_ + 1}: {LABELS[name]}", flush=True)
-                rounds[name].append(run(name, engine, items))
+                print(f"… round {round_ + 1}: {label(name)}", flush=True)
+                rounds[name].append(run(name, engine, items, 0 if pinned else None))
                 print(f"  {rounds[name][-1]}", flush=True)
+        counter = HuggingFaceCounter.from_pretrained(str(engine.model))
+        ideal = ideals(items, counter, engine)
     results = [median_round(rounds[name]) for name in names]
     direct = next((r for r in results if r["run"] == "direct"), None)
     for r in results:
         r["vs_direct"] = r["tokens_per_second"] / direct["tokens_per_second"] if direct else None
     rows = [
         [
-            LABELS[r["run"]],
+            label(r["run"]),
             f"{r['completed']}/{r['requests']}",
             f"{r['tokens_per_second']:.1f}",
             fmt(r["latency_p50"], ".0f", " s"),
@@ -305,7 +390,7 @@ def main() -> None:
             fmt(r["attempts_per_completed"], ".2f"),
             str(r["http_429"]),
             f"{r['preemptions']:.0f}",
-            str(r.get("most_running") or "-"),
+            f"{fmt(r['running_mean'], '.1f')} ({fmt(r['running_max'], '.0f')})",
             fmt(r["kv_usage_mean"] and 100 * r["kv_usage_mean"], ".0f", " %"),
             fmt(r["kv_usage_max"] and 100 * r["kv_usage_max"], ".0f", " %"),
             fmt(r["vs_direct"], ".2f", "x"),
@@ -320,7 +405,8 @@ def main() -> None:
     )
     print_table(
         f"{what} sent at once, real vLLM "
-        f"{vllm_engine.VLLM_VERSION} on CPU (3,072 KV tokens, window 2,048, 8 sequences at most)",
+        f"{vllm_engine.VLLM_VERSION} on CPU (3,072 KV tokens, window 2,048, 8 sequences at most"
+        f"{'; vLLM on CPU 1, the rest on CPU 0' if pinned else ''})",
         [
             "run",
             "completed",
@@ -330,19 +416,66 @@ def main() -> None:
             "attempts / completed",
             "429s",
             "preemptions",
-            "most running",
+            "running at once, mean (most)",
             "KV used, mean",
             "KV used, most",
             "vs direct",
         ],
         rows,
     )
+    model = step_model(results)
+    for rule, mean in ideal.items():
+        line = f"{IDEAL_RULES[rule]}, ideal (exact progress, no lag): {mean:.2f} at once"
+        if model is not None and direct is not None:
+            a, b = model
+            line += (
+                f", {mean / (a + b * mean):.0f} tokens/s by the step time measured "
+                f"({1000 * a:.1f} + {1000 * b:.2f} ms a sequence): "
+                f"{mean / (a + b * mean) / direct['tokens_per_second']:.2f}x direct"
+            )
+        print(line)
     write_json(
         "vllm_price" if args.mix == "caps" else "vllm_price_prefix",
         {"machine": machine(), "requests": args.requests, "caps": [args.low, args.high],
-         "mix": args.mix, "rounds": args.rounds, "results": results,
-         "all_rounds": rounds},
+         "mix": args.mix, "rounds": args.rounds, "pinned": pinned, "results": results,
+         "ideal_running": ideal, "step_model": model, "all_rounds": rounds},
     )  # fmt: skip
+
+
+def ideals(
+    items: list[tuple[str, int]], counter: HuggingFaceCounter, engine: vllm_engine.VllmServer
+) -> dict[str, float]:
+    """:func:`ideal_running` by each rule, at the gateway's defaults against this engine."""
+    found = budget_from_vllm_metrics(httpx.get(engine.url + "/metrics", timeout=30).text)
+    assert found is not None, "vLLM's /metrics has no vllm:cache_config_info"
+    total, block_size = found
+    return {
+        rule: ideal_running(
+            [counter.encode(prompt) for prompt, _ in items],
+            [cap for _, cap in items],
+            usable=int(total * DEFAULT_SAFETY_FRACTION),
+            block_size=block_size,
+            max_running=engine.max_num_seqs,
+            rule=rule,
+        )
+        for rule in IDEAL_RULES
+    }
+
+
+def step_model(results: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """vLLM's time a step as ``a + b x sequences``, in seconds, from two direct runs at different
+    numbers at once (``direct`` and ``direct@N``: tokens/s over the mean running); None
+    without both."""
+    points = [
+        (r["running_mean"], r["running_mean"] / r["tokens_per_second"])
+        for r in results
+        if r["run"].startswith("direct") and r["running_mean"] and r["tokens_per_second"]
+    ]
+    if len(points) < 2 or points[0][0] == points[1][0]:
+        return None
+    (n1, t1), (n2, t2) = points[:2]
+    b = (t2 - t1) / (n2 - n1)
+    return t1 - b * n1, b
 
 
 if __name__ == "__main__":

@@ -182,6 +182,7 @@ class AsyncClient(BaseClient):
         transport: httpx.AsyncBaseTransport | None = None,
         safety_margin_tokens: int = 0,
         http_client: httpx.AsyncClient | None = None,
+        priority: int | None = None,
     ) -> None:
         super().__init__(
             base_url=base_url,
@@ -195,6 +196,7 @@ class AsyncClient(BaseClient):
             safety_margin=safety_margin,
             on_retry=on_retry,
             safety_margin_tokens=safety_margin_tokens,
+            priority=priority,
         )
         if http_client is not None and transport is not None:
             raise ValueError("pass transport= or http_client=, not both")
@@ -414,21 +416,44 @@ class AsyncClient(BaseClient):
     # --- API ---------------------------------------------------------------------------------
 
     async def complete(
-        self, prompt: str, *, max_tokens: int | None = None, **params: Any
+        self,
+        prompt: str,
+        *,
+        max_tokens: int | None = None,
+        priority: int | None = None,
+        **params: Any,
     ) -> Completion:
-        """``POST /v1/completions`` with an explicit, clamped ``max_tokens``."""
+        """``POST /v1/completions`` with an explicit, clamped ``max_tokens``.
+
+        ``priority``: this call's priority class (``X-Priority``, lower served first; None:
+        the client's). ``params`` go into the request body as they are."""
         await self.discover()
-        return await self._call(self._prepare_completion(prompt, max_tokens, params, stream=False))
+        prepared = self._prepare_completion(
+            prompt, max_tokens, params, stream=False, priority=priority
+        )
+        return await self._call(prepared)
 
     async def chat(
-        self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
+        self,
+        messages: Sequence[Message],
+        *,
+        max_tokens: int | None = None,
+        priority: int | None = None,
+        **params: Any,
     ) -> Completion:
-        """``POST /v1/chat/completions`` with an explicit, clamped ``max_tokens``."""
+        """``POST /v1/chat/completions`` with an explicit, clamped ``max_tokens``; ``priority``
+        as :meth:`complete` takes it."""
         await self.discover()
-        return await self._call(self._prepare_chat(messages, max_tokens, params, stream=False))
+        prepared = self._prepare_chat(messages, max_tokens, params, stream=False, priority=priority)
+        return await self._call(prepared)
 
     def complete_stream(
-        self, prompt: str, *, max_tokens: int | None = None, **params: Any
+        self,
+        prompt: str,
+        *,
+        max_tokens: int | None = None,
+        priority: int | None = None,
+        **params: Any,
     ) -> AsyncStream:
         """Stream ``/v1/completions``: ``async with client.complete_stream(...) as stream``.
 
@@ -437,12 +462,19 @@ class AsyncClient(BaseClient):
 
         async def prepare() -> Prepared:
             await self.discover()
-            return self._prepare_completion(prompt, max_tokens, params, stream=True)
+            return self._prepare_completion(
+                prompt, max_tokens, params, stream=True, priority=priority
+            )
 
         return AsyncStream(self, prepare, chat=False)
 
     def chat_stream(
-        self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
+        self,
+        messages: Sequence[Message],
+        *,
+        max_tokens: int | None = None,
+        priority: int | None = None,
+        **params: Any,
     ) -> AsyncStream:
         """Stream ``/v1/chat/completions``: ``async with client.chat_stream(...) as stream``.
 
@@ -451,6 +483,6 @@ class AsyncClient(BaseClient):
 
         async def prepare() -> Prepared:
             await self.discover()
-            return self._prepare_chat(messages, max_tokens, params, stream=True)
+            return self._prepare_chat(messages, max_tokens, params, stream=True, priority=priority)
 
         return AsyncStream(self, prepare, chat=True)

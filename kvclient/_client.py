@@ -52,7 +52,7 @@ from ._tokens import Message, TokenCounter, count_chat_request
 from ._version import __version__
 from .engines.discovery import Answer, Discovery, Probe, discover_context
 from .engines.errors import classify_error
-from .headers import parse_retry_after
+from .headers import PRIORITY_HEADER, parse_retry_after
 
 __all__ = ["BaseClient", "Prepared", "from_env"]
 
@@ -98,16 +98,24 @@ def from_env(names: Sequence[str]) -> str | None:
 class Prepared:
     """One call's request, planned once and sent by every attempt."""
 
-    __slots__ = ("body", "chat", "max_tokens", "path", "prompt_tokens")
+    __slots__ = ("body", "chat", "max_tokens", "path", "priority", "prompt_tokens")
 
     def __init__(
-        self, *, path: str, body: dict[str, Any], max_tokens: int, prompt_tokens: int, chat: bool
+        self,
+        *,
+        path: str,
+        body: dict[str, Any],
+        max_tokens: int,
+        prompt_tokens: int,
+        chat: bool,
+        priority: int | None = None,
     ) -> None:
         self.path = path
         self.body = body
         self.max_tokens = max_tokens
         self.prompt_tokens = prompt_tokens
         self.chat = chat
+        self.priority = priority
 
     @property
     def size(self) -> int:
@@ -122,6 +130,13 @@ def _check_window(context_window: int | None) -> None:
         or context_window < 1
     ):
         raise ValueError(f"context_window must be a positive integer, got {context_window!r}")
+
+
+def _check_priority(priority: int | None) -> int | None:
+    """``priority`` when it is None or an integer (not a bool), else a ``ValueError``."""
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}")
+    return priority
 
 
 def _check_margins(safety_margin: float, safety_margin_tokens: int) -> None:
@@ -152,6 +167,11 @@ class BaseClient:
     pacing hints and health, and each request goes where its reservation fits best (see
     :mod:`kvclient._replicas`); discovery asks each replica for its context window and clamps to
     the smallest.
+
+    ``priority`` (an integer, lower served first, as vLLM's own ``priority``; None sends none,
+    which a server takes as 0) goes with each completion and chat request as the
+    ``X-Priority`` header (:data:`kvclient.headers.PRIORITY_HEADER`), for a server that serves
+    priority classes, as the gateway's tenant fairness does; a call's own ``priority=`` wins.
     """
 
     _http: httpx.Client | httpx.AsyncClient
@@ -170,9 +190,11 @@ class BaseClient:
         safety_margin: float = DEFAULT_SAFETY_MARGIN,
         on_retry: Callable[[RetryEvent], None] | None = None,
         safety_margin_tokens: int = 0,
+        priority: int | None = None,
     ) -> None:
         _check_window(context_window)
         _check_margins(safety_margin, safety_margin_tokens)
+        self.priority = _check_priority(priority)
         if base_url is None:
             base_url = from_env(BASE_URL_ENV)
             if base_url is None:
@@ -322,6 +344,8 @@ class BaseClient:
         headers["Content-Type"] = "application/json"
         if prepared.body.get("stream"):
             headers["Accept"] = "text/event-stream"
+        if prepared.priority is not None:
+            headers[PRIORITY_HEADER] = str(prepared.priority)
         return self._http.build_request(
             "POST",
             call.replica.base_url + prepared.path,
@@ -345,17 +369,29 @@ class BaseClient:
             raise TypeError(f"kvclient sets {', '.join(bad)} itself; do not pass them in **params")
 
     def _prepare_completion(
-        self, prompt: str, max_tokens: int | None, params: dict[str, Any], *, stream: bool
+        self,
+        prompt: str,
+        max_tokens: int | None,
+        params: dict[str, Any],
+        *,
+        stream: bool,
+        priority: int | None = None,
     ) -> Prepared:
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         self._check_params(params)
+        priority = self._priority(priority)
         counted = self.counter.count(prompt)
         cap = self.clamp(max_tokens, counted)
         body: dict[str, Any] = {"model": self.model, "prompt": prompt, **params, "max_tokens": cap}
         self._stream_options(body, stream)
         return Prepared(
-            path=_COMPLETIONS, body=body, max_tokens=cap, prompt_tokens=counted, chat=False
+            path=_COMPLETIONS,
+            body=body,
+            max_tokens=cap,
+            prompt_tokens=counted,
+            chat=False,
+            priority=priority,
         )
 
     def _prepare_chat(
@@ -365,8 +401,10 @@ class BaseClient:
         params: dict[str, Any],
         *,
         stream: bool,
+        priority: int | None = None,
     ) -> Prepared:
         self._check_params(params)
+        priority = self._priority(priority)
         if max_tokens is None and "max_completion_tokens" in params:
             max_tokens = params.pop("max_completion_tokens")
         else:
@@ -380,7 +418,18 @@ class BaseClient:
             "max_tokens": cap,
         }
         self._stream_options(body, stream)
-        return Prepared(path=_CHAT, body=body, max_tokens=cap, prompt_tokens=counted, chat=True)
+        return Prepared(
+            path=_CHAT,
+            body=body,
+            max_tokens=cap,
+            prompt_tokens=counted,
+            chat=True,
+            priority=priority,
+        )
+
+    def _priority(self, given: int | None) -> int | None:
+        """A call's priority: its own, else the client's."""
+        return self.priority if given is None else _check_priority(given)
 
     @staticmethod
     def _stream_options(body: dict[str, Any], stream: bool) -> None:

@@ -179,6 +179,7 @@ class Client(BaseClient):
         transport: httpx.BaseTransport | None = None,
         safety_margin_tokens: int = 0,
         http_client: httpx.Client | None = None,
+        priority: int | None = None,
     ) -> None:
         super().__init__(
             base_url=base_url,
@@ -192,6 +193,7 @@ class Client(BaseClient):
             safety_margin=safety_margin,
             on_retry=on_retry,
             safety_margin_tokens=safety_margin_tokens,
+            priority=priority,
         )
         if http_client is not None and transport is not None:
             raise ValueError("pass transport= or http_client=, not both")
@@ -406,20 +408,45 @@ class Client(BaseClient):
 
     # --- API ---------------------------------------------------------------------------------
 
-    def complete(self, prompt: str, *, max_tokens: int | None = None, **params: Any) -> Completion:
-        """``POST /v1/completions`` with an explicit, clamped ``max_tokens``."""
+    def complete(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int | None = None,
+        priority: int | None = None,
+        **params: Any,
+    ) -> Completion:
+        """``POST /v1/completions`` with an explicit, clamped ``max_tokens``.
+
+        ``priority``: this call's priority class (``X-Priority``, lower served first; None:
+        the client's). ``params`` go into the request body as they are."""
         self.discover()
-        return self._call(self._prepare_completion(prompt, max_tokens, params, stream=False))
+        prepared = self._prepare_completion(
+            prompt, max_tokens, params, stream=False, priority=priority
+        )
+        return self._call(prepared)
 
     def chat(
-        self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
+        self,
+        messages: Sequence[Message],
+        *,
+        max_tokens: int | None = None,
+        priority: int | None = None,
+        **params: Any,
     ) -> Completion:
-        """``POST /v1/chat/completions`` with an explicit, clamped ``max_tokens``."""
+        """``POST /v1/chat/completions`` with an explicit, clamped ``max_tokens``; ``priority``
+        as :meth:`complete` takes it."""
         self.discover()
-        return self._call(self._prepare_chat(messages, max_tokens, params, stream=False))
+        prepared = self._prepare_chat(messages, max_tokens, params, stream=False, priority=priority)
+        return self._call(prepared)
 
     def complete_stream(
-        self, prompt: str, *, max_tokens: int | None = None, **params: Any
+        self,
+        prompt: str,
+        *,
+        max_tokens: int | None = None,
+        priority: int | None = None,
+        **params: Any,
     ) -> Stream:
         """Stream ``/v1/completions``: ``with client.complete_stream(...) as stream``.
 
@@ -428,12 +455,19 @@ class Client(BaseClient):
 
         def prepare() -> Prepared:
             self.discover()
-            return self._prepare_completion(prompt, max_tokens, params, stream=True)
+            return self._prepare_completion(
+                prompt, max_tokens, params, stream=True, priority=priority
+            )
 
         return Stream(self, prepare, chat=False)
 
     def chat_stream(
-        self, messages: Sequence[Message], *, max_tokens: int | None = None, **params: Any
+        self,
+        messages: Sequence[Message],
+        *,
+        max_tokens: int | None = None,
+        priority: int | None = None,
+        **params: Any,
     ) -> Stream:
         """Stream ``/v1/chat/completions``: ``with client.chat_stream(...) as stream``.
 
@@ -442,6 +476,6 @@ class Client(BaseClient):
 
         def prepare() -> Prepared:
             self.discover()
-            return self._prepare_chat(messages, max_tokens, params, stream=True)
+            return self._prepare_chat(messages, max_tokens, params, stream=True, priority=priority)
 
         return Stream(self, prepare, chat=True)

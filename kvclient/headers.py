@@ -41,6 +41,11 @@ RoomHint(quota=29491, remaining=1200, reset=1.2, queues=False)
 >>> parse_ratelimit({"RateLimit": '"default";r=5;t=1'}) is None
 True
 
+**X-Priority** (ours, :data:`PRIORITY_HEADER`): a request's priority class, an integer, lower
+served first and 0 when absent, as vLLM's own ``priority`` field. kvclient's clients send it
+with their ``priority`` option; a server that serves classes (the gateway's tenant fairness)
+reads it.
+
 Both parsers take an ``httpx.Headers`` (repeated headers kept apart) or a plain mapping (names
 matched in any case), read through :func:`header_values`, and never raise.
 """
@@ -60,6 +65,7 @@ __all__ = [
     "MS_PARAM",
     "POLICY_HEADER",
     "POLICY_NAME",
+    "PRIORITY_HEADER",
     "QUEUE_PARAM",
     "RATELIMIT_HEADER",
     "UNIT_PARAM",
@@ -69,6 +75,10 @@ __all__ = [
     "parse_ratelimit",
     "parse_retry_after",
 ]
+
+
+#: A request's priority class: an integer, lower served first, 0 when absent.
+PRIORITY_HEADER = "X-Priority"
 
 
 def header_values(headers: Mapping[str, str] | Any, name: str) -> list[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
 from ._exceptions import APIResponseError
@@ -246,6 +246,33 @@ def _decode(data: str) -> dict[str, Any]:
     return payload
 
 
+class _Events:
+    """What :func:`iter_events` and :func:`aiter_events` share: the payloads each line
+    completes, and whether ``[DONE]`` has come (``done``)."""
+
+    __slots__ = ("_decoder", "done")
+
+    def __init__(self, max_events: int | None) -> None:
+        self._decoder = SSEDecoder(max_events=max_events)
+        self.done = False
+
+    def feed(self, line: str) -> list[dict[str, Any]]:
+        return self._payloads(self._decoder.feed(line))
+
+    def flush(self) -> Sequence[dict[str, Any] | None]:
+        """The last event at end of stream: ``None`` for a ``[DONE]`` without a blank line."""
+        payloads = self._payloads(self._decoder.flush())
+        return [None] if self.done else payloads
+
+    def _payloads(self, data: str | None) -> list[dict[str, Any]]:
+        if data is None:
+            return []
+        if data.strip() == DONE:
+            self.done = True
+            return []
+        return [_decode(data)]
+
+
 def iter_events(
     lines: Iterable[str], *, max_events: int | None = None
 ) -> Iterator[dict[str, Any] | None]:
@@ -253,34 +280,28 @@ def iter_events(
 
     ``max_events`` (see :func:`event_limit`) cuts off a stream that would never end.
     """
-    decoder = SSEDecoder(max_events=max_events)
+    events = _Events(max_events)
     for line in lines:
-        data = decoder.feed(line)
-        if data is None:
-            continue
-        if data.strip() == DONE:
+        yield from events.feed(line)
+        if events.done:
             # Read the few bytes after [DONE] so the response ends cleanly (bounded: a server
             # that keeps talking after [DONE] is cut off).
             for _line in itertools.islice(lines, _MAX_LINES_AFTER_DONE):
                 pass
             yield None
             return
-        yield _decode(data)
-    data = decoder.flush()
-    if data is not None:
-        yield None if data.strip() == DONE else _decode(data)
+    yield from events.flush()
 
 
 async def aiter_events(
     lines: AsyncIterator[str], *, max_events: int | None = None
 ) -> AsyncGenerator[dict[str, Any] | None]:
     """Async :func:`iter_events`."""
-    decoder = SSEDecoder(max_events=max_events)
+    events = _Events(max_events)
     async for line in lines:
-        data = decoder.feed(line)
-        if data is None:
-            continue
-        if data.strip() == DONE:
+        for payload in events.feed(line):
+            yield payload
+        if events.done:
             # Exhaust the line iterator: an abandoned httpx async generator warns under trio.
             drained = 0
             async for _line in lines:
@@ -289,10 +310,8 @@ async def aiter_events(
                     break
             yield None
             return
-        yield _decode(data)
-    data = decoder.flush()
-    if data is not None:
-        yield None if data.strip() == DONE else _decode(data)
+    for last in events.flush():
+        yield last
 
 
 # Delta keys whose value names something (replaced by a later value, never concatenated).

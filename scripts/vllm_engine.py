@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -228,7 +229,8 @@ class VllmServer(EngineProcess):
     """vLLM's OpenAI-compatible server on a free loopback port, stopped on exit.
 
     ``max_model_len`` is each request's window; ``kv_cache_bytes`` the KV pool that all running
-    sequences share (6M: 3,072 tokens of the tiny model); ``max_num_seqs`` how many run at once.
+    sequences share (6M: 3,072 tokens of the tiny model); ``max_num_seqs`` how many run at once;
+    ``cpus`` the cores it may run on (None: all; its engine process inherits them).
     """
 
     name = "vllm-server"
@@ -247,8 +249,10 @@ class VllmServer(EngineProcess):
         extra: tuple[str, ...] = (),
         python: Path | None = None,
         model: Path | None = None,
+        cpus: set[int] | None = None,
     ) -> None:
         super().__init__()
+        self.cpus = cpus
         self.max_model_len = max_model_len
         self.kv_cache_bytes = kv_cache_bytes
         self.max_num_seqs = max_num_seqs
@@ -282,7 +286,7 @@ class VllmServer(EngineProcess):
     def start(self, *, timeout: float = START_TIMEOUT) -> VllmServer:
         for _ in range(3):
             self.port = free_port()
-            self.spawn(self.command(), env=self.environment())
+            self.spawn(self.command(), env=self.environment(), preexec_fn=self._pin())
             try:
                 self.wait_ready(timeout)
             except OSError:
@@ -292,6 +296,12 @@ class VllmServer(EngineProcess):
                 continue  # the port was taken between choosing and binding: choose again
             return self
         raise RuntimeError(f"vLLM did not start; log:\n{self.log()}")
+
+    def _pin(self) -> Callable[[], None] | None:
+        """A ``preexec_fn`` keeping the server (and the engine process it forks) on
+        :attr:`cpus`; None when unset."""
+        cpus = self.cpus
+        return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
 
     def wait_ready(self, timeout: float) -> None:
         """Until ``/health`` answers 200; an ``OSError`` with the log if vLLM exits first."""

@@ -47,20 +47,11 @@ def _token_list(payload: Any, key: str | None, count: int | None = None) -> Toke
     return Tokenized(len(tokens), tuple(tokens) if whole else None)
 
 
-def count_by_tokenize(
-    engine: str | None,
-    *,
-    prompt: str | None = None,
-    messages: list[Any] | None = None,
-    model: str | None = None,
-    tools: list[Any] | None = None,
-    render: Mapping[str, Any] | None = None,
-) -> Generator[Probe, Answer, int | None]:
+def count_by_tokenize(engine: str | None, **request: Any) -> Generator[Probe, Answer, int | None]:
     """The server's own count of a prompt or a chat request (its template applied), or None
-    when its ``/tokenize`` cannot say: :func:`tokenize`'s count."""
-    found = yield from tokenize(
-        engine, prompt=prompt, messages=messages, model=model, tools=tools, render=render
-    )
+    when its ``/tokenize`` cannot say: :func:`tokenize`'s count, for :func:`tokenize`'s
+    keyword arguments (``prompt``, ``messages``, ``model``, ``tools``, ``render``)."""
+    found = yield from tokenize(engine, **request)
     return None if found is None else found.count
 
 

@@ -35,7 +35,9 @@ class AsyncOpenAI(openai.AsyncOpenAI):
     over (the SDK itself is given the first). ``max_retries`` is 0: kvclient
     retries. A prompt that cannot fit raises the SDK's ``BadRequestError`` (code
     ``context_length_exceeded``) without a byte sent; giving up on a busy server raises its
-    ``RateLimitError`` (code ``server_busy``).
+    ``RateLimitError`` (code ``server_busy``). ``priority`` goes with each completion and chat
+    request as ``X-Priority`` (lower served first); a call gives its own with the SDK's
+    ``extra_headers={"X-Priority": "2"}``.
     """
 
     kvclient_transport: AsyncTransport
@@ -52,6 +54,7 @@ class AsyncOpenAI(openai.AsyncOpenAI):
         transport: httpx.AsyncBaseTransport | None = None,
         http_client: httpx.AsyncClient | None = None,
         max_retries: int = 0,
+        priority: int | None = None,
         **kwargs: Any,
     ) -> None:
         _check_retries(max_retries)
@@ -66,6 +69,7 @@ class AsyncOpenAI(openai.AsyncOpenAI):
                 retry=retry,
                 safety_margin=safety_margin or 0.0,
                 on_retry=on_retry,
+                priority=priority,
             )
             http_client = httpx.AsyncClient(transport=transport_kv, follow_redirects=True)
         else:
@@ -77,6 +81,7 @@ class AsyncOpenAI(openai.AsyncOpenAI):
                 "safety_margin": safety_margin,
                 "on_retry": on_retry,
                 "transport": transport,
+                "priority": priority,
             }
             transport_kv = _existing(http_client, AsyncTransport, given)
         self.kvclient_transport = transport_kv

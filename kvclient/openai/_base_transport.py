@@ -32,6 +32,7 @@ from .._exceptions import (
     ServerBusyError,
 )
 from .._replicas import Call, normalize_base_url
+from ..headers import PRIORITY_HEADER
 from ._plan import (
     LOCAL_REASON,
     InvalidCap,
@@ -143,11 +144,13 @@ class _Shared:
             # The model's template rejects the conversation: the server would answer 400 too.
             return local_error_response(f"{exc}; nothing was sent", "chat_template_error")
 
-    @staticmethod
-    def _builder(request: httpx.Request, kind: str, plan: Plan) -> Callable[[Call], httpx.Request]:
+    def _builder(
+        self, request: httpx.Request, kind: str, plan: Plan
+    ) -> Callable[[Call], httpx.Request]:
         """How each attempt sends the SDK's request: to the attempt's replica (the path after
-        the API's base, e.g. ``/v1/chat/completions``), with the SDK's headers and extensions
-        and the rewritten body."""
+        the API's base, e.g. ``/v1/chat/completions``), with the SDK's headers (and the
+        client's priority where the request gives none) and extensions and the rewritten
+        body."""
         api, _credentials = normalize_base_url(base_url_of(request.url, kind))
         tail = request.url.raw_path.decode("ascii")[len(httpx.URL(api).raw_path.rstrip(b"/")) :]
         headers = [
@@ -155,6 +158,9 @@ class _Shared:
             for name, value in request.headers.raw
             if name.lower() not in (b"content-length", b"host")
         ]
+        priority = self._kv.priority
+        if priority is not None and PRIORITY_HEADER not in request.headers:
+            headers.append((PRIORITY_HEADER.encode("ascii"), str(priority).encode("ascii")))
 
         def build(call: Call) -> httpx.Request:
             return httpx.Request(

@@ -35,7 +35,9 @@ class Transport(_Shared, httpx.BaseTransport):
     with the openai SDK's connection limits); the other options are
     :class:`kvclient.Client`'s. ``base_url`` may list several replicas: each request goes
     to one of them, and fails over, as :class:`kvclient.Client`'s do; without it, the base
-    URL of the first generation request is the one server. Without ``context_window`` it is
+    URL of the first generation request is the one server. ``priority`` goes with each
+    completion and chat request as ``X-Priority``, unless the request has that header already
+    (the SDK's ``extra_headers`` per call). Without ``context_window`` it is
     discovered once, from ``GET /v1/models``, for the first request's model. Keep the SDK's own
     retries off (``max_retries=0``): kvclient marks its answers ``x-should-retry: false``, but
     the SDK would still retry connection failures that kvclient already retried.
@@ -53,6 +55,7 @@ class Transport(_Shared, httpx.BaseTransport):
         retry: RetryPolicy | None = None,
         safety_margin: float = 0.0,
         on_retry: Callable[[RetryEvent], None] | None = None,
+        priority: int | None = None,
     ) -> None:
         self._inner = inner if inner is not None else httpx.HTTPTransport(limits=DEFAULT_LIMITS)
         self._kv = Client(
@@ -63,6 +66,7 @@ class Transport(_Shared, httpx.BaseTransport):
             safety_margin=safety_margin,
             on_retry=on_retry,
             transport=self._inner,
+            priority=priority,
         )
         self._setup(base_url)
 

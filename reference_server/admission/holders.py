@@ -17,16 +17,16 @@ __all__ = [
     "RuleInForce",
     "as_holder",
     "borrowable",
+    "freshest",
     "lag_tokens",
     "lender_in_prefill",
     "stalled",
     "tainted_after",
 ]
 
-#: The longest a token may take from the engine's decode step to the server's reading of it
-#: (the engine's API process, the socket, the relay's loop), in seconds. A holder is taken to
-#: have made, beyond the tokens relayed, as many as it could decode in that time plus the time
-#: since its latest count: see :func:`lag_tokens`.
+#: The most one stream's tokens may lag another's on their way from the engine's decode step
+#: to the server's reading of them (the engine's API process writing one stream after another,
+#: the sockets, the relay's loop), in seconds: see :func:`lag_tokens`.
 DEFAULT_RELAY_LAG = 0.25
 #: How much faster than measured a sequence is allowed to decode, for that margin: the speed
 #: is measured over seconds, and a batch that thins out decodes faster.
@@ -36,25 +36,37 @@ LAG_RATE_FACTOR = 2.0
 OWN_RATE_SPAN = 0.5
 
 
-def lag_tokens(handle: Handle, now: float, *, decode_rate: float, relay_lag: float) -> int:
-    """Tokens ``handle`` may have made beyond those relayed: what it can decode in the relay
-    lag plus the time since its latest count, at twice the faster of the engine's measured
-    speed alone (``decode_rate``) and its own observed speed over at least
-    ``OWN_RATE_SPAN``."""
+def freshest(live: Iterable[Handle], now: float) -> float:
+    """When the freshest count of any holder followed was read (``now`` when none is)."""
+    return max((h.seen_at for h in live if h.tracked and h.generated is not None), default=now)
+
+
+def lag_tokens(handle: Handle, fresh: float, *, decode_rate: float, relay_lag: float) -> int:
+    """Tokens ``handle`` may have made beyond those relayed, as of the freshest count read
+    (``fresh``, see :func:`freshest`): what it can decode in the relay lag plus the time by
+    which its own latest count is older, at twice the faster of the engine's measured speed
+    alone (``decode_rate``) and its own observed speed over at least ``OWN_RATE_SPAN``.
+
+    Counts that are all equally late need no margin: in lockstep every holder is then the same
+    number of steps further on than read, the sum's future is the one computed, only shifted,
+    and its peak covers it (a newcomer counts whole until its own first count). A stall of the
+    server's own loop, or of the engine's API process, delays every count alike; what differs
+    between two holders is what the margin covers."""
     rate = decode_rate
     span = handle.seen_at - handle.first_seen_at
     if span >= OWN_RATE_SPAN and handle.generated:
         rate = max(rate, (handle.generated - 1) / span)
-    return math.ceil(LAG_RATE_FACTOR * rate * (max(0.0, now - handle.seen_at) + relay_lag))
+    return math.ceil(LAG_RATE_FACTOR * rate * (max(0.0, fresh - handle.seen_at) + relay_lag))
 
 
-def as_holder(handle: Handle, now: float, *, decode_rate: float, relay_lag: float) -> Holder:
-    """How the peak sees ``handle`` now: flat (its whole reservation) until its first relayed
-    token or when its progress is not followed; else its trajectory."""
+def as_holder(handle: Handle, fresh: float, *, decode_rate: float, relay_lag: float) -> Holder:
+    """How the peak sees ``handle`` as of the freshest count read (``fresh``): flat (its whole
+    reservation) until its first relayed token or when its progress is not followed; else its
+    trajectory."""
     if handle.generated is None or not handle.tracked:
         return Holder.flat(handle.reserved_tokens, handle.prefix, handle.borrowed)
     cap, generated = handle.output_cap, handle.generated
-    lag = lag_tokens(handle, now, decode_rate=decode_rate, relay_lag=relay_lag)
+    lag = lag_tokens(handle, fresh, decode_rate=decode_rate, relay_lag=relay_lag)
     return Holder(
         held=handle.prompt_tokens + min(cap, generated + lag),
         most=handle.prompt_tokens + cap,

@@ -35,25 +35,26 @@ import functools
 import itertools
 import math
 import threading
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Literal, get_args
 
 from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
 
+from .advice import STAGGER_ROUNDS, Advice
 from .decode import Decoding, check_speed
 from .forecast import Drain, earliest_fit, earliest_peak_fit, expected_ends, quantile_above
 from .holders import (
     DEFAULT_RELAY_LAG,
     RuleInForce,
     as_holder,
+    freshest,
     borrowable,
     lender_in_prefill,
     stalled,
     tainted_after,
 )
 from .peak import Holder, peak, prefix_blocks
-from .values import Handle, Headroom, LedgerEvent, LedgerStats, _Promise
+from .values import Handle, Headroom, LedgerEvent, LedgerStats
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
@@ -79,17 +80,6 @@ RULES: tuple[str, ...] = get_args(Rule)
 DEFAULT_SAFETY_FRACTION = 0.9
 #: The request cap in ``concurrency`` mode when none is given: a typical hand-tuned value.
 DEFAULT_MAX_CONCURRENCY = 16
-#: Output lengths remembered for ``output_quantile``, and how many are needed before use.
-_OUTPUT_WINDOW = 256
-_MIN_OUTPUTS = 20
-#: Staggered advice (``promise=True``) is at most this many of the request's own durations
-#: after the plain estimate: enough to spread a burst over eight rounds of returns, while
-#: clients that come back early on new connections (each refusal adds a promise) cannot push it
-#: further past the time capacity really returns. A client that comes back on the same
-#: connection replaces its own promise.
-STAGGER_ROUNDS = 8
-#: Promises remembered at most (the oldest are forgotten first): each estimate scans them all.
-_MAX_PROMISES = 64
 
 
 class KVAdmissionController:
@@ -173,8 +163,7 @@ class KVAdmissionController:
         self._released_total = 0
         self._peak_reserved = 0
         self._peak_inflight = 0
-        self._promises: list[_Promise] = []
-        self._outputs: deque[int] = deque(maxlen=_OUTPUT_WINDOW)
+        self._advice = Advice()
 
     # --- decode speed ------------------------------------------------------------------------
 
@@ -306,8 +295,8 @@ class KVAdmissionController:
         with self._lock:
             return stalled(self._live.values(), now, seconds)
 
-    def _holder(self, handle: Handle, now: float) -> Holder:
-        return as_holder(handle, now, decode_rate=self.decode_rate, relay_lag=self.relay_lag)
+    def _holder(self, handle: Handle, fresh: float) -> Holder:
+        return as_holder(handle, fresh, decode_rate=self.decode_rate, relay_lag=self.relay_lag)
 
     def _committed(
         self, now: float, extra: Holder | None = None, without: Handle | None = None
@@ -318,7 +307,8 @@ class KVAdmissionController:
             live = without is not None and self._live.get(without.id) is without
             gone = without.reserved_tokens if live and without is not None else 0
             return self._reserved - gone + (extra.most if extra is not None else 0)
-        holders = [self._holder(h, now) for h in self._live.values() if h is not without]
+        fresh = freshest(self._live.values(), now)
+        holders = [self._holder(h, fresh) for h in self._live.values() if h is not without]
         if extra is not None:
             holders.append(extra)
         if not holders:
@@ -382,7 +372,7 @@ class KVAdmissionController:
             if prefix and self._peak_in_force():
                 handle.prefix, handle.borrowed = prefix, borrowable(prefix, self._live.values())
             self._live[handle.id] = handle
-            self._keep_promise(need, now)
+            self._advice.keep_promise(need, now, self.release_margin)
             self._reserved += need
             self._admitted_total += 1
             self._peak_reserved = max(self._peak_reserved, self._reserved)
@@ -390,14 +380,6 @@ class KVAdmissionController:
             if self._on_event is not None:
                 self._on_event(LedgerEvent(kind="admit", id=handle.id, tokens=need))
             return handle
-
-    def _keep_promise(self, need: int, now: float) -> None:
-        # A request of the promised size arriving once its time has come is taken to be the
-        # client coming back: its promise is kept, so it is not counted twice.
-        for i, promise in enumerate(self._promises):
-            if promise.tokens == need and promise.start <= now + self.release_margin:
-                del self._promises[i]
-                return
 
     def record_rejection(self, need: int = 0, retry_after: float = 0.0) -> None:
         """Count one rejection decided outside :meth:`try_admit` (the admission queue's answer).
@@ -456,13 +438,7 @@ class KVAdmissionController:
     def record_output(self, completion_tokens: int) -> None:
         """Remember how long a finished request's output was (for ``output_quantile``)."""
         with self._lock:
-            self._outputs.append(max(0, completion_tokens))
-
-    def _recent_outputs(self) -> list[int] | None:
-        """Recent output lengths in order, once enough were seen for ``output_quantile``."""
-        if self.output_quantile is None or len(self._outputs) < _MIN_OUTPUTS:
-            return None
-        return sorted(self._outputs)
+            self._advice.record_output(completion_tokens)
 
     def _expected_ends(self, ordered: list[int] | None, now: float) -> list[tuple[float, Handle]]:
         """When each live handle is taken to free its reservation (lock held): see
@@ -516,16 +492,13 @@ class KVAdmissionController:
         Returns 0.0 when it fits now; callers clamp it for the header (whole seconds, >= 1).
         """
         with self._lock:
-            self._promises = [
-                p
-                for p in self._promises
-                if p.end > now and not (promise and client is not None and p.client == client)
-            ]
-            ordered = self._recent_outputs()
+            self._advice.forget(now, client if promise else None)
+            ordered = self._advice.recent_outputs(self.output_quantile)
             live = self._expected_ends(ordered, now)
             if self._peak_in_force():
+                fresh = freshest(self._live.values(), now)
                 when = earliest_peak_fit(
-                    need, now, live, lambda h: self._holder(h, now),
+                    need, now, live, lambda h: self._holder(h, fresh),
                     usable=self.usable_tokens, block_size=self.block_size, tainted=self._tainted,
                     max_concurrency=self.max_concurrency,
                 )  # fmt: skip
@@ -538,22 +511,14 @@ class KVAdmissionController:
             fit = functools.partial(
                 earliest_fit, usable=self.usable_tokens, max_concurrency=self.max_concurrency
             )
-            plain = fit(need, now, live, [], 0.0)
-            chosen = plain
-            if self._promises:
-                staggered = fit(need, now, live, self._promises, duration)
-                limit = plain + STAGGER_ROUNDS * (duration + self.release_margin)
-                chosen = min(staggered, limit)
-            if promise and chosen > now:
-                end = chosen + duration + self.release_margin
-                self._promises.append(_Promise(start=chosen, end=end, tokens=need, client=client))
-                del self._promises[:-_MAX_PROMISES]
+            margin = self.release_margin
+            chosen = self._advice.earliest(need, now, live, fit, duration, margin, promise, client)
             return max(0.0, chosen - now)
 
     def outstanding_promises(self) -> int:
         """Clients told to come back whose promised time has not run out."""
         with self._lock:
-            return len(self._promises)
+            return len(self._advice)
 
     # --- observation -------------------------------------------------------------------------
 

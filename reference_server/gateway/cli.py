@@ -13,6 +13,7 @@ from typing import Any
 
 from kvclient.cli_options import TOKENIZER_HELP, HelpFormatter, add_log_level, setup_logging
 
+from ..admission.holders import DEFAULT_RELAY_LAG
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION, RULES
 from ..http.serving import configure, load_tokenizer, serve, serve_workers
 from .config import (
@@ -104,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--decode-rate", type=float, default=DEFAULT_DECODE_RATE, metavar="TOKENS_PER_S",
         help="per-sequence decode rate assumed for Retry-After estimates until one is measured "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    add(
+        "--relay-lag", type=float, default=DEFAULT_RELAY_LAG, metavar="S",
+        help="peak rule: the longest a token takes from the engine's decode step to the gateway; "
+        "each holder is taken to have made what it can decode in S seconds more than relayed "
         "(default: %(default)s)",
     )  # fmt: skip
     add(
@@ -205,6 +212,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         fairness=fairness,
         tenant_header=args.tenant_header,
         decode_rate=args.decode_rate,
+        relay_lag=args.relay_lag,
         send_timeout=args.send_timeout,
         counter=counter,
         api_key=args.api_key,

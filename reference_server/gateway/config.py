@@ -11,6 +11,7 @@ import yarl
 from kvclient import TokenCounter
 
 from ..admission.fairness import FairPolicy
+from ..admission.holders import DEFAULT_RELAY_LAG
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION, RULES, Rule
 from ..http.generation import DEFAULT_SEND_TIMEOUT
 from ..http.requests import DEFAULT_MAX_BODY_BYTES
@@ -67,6 +68,9 @@ class GatewayConfig:
     safety_fraction: float = DEFAULT_SAFETY_FRACTION
     max_queue_wait: float = DEFAULT_MAX_QUEUE_WAIT
     decode_rate: float = DEFAULT_DECODE_RATE
+    #: The peak rule's allowance, in seconds, for a token's way from the engine's decode step to
+    #: the gateway's reading of it (``--relay-lag``; see ``admission/holders.py``).
+    relay_lag: float = DEFAULT_RELAY_LAG
     #: Seconds between scrapes of each engine's decode counters (its ``/metrics``), from which
     #: the ledger's decode speed is measured (see ``gateway/speed.py``); 0: never scraped,
     #: the answers' own rates are used.
@@ -176,6 +180,8 @@ class GatewayConfig:
             raise ValueError("--ledger-client-key needs --ledger-client-cert")
         if not 0 < self.lease_seconds < 3600:
             raise ValueError(f"--lease-seconds must be > 0 and < 3600, got {self.lease_seconds}")
+        if self.relay_lag < 0 or not math.isfinite(self.relay_lag):
+            raise ValueError(f"--relay-lag must be a finite number >= 0, got {self.relay_lag}")
         if self.speed_interval < 0 or not math.isfinite(self.speed_interval):
             raise ValueError(
                 f"speed_interval must be a finite number >= 0, got {self.speed_interval}"

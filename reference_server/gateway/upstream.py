@@ -382,6 +382,7 @@ class Upstream:
                 total_kv_tokens=kv,
                 context_window=window,
                 decode_rate=self.config.decode_rate,
+                relay_lag=self.config.relay_lag,
                 safety_fraction=self.config.safety_fraction,
                 block_size=budget.block_size,
                 max_concurrency=running,

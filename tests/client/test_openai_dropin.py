@@ -18,6 +18,7 @@ import pytest
 import respx
 
 from kvclient import ChatTemplateError, RetryEvent, TiktokenCounter
+from kvclient.headers import PRIORITY_HEADER
 from kvclient.openai import LOCAL_HEADER, AsyncOpenAI, OpenAI, Transport
 from kvclient.testing import FakeClock
 
@@ -448,6 +449,27 @@ def test_importing_kvclient_never_imports_openai() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+# --- priority: X-Priority ------------------------------------------------------------------------
+
+
+def test_priority_goes_as_x_priority_and_a_calls_own_header_wins(mock: respx.Router) -> None:
+    route = mock.post("/chat/completions").mock(side_effect=lambda request: chat_ok())
+    texts = mock.post("/completions").mock(side_effect=lambda request: text_ok())
+    with sdk(FakeClock()) as client:
+        client.chat.completions.create(model=MODEL, messages=HI)
+    with OpenAI(
+        base_url=BASE, api_key="k", context_window=CONTEXT, counter=COUNTER, priority=3
+    ) as client:
+        client.chat.completions.create(model=MODEL, messages=HI)
+        client.chat.completions.create(
+            model=MODEL, messages=HI, extra_headers={PRIORITY_HEADER: "-2"}
+        )
+        client.completions.create(model=MODEL, prompt="hi")
+    assert [c.request.headers.get("x-priority") for c in route.calls] == [None, "3", "-2"]
+    assert texts.calls[0].request.headers["x-priority"] == "3"
+    assert all("priority" not in json.loads(c.request.content) for c in route.calls)
+
+
 # --- async (asyncio and trio) ----------------------------------------------------------------
 
 
@@ -525,3 +547,15 @@ def test_an_answer_made_locally_is_not_logged_as_an_http_request(
     assert len(ours) == 1, [(r.name, r.levelname, r.getMessage()[:80]) for r in caplog.records]
     assert ours[0].levelname == "DEBUG"
     assert "not sent" in ours[0].getMessage()
+
+
+@pytest.mark.anyio
+async def test_async_priority_goes_as_x_priority_only_when_set(mock: respx.Router) -> None:
+    route = mock.post("/chat/completions").mock(side_effect=lambda request: chat_ok())
+    async with async_sdk(FakeClock()) as client:
+        await client.chat.completions.create(model=MODEL, messages=HI)
+    async with AsyncOpenAI(
+        base_url=BASE, api_key="k", context_window=CONTEXT, counter=COUNTER, priority=0
+    ) as client:
+        await client.chat.completions.create(model=MODEL, messages=HI)
+    assert [c.request.headers.get("x-priority") for c in route.calls] == [None, "0"]

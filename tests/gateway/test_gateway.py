@@ -578,6 +578,10 @@ def test_the_cli_builds_its_config_and_refuses_what_cannot_work(tmp_path: Path) 
         )
     with pytest.raises(ValueError, match="http"):
         GatewayConfig(upstreams=("127.0.0.1:8000",))
+    lag = parser.parse_args(["--upstream", "http://a:1", "--relay-lag", "0.05"])
+    assert config_from_args(lag).relay_lag == 0.05
+    with pytest.raises(ValueError, match="--relay-lag"):
+        config_from_args(parser.parse_args(["--upstream", "http://a:1", "--relay-lag", "-1"]))
 
 
 def _unread_stream(gateway: RunningServer) -> socket.socket:

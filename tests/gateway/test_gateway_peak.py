@@ -137,7 +137,7 @@ def test_a_newcomer_runs_beside_holders_whose_caps_left_no_room(
     at worst 403 + 303 + C's 403) admits C as soon as B's first token has come."""
     scripted, url = engine
     answers: dict[str, Any] = {}
-    with running_gateway(_config(url, admission_rule=rule)) as gw:
+    with running_gateway(_config(url, admission_rule=rule, relay_lag=0.1)) as gw:
         a = threading.Thread(target=_complete, args=(gw.base_url, "A", 400, answers))
         a.start()
         wait_for(lambda: "A" in scripted.started, timeout=10)
@@ -155,6 +155,7 @@ def test_a_newcomer_runs_beside_holders_whose_caps_left_no_room(
         ledger = _state(gw).upstreams[0].known.ledger  # type: ignore[union-attr]
         wait_for(lambda: ledger.stats().reserved_tokens == 0)
         stats = ledger.stats()
+    assert ledger.relay_lag == 0.1  # --relay-lag reaches the upstream's ledger
     assert all(answers[n].status_code == 200 for n in "ABC")
     assert all(answers[n].json()["usage"]["completion_tokens"] == 400 for n in "ABC")
     assert health["admission"] == rule

@@ -196,16 +196,22 @@ def workloads(draw: st.DrawFn) -> dict[str, object]:
         "delay": draw(st.integers(0, 6)),
         "release_delay": draw(st.integers(0, 3)),
         "share": draw(st.booleans()),
+        # Stretches of steps in which no count and no end reaches the ledger (the engine's API
+        # process, or the relay, stalled) while it goes on admitting; afterwards each holder's
+        # counts come back a few steps apart, the oldest last.
+        "stalls": draw(st.lists(st.tuples(st.integers(0, 400), st.integers(1, 80)), max_size=3)),
     }
 
 
 def _run(work: dict[str, object]) -> tuple[KVAdmissionController, _LockstepEngine, int]:
     """Steps the engine (0.01 s a step) with the ledger admitting by the peak; progress and ends
     reach the ledger up to ``delay`` steps late (each sequence its own lateness), ends
-    ``release_delay`` steps late. Returns the ledger, the engine, and the most
-    sequences that ran at once."""
+    ``release_delay`` steps late, and nothing reaches it during ``stalls`` (then each holder's
+    reports resume up to 30 steps after the stall's end). Returns the ledger, the engine, and
+    the most sequences that ran at once."""
     block, kv, delay = int(work["block"]), int(work["kv"]), int(work["delay"])  # type: ignore[call-overload]
     share = bool(work["share"])
+    stalls = list(work.get("stalls", ()))  # type: ignore[call-overload]
     release_delay = int(work.get("release_delay", delay))  # type: ignore[call-overload]
     dt = 0.01
     ledger = KVAdmissionController(
@@ -253,6 +259,8 @@ def _run(work: dict[str, object]) -> tuple[KVAdmissionController, _LockstepEngin
         for sid, handle in list(handles.items()):
             seq_now = engine.running.get(sid)
             history[sid].append(seq_now.generated if seq_now else -1)
+            if any(start <= step < start + length + 10 * (sid % 4) for start, length in stalls):
+                continue  # nothing of it reaches the ledger yet
             late = lateness[sid]
             seen = history[sid][-1 - late] if len(history[sid]) > late else 0
             if sid in ended and step - ended[sid] > release_delay:
@@ -379,6 +387,32 @@ def test_a_holder_whose_count_is_late_is_taken_to_have_gone_on() -> None:
     ledger.progress(a, 300, 3.0)  # b's stream has not been read since: it may be at 300 too
     # Taken at its count, b would hold 200 and peak at 499 when a ends (step 99): 799, room
     # for 200 more. In lockstep it may hold 400 now and 499 then: 999 with a's 500.
+    assert ledger.try_admit(100, 100, now=3.0) is None
+
+
+def test_counts_that_are_all_equally_late_need_no_margin() -> None:
+    # Two holders last read together 2 s ago (the engine's API process stalled, say): in
+    # lockstep both are as far on as each other, the future computed from their counts is the
+    # real one shifted, and its peak covers it. One read since, the other is taken on.
+    def ledger_with_two() -> tuple[KVAdmissionController, Handle, Handle]:
+        ledger = KVAdmissionController(
+            total_kv_tokens=1000, context_window=4000, decode_rate=100.0, rule="peak",
+            block_size=1, safety_fraction=1.0, relay_lag=0.0,
+        )  # fmt: skip
+        a = ledger.try_admit(100, 400, now=0.0)
+        b = ledger.try_admit(100, 400, now=0.0)
+        assert a is not None
+        assert b is not None
+        a.tracked = b.tracked = True
+        ledger.progress(a, 300, 1.0)
+        ledger.progress(b, 100, 1.0)
+        return ledger, a, b
+
+    # a ends in 100 steps at 500, b then holds 300: room for 200 on the step before.
+    ledger, a, b = ledger_with_two()
+    assert ledger.try_admit(100, 100, now=3.0) is not None
+    ledger, a, b = ledger_with_two()
+    ledger.progress(a, 301, 3.0)  # b not read for 2 s since: up to 400 more steps
     assert ledger.try_admit(100, 100, now=3.0) is None
 
 

@@ -9,10 +9,12 @@ then run ``python scripts/unasync.py``.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
 import pytest
+import respx
 
 import kvclient
 from kvclient import (
@@ -336,6 +338,37 @@ def test_an_injected_http_client_sends_the_same_headers(server: FakeServer) -> N
     assert owned_stream["accept"] == "text/event-stream"
     assert owned_plain["accept-encoding"] == "identity"
     assert owned_plain["authorization"] == "Bearer sk-test"
+
+
+def test_priority_goes_as_x_priority_only_when_set() -> None:
+    options = {"base_url": BASE_URL, "model": MODEL, "context_window": CONTEXT, "counter": COUNTER}
+    with respx.mock(base_url=BASE_URL + "/v1") as router:
+        texts = router.post("/completions").mock(side_effect=lambda request: ok_completion())
+        chats = router.post("/chat/completions").mock(
+            side_effect=[ok_chat(), sse(*text_events("hi", chat=True))]
+        )
+        with Client(**options) as client:
+            client.complete(PROMPT)
+            client.complete(PROMPT, priority=2)
+        with Client(**options, priority=-1) as client:
+            client.complete(PROMPT)
+            client.complete(PROMPT, priority=0)  # a call's own wins, 0 included
+            client.chat(MESSAGES)
+            with client.chat_stream(MESSAGES, priority=5) as stream:
+                [chunk for chunk in stream]
+    assert [c.request.headers.get("x-priority") for c in texts.calls] == [None, "2", "-1", "0"]
+    assert [c.request.headers.get("x-priority") for c in chats.calls] == ["-1", "5"]
+    bodies = [json.loads(c.request.content) for c in [*texts.calls, *chats.calls]]
+    assert not any("priority" in body for body in bodies)  # a header, never a body field
+
+
+@pytest.mark.parametrize("bad", [True, 1.5, "1"])
+def test_priority_must_be_an_integer(bad: object) -> None:
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        Client(base_url=BASE_URL, priority=bad)  # type: ignore[arg-type]
+    with Client(base_url=BASE_URL, model=MODEL, context_window=CONTEXT) as client:
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            client.complete(PROMPT, priority=bad)  # type: ignore[arg-type]
 
 
 def test_each_call_has_its_own_idempotency_key(server: FakeServer) -> None:
