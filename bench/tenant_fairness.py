@@ -11,9 +11,9 @@ room left; the rest wait in the gateway's queue), the first 16 of its clients st
 holding so that its holdings end one after another (``--burst``: all at once, so they end in
 waves a holding apart); tenant B sends one short request (``max_tokens`` 10) a second for
 ``--seconds`` seconds, without waiting for the one before. B's latencies alone (before the
-flood), beside the flood through the FIFO gateway and through the fair one: p50, p99. Goal: fair p99 <= 2 x B's p99 alone + one of A's
-holdings (1,000 tokens at the decode rate: the longest B can wait for a release); under FIFO it
-waits behind A's whole queue.
+flood), beside the flood through the FIFO gateway and through the fair one: p50, p99. Goal:
+fair p99 <= 2 x B's p99 alone + one of A's holdings (1,000 tokens at the decode rate: the
+longest B can wait for a release); under FIFO it waits behind A's whole queue.
 
 Shares: tenants A (weight 3) and B (weight 1) each keep 48 requests with 500-token caps in
 flight; once both are backlogged, the reserved KV token-seconds each takes over ``--seconds``

@@ -32,6 +32,8 @@ from typing import Any
 
 from starlette.types import Scope
 
+from kvclient.headers import PRIORITY_HEADER
+
 from ..admission.fairness import DEFAULT_TENANT, FairPolicy, Tenant
 from ..http.errors import APIError
 from ..http.requests import scope_header
@@ -41,12 +43,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["PRIORITY_HEADER", "key_tenant", "load_policy", "priority_of", "tenant_of"]
+__all__ = ["key_tenant", "load_policy", "priority_of", "tenant_of"]
 
-#: The header a client gives its request's priority class with (an integer, lower served first,
-#: 0 when absent). kvclient's clients send it with their ``priority`` option; defined here until
-#: ``kvclient.headers`` declares it.
-PRIORITY_HEADER = "X-Priority"
 #: Priority classes accepted: a bound that keeps the header's value a small integer.
 PRIORITY_RANGE = range(-1000, 1001)
 

@@ -18,12 +18,11 @@ import anyio
 import httpx
 import pytest
 
-from kvclient.headers import parse_ratelimit
+from kvclient.headers import PRIORITY_HEADER, parse_ratelimit
 from reference_server import RunningServer, running_server
 from reference_server.admission.fair_queue import FairQueue
 from reference_server.admission.fairness import FairPolicy, Tenant, Waiter
 from reference_server.gateway import GatewayConfig, GatewayState
-from reference_server.gateway.tenants import PRIORITY_HEADER
 from reference_server.testing import running_gateway
 from tests.helpers.servers import wait_for
 

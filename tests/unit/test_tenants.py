@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from kvclient.headers import PRIORITY_HEADER
 from reference_server.admission.fairness import FairPolicy, Tenant, TenantStats
 from reference_server.gateway.cli import build_parser, config_from_args
 from reference_server.gateway.config import GatewayConfig
 from reference_server.gateway.metrics import OTHER_TENANTS, tenant_rows
 from reference_server.gateway.tenants import (
-    PRIORITY_HEADER,
     key_tenant,
     load_policy,
     priority_of,
