@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tenants", type=Path, metavar="FILE",
         help="share each upstream's KV budget fairly between tenants, by the weights, limits "
         "and queue waits in this TOML file (see the gateway guide); a request's priority "
-        "class is its X-Priority header (lower first). Default: one FIFO queue for everyone",
+        "class is its X-Priority header, lower first (default: one FIFO queue for everyone)",
     )  # fmt: skip
     add(
         "--tenant-header", metavar="NAME",
