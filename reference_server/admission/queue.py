@@ -27,13 +27,23 @@ def wait_limit(own: float, preferred: float | None) -> float:
 
 
 class Rejected(Exception):
-    """No budget within the allowed wait. ``retry_after`` is the ledger's estimate, in seconds."""
+    """No budget within the allowed wait. ``retry_after`` is the ledger's estimate, in seconds;
+    ``room``, when given, the room the refused request's own tenant has (its RateLimit fields),
+    else the queue's."""
 
-    def __init__(self, *, need: int, retry_after: float, queued_ahead: int) -> None:
+    def __init__(
+        self,
+        *,
+        need: int,
+        retry_after: float,
+        queued_ahead: int,
+        room: Headroom | None = None,
+    ) -> None:
         super().__init__(f"no KV budget for {need} tokens; retry after {retry_after:.3f}s")
         self.need = need
         self.retry_after = retry_after
         self.queued_ahead = queued_ahead
+        self.room = room
 
 
 class LedgerUnavailable(Exception):
@@ -88,8 +98,11 @@ class AdmissionQueue:
         this queue admits against."""
         return self.ledger.occupancy(self.now())
 
-    def headroom(self, releasing: Handle | None = None) -> Headroom:
-        """The room a newcomer sees now (the RateLimit headers): those queued wait ahead of it."""
+    def headroom(
+        self, releasing: Handle | None = None, *, holder: Handle | None = None
+    ) -> Headroom:
+        """The room a newcomer sees now (the RateLimit headers): those queued wait ahead of it.
+        ``holder``: the request answered (its tenant's room, where the queue has tenants)."""
         return self.ledger.headroom(self.now(), releasing=releasing, queued=self.waiting_tokens)
 
     @property
@@ -136,13 +149,16 @@ class AdmissionQueue:
         client: Hashable | None = None,
         max_wait: float | None = None,
         prefix: tuple[Hashable, ...] = (),
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> Handle:
         """A handle for the request, or :class:`Rejected` after at most ``max_wait`` seconds.
 
         ``client`` identifies the caller for staggered advice (its connection's address).
         ``max_wait`` shortens the queue's own wait for this request (the client's ``Prefer:
         wait``); it never lengthens it. ``prefix``: the keys of the request's shareable prompt
-        blocks (see :meth:`KVAdmissionController.try_admit`).
+        blocks (see :meth:`KVAdmissionController.try_admit`). ``tenant`` and ``priority`` are
+        for a fair queue (:class:`~.fair_queue.FairQueue`); this one serves all in arrival order.
         """
         limit = wait_limit(self.max_wait, max_wait)
         need = self.ledger.need_tokens(prompt_tokens, output_cap)

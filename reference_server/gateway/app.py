@@ -135,8 +135,20 @@ async def _health(request: Request) -> Response:
             }
         )
     ok = any(entry["in_service"] for entry in upstreams)
+    policy = state.config.fairness
+    fairness = {
+        "enabled": policy is not None,
+        "tenants": len(policy.tenants) if policy is not None else 0,
+        "tenant_from": (
+            None
+            if policy is None
+            else f"header {state.config.tenant_header}"
+            if state.config.tenant_header
+            else "api key"
+        ),
+    }
     return JSONResponse(
-        {"status": "ok" if ok else "unavailable", "upstreams": upstreams},
+        {"status": "ok" if ok else "unavailable", "upstreams": upstreams, "fairness": fairness},
         status_code=200 if ok else 503,
     )
 

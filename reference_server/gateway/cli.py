@@ -23,6 +23,7 @@ from .config import (
     DEFAULT_SEND_TIMEOUT,
     GatewayConfig,
 )
+from .tenants import load_policy
 
 __all__ = ["WorkerApp", "build_parser", "config_from_args", "main"]
 
@@ -85,9 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add(
         "--max-queue-wait", type=float, default=DEFAULT_MAX_QUEUE_WAIT, metavar="S",
-        help="a request that does not fit waits up to S seconds in FIFO order for budget before "
+        help="a request that does not fit waits up to S seconds in FIFO order (in fair order "
+        "with --tenants) for budget before "
         "a 429, admitted the moment a release makes room; a client's 'Prefer: wait=N' "
         "shortens it; 0 refuses at once (default: %(default)s)",
+    )  # fmt: skip
+    add(
+        "--tenants", type=Path, metavar="FILE",
+        help="share each upstream's KV budget fairly between tenants, by the weights, limits "
+        "and queue waits in this TOML file (see the gateway guide); a request's priority "
+        "class is its X-Priority header, lower first (default: one FIFO queue for everyone)",
+    )  # fmt: skip
+    add(
+        "--tenant-header", metavar="NAME",
+        help="with --tenants: the header whose value names a request's tenant (default: its "
+        "API key, hashed)",
     )  # fmt: skip
     add(
         "--decode-rate", type=float, default=DEFAULT_DECODE_RATE, metavar="TOKENS_PER_S",
@@ -187,6 +200,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             "would admit against every upstream's whole budget, N times what it holds"
         )
     counter = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
+    fairness = load_policy(args.tenants) if args.tenants is not None else None
     return GatewayConfig(
         upstreams=tuple(args.upstream),
         kv_tokens=tuple(args.kv_tokens),
@@ -195,6 +209,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         context_window=args.context_window,
         safety_fraction=args.safety_fraction,
         max_queue_wait=args.max_queue_wait,
+        fairness=fairness,
+        tenant_header=args.tenant_header,
         decode_rate=args.decode_rate,
         relay_lag=args.relay_lag,
         send_timeout=args.send_timeout,

@@ -10,6 +10,7 @@ import yarl
 
 from kvclient import TokenCounter
 
+from ..admission.fairness import FairPolicy
 from ..admission.holders import DEFAULT_RELAY_LAG
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION, RULES, Rule
 from ..http.generation import DEFAULT_SEND_TIMEOUT
@@ -115,6 +116,11 @@ class GatewayConfig:
     #: ``max_running[i]``: how many sequences upstream ``i`` runs at once (vLLM's
     #: ``--max-num-seqs``); None: discovered where the engine says (llama.cpp's slots, ours).
     max_running: tuple[int | None, ...] = ()
+    #: Fair shares of each upstream's budget between tenants (``--tenants FILE``): None, one
+    #: FIFO queue for everyone.
+    fairness: FairPolicy | None = None
+    #: The header whose value names a request's tenant (``--tenant-header``); None: its API key.
+    tenant_header: str | None = None
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -157,6 +163,19 @@ class GatewayConfig:
                 raise ValueError(f"{flag} needs a rediss:// --ledger (Redis over TLS)")
             if not os.path.isfile(path):
                 raise ValueError(f"{flag}: no such file: {path}")
+        if self.fairness is not None and self.ledger is not None:
+            raise ValueError(
+                "--tenants cannot be used with --ledger: the shared ledger keeps one FIFO queue "
+                "in Redis for every gateway, and fair shares would need each tenant's holdings "
+                "and counters there too; a gateway process alone would share only its own part"
+            )
+        if self.tenant_header is not None and self.fairness is None:
+            raise ValueError("--tenant-header needs --tenants FILE")
+        if self.fairness is not None and self.api_key is not None and self.tenant_header is None:
+            raise ValueError(
+                "--tenants with --api-key needs --tenant-header: every client sends the one key, "
+                "so the key cannot tell tenants apart"
+            )
         if self.ledger_client_key is not None and self.ledger_client_cert is None:
             raise ValueError("--ledger-client-key needs --ledger-client-cert")
         if not 0 < self.lease_seconds < 3600:

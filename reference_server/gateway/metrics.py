@@ -5,19 +5,22 @@ Redis at the scrape."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ..admission.fairness import TenantStats
 
 if TYPE_CHECKING:
     from ..admission.queue import AdmissionQueue
     from ..shared_ledger.ledger import SharedState
     from .state import GatewayState
 
-__all__ = ["GatewayCollector", "registry_for"]
+__all__ = ["OTHER_TENANTS", "TOP_TENANTS", "GatewayCollector", "registry_for", "tenant_rows"]
 
 
 def registry_for(state: GatewayState) -> CollectorRegistry:
@@ -25,6 +28,70 @@ def registry_for(state: GatewayState) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(GatewayCollector(state))
     return registry
+
+
+#: Tenants given a label of their own in ``/metrics`` (those that took the most KV
+#: token-seconds); the rest are summed under ``other``, so the series stay bounded.
+TOP_TENANTS = 10
+OTHER_TENANTS = "other"
+
+
+def tenant_rows(stats: Iterable[TenantStats], top: int = TOP_TENANTS) -> list[TenantStats]:
+    """Each tenant's figures summed over upstreams; the ``top`` that took the most token-seconds
+    by name, the others summed as :data:`OTHER_TENANTS`."""
+    summed: dict[str, TenantStats] = {}
+    for s in stats:
+        summed[s.tenant] = _plus(summed[s.tenant], s) if s.tenant in summed else s
+    ranked = sorted(summed.values(), key=lambda s: (-s.token_seconds, s.tenant))
+    rows, rest = ranked[:top], ranked[top:]
+    if rest:
+        other = rest[0]
+        for s in rest[1:]:
+            other = _plus(other, s)
+        rows.append(dataclasses.replace(other, tenant=OTHER_TENANTS, weight=0.0))
+    return rows
+
+
+def _plus(a: TenantStats, b: TenantStats) -> TenantStats:
+    return dataclasses.replace(
+        a,
+        held=a.held + b.held,
+        token_seconds=a.token_seconds + b.token_seconds,
+        waiting=a.waiting + b.waiting,
+        admitted=a.admitted + b.admitted,
+        refused=a.refused + b.refused,
+    )
+
+
+def _tenant_metrics(state: GatewayState) -> Iterable[Metric]:
+    from ..admission.fair_queue import FairQueue
+
+    queues = [u.known.queue for u in state.upstreams if u.known is not None]
+    stats = [s for q in queues if isinstance(q, FairQueue) for s in q.tenants()]
+    rows = tenant_rows(stats)
+    gauges: dict[str, tuple[str, Callable[[TenantStats], float]]] = {
+        "kv_tenant_reserved_tokens": ("KV tokens the tenant holds now.", lambda s: s.held),
+        "kv_tenant_waiting_requests": ("The tenant's requests waiting.", lambda s: s.waiting),
+        "kv_tenant_weight": ("The tenant's weight (0 for other).", lambda s: s.weight),
+    }
+    counters: dict[str, tuple[str, Callable[[TenantStats], float]]] = {
+        "kv_tenant_token_seconds": (
+            "Reserved KV token-seconds the tenant has taken.",
+            lambda s: s.token_seconds,
+        ),
+        "kv_tenant_admitted": ("The tenant's requests admitted.", lambda s: s.admitted),
+        "kv_tenant_rejected": ("The tenant's requests refused with 429.", lambda s: s.refused),
+    }
+    for name, (documentation, value) in gauges.items():
+        gauge = GaugeMetricFamily(name, documentation, labels=["tenant"])
+        for row in rows:
+            gauge.add_metric([row.tenant], value(row))
+        yield gauge
+    for name, (documentation, value) in counters.items():
+        counter = CounterMetricFamily(name, documentation, labels=["tenant"])
+        for row in rows:
+            counter.add_metric([row.tenant], value(row))
+        yield counter
 
 
 def _shared_state(queue: AdmissionQueue) -> SharedState | None:
@@ -96,6 +163,13 @@ class GatewayCollector:
             "kv_upstream_errors": [u.errors for u, _ in rows],
             "kv_upstream_lockstep_breaks": [u.lockstep_breaks for u, _ in rows],
         }
+        yield GaugeMetricFamily(
+            "kv_fairness_enabled",
+            "1 when the budget is shared fairly between tenants (--tenants), 0: one FIFO queue.",
+            value=1 if self.state.config.fairness is not None else 0,
+        )
+        if self.state.config.fairness is not None:
+            yield from _tenant_metrics(self.state)
         reasons = GaugeMetricFamily(
             "kv_upstream_caps_reason",
             "1, with the reason, for an upstream on whole caps under --admission-rule peak.",

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Set
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -34,6 +34,7 @@ from kvclient.engines.behaviour import PROGRESS_ENGINES, PROMPT_SHARING_ENGINES,
 from kvclient.engines.tokenize import RENDER_FIELDS, Tokenized, countable_render_fields
 from kvclient.routing import pick
 
+from ..admission.fair_queue import FairQueue
 from ..admission.ledger import Handle
 from ..http.answers import admissible_cap, retry_after_header, room, send_whole
 from ..http.errors import APIError
@@ -50,6 +51,7 @@ from .rewrite import (
     with_cap,
 )
 from .state import GatewayState
+from .tenants import priority_of, tenant_of
 from .upstream import (
     UPSTREAM_ERRORS,
     Known,
@@ -86,8 +88,10 @@ def unavailable(message: str, retry_after: float = 1.0) -> APIError:
     )
 
 
-def _room_headers(known: Known, releasing: Handle | None = None) -> list[tuple[bytes, bytes]]:
-    headers = room(known.ledger, known.queue, releasing)
+def _room_headers(
+    known: Known, releasing: Handle | None = None, *, holder: Handle | None = None
+) -> list[tuple[bytes, bytes]]:
+    headers = room(known.ledger, known.queue, releasing, holder=holder)
     return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
@@ -231,6 +235,8 @@ class UpstreamBackend:
             ),
         )
         need = roomiest.ledger.need_tokens(plan.reserved_prompt, plan.reserved_output)
+        if state.config.fairness is not None:
+            plan = self._tenant(scope, plan, known, need)
         if plan.sequences > 1 and roomiest.ledger.never_fits(need):
             raise APIError(
                 400,
@@ -241,6 +247,22 @@ class UpstreamBackend:
                 param="n",
             )
         return plan
+
+    def _tenant(self, scope: Scope, plan: Plan, known: list[Known], need: int) -> Plan:
+        """``plan`` with its tenant and priority class; a 400 when it needs more than its
+        tenant may ever hold on any upstream (a 429 would send it round for ever)."""
+        tenant = tenant_of(scope, self.state.config.tenant_header)
+        fair = [k.queue.fair for k in known if isinstance(k.queue, FairQueue)]
+        if fair and all(f.never_within(tenant, need) for f in fair):
+            most = max(f.limit(f.resolve(tenant)) for f in fair)
+            raise APIError(
+                400,
+                f"This request can never be admitted: it needs {need} KV tokens and its tenant "
+                f"may hold at most {most} at once; ask for fewer output tokens.",
+                code="tenant_share_exceeded",
+                param="max_tokens",
+            )
+        return replace(plan, tenant=tenant, priority=priority_of(scope))
 
     async def _count(
         self,
@@ -488,7 +510,10 @@ class UpstreamBackend:
             {
                 "type": "http.response.start",
                 "status": response.status,
-                "headers": [*response_headers(response.raw_headers), *_room_headers(known)],
+                "headers": [
+                    *response_headers(response.raw_headers),
+                    *_room_headers(known, holder=handle),
+                ],
             }
         )
         # The stream's last two pieces: its usage, when it has one, comes at the end (kept by

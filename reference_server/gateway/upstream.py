@@ -37,6 +37,7 @@ from kvclient.engines.metrics import decode_counters, lockstep_from_metrics
 from kvclient.engines.tokenize import TOKENIZE_ENGINES, Tokenized, tokenize
 from kvclient.routing import Endpoint, Health
 
+from ..admission.fair_queue import FairQueue
 from ..admission.ledger import KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable
 from ..http.requests import GenerationRequest
@@ -405,6 +406,10 @@ class Upstream:
                 f"of {ledger.block_size} tokens: no request could ever be admitted"
             )
         queue = AdmissionQueue(ledger, max_wait=self.config.max_queue_wait)
+        if self.config.fairness is not None:
+            queue = FairQueue(
+                ledger, policy=self.config.fairness, max_wait=self.config.max_queue_wait
+            )
         if self.shared is not None:
             queue = await self.shared.queue_for(self.name, ledger, self.config.max_queue_wait)
         self.discovery, self.budget = found, budget

@@ -57,12 +57,15 @@ def room(
     ledger: KVAdmissionController,
     queue: AdmissionQueue | None = None,
     releasing: Handle | None = None,
+    *,
+    holder: Handle | None = None,
 ) -> dict[str, str]:
     """The RateLimit headers for an answer of a server with ``ledger`` (and ``queue``, whose
-    room it is: a shared ledger's is every gateway's) now."""
+    room it is: a shared ledger's is every gateway's) now; ``holder``, the request answered
+    (a fair queue gives its tenant's room)."""
     if queue is None:
         return ratelimit_headers(ledger.headroom(time.monotonic(), releasing=releasing))
-    return ratelimit_headers(queue.headroom(releasing), queues=queue.max_wait > 0)
+    return ratelimit_headers(queue.headroom(releasing, holder=holder), queues=queue.max_wait > 0)
 
 
 def retry_after_header(seconds: float) -> tuple[str, str]:
@@ -118,6 +121,11 @@ def too_busy(
     and the room left (RateLimit headers)."""
     reserved, inflight = queue.load() if queue is not None else ledger.load()
     seconds, millis = retry_after_header(rejected.retry_after)
+    if rejected.room is not None:  # the refused request's own tenant's room
+        queues = queue is not None and queue.max_wait > 0
+        advertised = ratelimit_headers(rejected.room, queues=queues)
+    else:
+        advertised = room(ledger, queue)
     queued = f", {rejected.queued_ahead} queued ahead" if rejected.queued_ahead else ""
     return APIError(
         429,
@@ -127,5 +135,5 @@ def too_busy(
         f"requests{queued}. Retry after {int(millis) / 1000:.3f} seconds.",
         type="rate_limit_error",
         code="rate_limit_exceeded",
-        headers={"Retry-After": seconds, "retry-after-ms": millis, **room(ledger, queue)},
+        headers={"Retry-After": seconds, "retry-after-ms": millis, **advertised},
     ).response()

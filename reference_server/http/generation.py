@@ -97,6 +97,10 @@ class Plan:
     #: and what keeps prompts of different models apart.
     token_ids: tuple[int, ...] | None = None
     model: str | None = None
+    #: Whose request it is and its priority class (lower first), for a fair queue; a FIFO
+    #: queue serves all alike.
+    tenant: str | None = None
+    priority: int = 0
 
     @property
     def reserved_prompt(self) -> int:
@@ -244,6 +248,8 @@ class GenerationEndpoint:
                         if plan.sequences == 1
                         else ()
                     ),
+                    tenant=plan.tenant,
+                    priority=plan.priority,
                 )
             except Rejected as rejected:
                 busy = too_busy(ledger, rejected, plan.reserved_prompt, plan.reserved_output, queue)

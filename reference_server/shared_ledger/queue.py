@@ -95,7 +95,9 @@ class SharedQueue(AdmissionQueue):
         :class:`LedgerUnavailable` when Redis is away."""
         return await self.shared.occupancy()
 
-    def headroom(self, releasing: Handle | None = None) -> Headroom:
+    def headroom(
+        self, releasing: Handle | None = None, *, holder: Handle | None = None
+    ) -> Headroom:
         """The room in the shared budget, every gateway's holders and waiters counted, as last
         heard from Redis (this process's last script, or the last change any gateway published).
         The next release: the sooner of this process's holders' soonest end and every gateway's
@@ -147,6 +149,8 @@ class SharedQueue(AdmissionQueue):
         client: Hashable | None = None,
         max_wait: float | None = None,
         prefix: tuple[Hashable, ...] = (),  # the shared ledger counts whole caps: unused
+        tenant: str | None = None,  # no fair shares on the shared ledger (the gateway refuses)
+        priority: int = 0,
     ) -> Handle:
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
         ticket = self.shared.ticket(need)

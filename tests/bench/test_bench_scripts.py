@@ -166,3 +166,16 @@ def test_shared_wakeup(tmp_path: Path, redis_server_ready: str) -> None:
     ways = data["release_to_admission"]
     assert set(ways) == {"poll every 20 ms", "pub/sub"}
     assert all(way["rounds"] == 5 for way in ways.values())
+
+
+def test_tenant_fairness(tmp_path: Path) -> None:
+    out, data = run_script(
+        tmp_path, "tenant_fairness.py", "--quick", "--seconds", "2", "--flood", "20"
+    )
+    assert "| gateway" in out
+    assert "goals:" in out
+    for mode in ("fifo", "fair"):
+        assert data[mode]["requests"] == 2
+        assert data[mode]["p99"] > 0
+    assert data["shares"]["a_token_seconds"] > 0
+    assert data["shares"]["b_token_seconds"] > 0

@@ -32,6 +32,7 @@ from kvclient.contract import CheckStatus, run_contract
 from kvclient.headers import parse_ratelimit
 from kvclient.routing import Endpoint, Health, ranked
 from reference_server import RunningServer, running_server, serve_in_thread
+from reference_server.admission.fairness import FairPolicy, Tenant
 from reference_server.gateway import GatewayConfig, GatewayState
 from reference_server.testing import running_gateway
 from tests.helpers.servers import at_zero, bench_summary_run, wait_for
@@ -204,7 +205,14 @@ def test_prompt_admission_ooms_directly_and_never_through_the_gateway(tmp_path: 
     assert summary["failed"] == 0
 
 
-def test_contract_passes_through_the_gateway_in_front_of_the_reference_server() -> None:
+@pytest.mark.parametrize(
+    "fairness",
+    [None, FairPolicy(tenants={"a": Tenant(weight=2.0)}, default=Tenant(max_share=0.9))],
+    ids=["fifo", "fair shares"],
+)
+def test_contract_passes_through_the_gateway_in_front_of_the_reference_server(
+    fairness: FairPolicy | None,
+) -> None:
     with (
         # Answers run to their caps (as the contract suite's own e2e tests set it up).
         running_server(
@@ -214,7 +222,9 @@ def test_contract_passes_through_the_gateway_in_front_of_the_reference_server() 
             mean_output_tokens=1e6,
             admission="prompt",
         ) as up,
-        running_gateway(GatewayConfig(upstreams=(up.base_url,), decode_rate=2000.0)) as gateway,
+        running_gateway(
+            GatewayConfig(upstreams=(up.base_url,), decode_rate=2000.0, fairness=fairness)
+        ) as gateway,
     ):
         report = run_contract(gateway.base_url, burst=24, timeout=60)
         wait_for(lambda: gateway_at_zero(gateway))

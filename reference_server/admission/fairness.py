@@ -1,0 +1,447 @@
+"""Fair shares of one KV budget between tenants: weights, limits and priority classes. Pure: no
+I/O and no clock of its own (whatever depends on time takes ``now``), so it is driven the same
+way by the admission queue, by tests and by property tests.
+
+**What is shared** is KV token-seconds: the tokens a tenant's reservations hold in the budget,
+integrated over the time they hold them. A long request with a large cap takes more from the
+others than a short one, for as long as it runs; counting requests or tokens generated misses it.
+
+**Which waiter goes next.** Each tenant has a virtual counter, start-time fair queuing as the
+Virtual Token Counter does it (Sheng et al., OSDI'24), over token-seconds: its key is the
+token-seconds it has taken, plus what its live reservations are due to take at most (tokens x
+the time until their due end), over its weight. When room appears, the backlogged tenant with
+the lowest key is served. Why a counter, not deficit round robin: a round robin spends a
+quantum on each request's cost when it is dequeued, and a reservation's token-seconds are known
+only when it ends (most outputs stop before their caps). The counter is charged as the holding
+is held; the projected part makes an admission count at once (else one tenant would take every
+place a release opens before its counter moved) and falls away when a holder ends early, so a
+tenant is charged what it took. A tenant that becomes active (nothing held, nothing queued) is
+lifted to the lowest counter among the active ones (what they have taken), as VTC does: idle
+time is not banked for a later burst. Among equal keys, the tenant holding least per weight goes
+first, then arrival order.
+
+**Work-conserving.** Nothing is held back for a tenant that is not waiting: a tenant alone may
+take the whole budget (up to its own ``max_share``).
+
+**No starvation.** Within a tenant and a class, requests are served in arrival order: only the
+head of each such queue is a candidate. Across them, the first candidate in order that does not
+fit now may be passed by later ones that fit (the budget is not left idle behind a big request),
+but at most ``max_bypass`` times by its own class and :data:`LOWER_CLASS_PASSES` time by a lower
+class; after that nothing behind it is admitted until it fits, so the room releases make is kept
+for it. Its tenant's key does not grow while it waits with nothing held, so it comes first in
+its class in time.
+
+**Limits.** A tenant never holds more than ``max_share`` of the budget: a waiter that would take
+it past is not a candidate (it holds nobody back) until its own tenant's holders release.
+
+**Priorities.** An integer class per request, lower served first (default 0): classes come
+before keys in the order, so a waiting request of a higher class is delayed by a lower one by at
+most one admission (a pass while it does not fit). Under overload (more than ``max_queued``
+waiting) the waiter of the lowest class is refused first; among those, the newest of the tenant
+furthest above its share.
+
+>>> policy = FairPolicy(tenants={"a": Tenant(weight=3.0), "b": Tenant(weight=1.0)})
+>>> fair = FairScheduler(policy, usable=1000)
+>>> fair.resolve("someone"), fair.resolve("a")
+('default', 'a')
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+__all__ = [
+    "DEFAULT_MAX_BYPASS",
+    "DEFAULT_TENANT",
+    "LOWER_CLASS_PASSES",
+    "FairPolicy",
+    "FairScheduler",
+    "Held",
+    "Tenant",
+    "TenantStats",
+    "Waiter",
+]
+
+#: The tenant every name the policy does not list is counted as: unknown tenants share it.
+DEFAULT_TENANT = "default"
+#: Admissions of its own class a waiter that does not fit may be passed by before it holds back
+#: those behind it: enough to keep the budget busy while it waits for room, few enough that a
+#: stream of small requests cannot put it off for long.
+DEFAULT_MAX_BYPASS = 4
+#: Admissions of a lower class a waiter of a higher class may be passed by (it does not fit now).
+LOWER_CLASS_PASSES = 1
+
+
+def _finite(name: str, value: float, *, low: float, strict: bool) -> None:
+    ok = value > low if strict else value >= low
+    if isinstance(value, bool) or not (ok and math.isfinite(value)):
+        sign = ">" if strict else ">="
+        raise ValueError(f"{name} must be a finite number {sign} {low}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tenant:
+    """One tenant's terms: its ``weight`` (its share against the others'), the most of the
+    budget it may hold at once (``max_share``, a fraction), and the longest its requests may wait
+    for room (``max_queue_wait`` seconds; None: the queue's own bound)."""
+
+    weight: float = 1.0
+    max_share: float = 1.0
+    max_queue_wait: float | None = None
+
+    def __post_init__(self) -> None:
+        _finite("weight", self.weight, low=0.0, strict=True)
+        _finite("max_share", self.max_share, low=0.0, strict=True)
+        if self.max_share > 1.0:
+            raise ValueError(f"max_share must be at most 1, got {self.max_share!r}")
+        if self.max_queue_wait is not None:
+            _finite("max_queue_wait", self.max_queue_wait, low=0.0, strict=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FairPolicy:
+    """The tenants by name, the terms of every other (``default``), and the most requests that
+    may wait at once (``max_queued``; None: no bound but their waits)."""
+
+    tenants: Mapping[str, Tenant] = field(default_factory=dict)
+    default: Tenant = field(default_factory=Tenant)
+    max_queued: int | None = None
+    max_bypass: int = DEFAULT_MAX_BYPASS
+
+    def __post_init__(self) -> None:
+        if self.max_queued is not None and self.max_queued < 1:
+            raise ValueError(f"max_queued must be at least 1, got {self.max_queued}")
+        if self.max_bypass < 0:
+            raise ValueError(f"max_bypass must be >= 0, got {self.max_bypass}")
+
+    def resolve(self, name: str | None) -> str:
+        """The tenant ``name`` is counted as: itself when listed, else :data:`DEFAULT_TENANT`."""
+        return name if name is not None and name in self.tenants else DEFAULT_TENANT
+
+    def terms(self, name: str) -> Tenant:
+        return self.tenants.get(name, self.default)
+
+
+class Waiter:
+    """One request waiting for room: its tenant (as resolved), class and need in tokens.
+    ``bypassed`` and ``lower_passes``: admissions that passed it while it did not fit;
+    ``refused``: turned away under overload."""
+
+    __slots__ = ("bypassed", "lower_passes", "need", "priority", "refused", "seq", "tenant")
+
+    def __init__(self, *, tenant: str, need: int, priority: int = 0) -> None:
+        self.tenant = tenant
+        self.need = need
+        self.priority = priority
+        self.seq = 0
+        self.bypassed = 0
+        self.lower_passes = 0
+        self.refused = False
+
+
+class Held(Protocol):
+    """What the scheduler reads of an admitted reservation (a ledger's ``Handle``)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def reserved_tokens(self) -> int: ...
+
+    @property
+    def due_at(self) -> float: ...
+
+
+H = TypeVar("H", bound=Held)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TenantStats:
+    """One tenant's figures: tokens held now, KV token-seconds taken since it was first seen,
+    requests waiting, admitted and refused (429)."""
+
+    tenant: str
+    weight: float
+    held: int
+    token_seconds: float
+    waiting: int
+    admitted: int
+    refused: int
+
+
+@dataclass(slots=True)
+class _Hold:
+    tenant: str
+    tokens: int
+    due: float
+
+
+@dataclass(slots=True)
+class _Account:
+    weight: float
+    limit: int
+    counter: float = 0.0  # token-seconds taken, over the weight (its virtual time)
+    taken: float = 0.0  # token-seconds taken
+    held: int = 0
+    holds: dict[int, _Hold] = field(default_factory=dict)
+    queues: dict[int, deque[Waiter]] = field(default_factory=dict)
+    admitted: int = 0
+    refused: int = 0
+
+    def key(self, now: float) -> float:
+        due = sum(h.tokens * max(0.0, h.due - now) for h in self.holds.values())
+        return self.counter + due / self.weight
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    @property
+    def active(self) -> bool:
+        return self.held > 0 or bool(self.queues)
+
+
+class FairScheduler:
+    """Who of the waiters goes next, and what each tenant holds and has taken, for a budget of
+    ``usable`` tokens (see the module's docstring for the rules). Not locked: one event loop
+    drives it (the queue's), as it drives the waiters."""
+
+    def __init__(self, policy: FairPolicy, *, usable: int, now: float = 0.0) -> None:
+        if usable < 1:
+            raise ValueError(f"usable must be at least 1, got {usable}")
+        self.policy = policy
+        self.usable = usable
+        self._accounts: dict[str, _Account] = {}
+        self._holds: dict[int, _Hold] = {}
+        self._seq = itertools.count(1)
+        self._at = now
+        self.waiting = 0
+
+    # --- tenants -------------------------------------------------------------------------------
+
+    def resolve(self, name: str | None) -> str:
+        return self.policy.resolve(name)
+
+    def limit(self, tenant: str) -> int:
+        """The most ``tenant`` may hold at once, in tokens."""
+        return self._account(tenant).limit
+
+    def held(self, tenant: str) -> int:
+        return self._account(tenant).held
+
+    def tenant_of(self, key: int) -> str | None:
+        """The tenant of the live reservation ``key``, None when it is not held here."""
+        hold = self._holds.get(key)
+        return hold.tenant if hold is not None else None
+
+    def never_within(self, tenant: str | None, need: int) -> bool:
+        """Whether ``need`` tokens exceed what ``tenant`` may ever hold: it would wait for ever."""
+        return need > self.limit(self.resolve(tenant))
+
+    def _account(self, tenant: str) -> _Account:
+        account = self._accounts.get(tenant)
+        if account is None:
+            terms = self.policy.terms(tenant)
+            limit = math.floor(terms.max_share * self.usable)
+            account = self._accounts[tenant] = _Account(weight=terms.weight, limit=limit)
+        return account
+
+    # --- time ----------------------------------------------------------------------------------
+
+    def advance(self, now: float) -> None:
+        """Charge every tenant what it held since the last call."""
+        elapsed = now - self._at
+        if elapsed <= 0:
+            return
+        self._at = now
+        for account in self._accounts.values():
+            if account.held:
+                spent = account.held * elapsed
+                account.taken += spent
+                account.counter += spent / account.weight
+
+    def _lifted(self, account: _Account) -> float:
+        """The counter of ``account`` once lifted to the lowest among the active tenants' (what
+        they have taken, not what their holders are due to take: a projection falls away when
+        a holder ends early, and the newcomer must not have been lifted past it)."""
+        if account.active:
+            return account.counter
+        counters = [a.counter for a in self._accounts.values() if a.active and a is not account]
+        return max(account.counter, min(counters, default=account.counter))
+
+    def _lift(self, account: _Account) -> None:
+        """A tenant becoming active starts at the lowest counter among the active ones."""
+        account.counter = self._lifted(account)
+
+    # --- holders -------------------------------------------------------------------------------
+
+    def hold(self, key: int, tenant: str, tokens: int, due: float, now: float) -> None:
+        """A reservation of ``tokens`` for ``tenant`` was admitted, due to end by ``due`` (its
+        tenant was lifted when it queued: waiting is not idling)."""
+        self.advance(now)
+        account = self._account(self.resolve(tenant))
+        hold = _Hold(tenant=self.resolve(tenant), tokens=tokens, due=due)
+        self._holds[key] = account.holds[key] = hold
+        account.held += tokens
+        account.admitted += 1
+
+    def release(self, key: int, now: float) -> None:
+        """The reservation ``key`` was given back. Idempotent."""
+        hold = self._holds.pop(key, None)
+        if hold is None:
+            return
+        self.advance(now)
+        account = self._accounts[hold.tenant]
+        del account.holds[key]
+        account.held -= hold.tokens
+
+    # --- waiters -------------------------------------------------------------------------------
+
+    def enqueue(self, waiter: Waiter, now: float) -> list[Waiter]:
+        """Queue ``waiter`` (its tenant resolved); returns those refused to keep the queue within
+        ``max_queued`` (``waiter`` itself, when it is the one to go)."""
+        self.advance(now)
+        waiter.tenant = self.resolve(waiter.tenant)
+        account = self._account(waiter.tenant)
+        self._lift(account)
+        waiter.seq = next(self._seq)
+        account.queues.setdefault(waiter.priority, deque()).append(waiter)
+        self.waiting += 1
+        bound = self.policy.max_queued
+        refused: list[Waiter] = []
+        while bound is not None and self.waiting > bound:
+            victim = max(self._all(), key=lambda w: self._victim_key(w, now))
+            self.remove(victim)
+            victim.refused = True
+            refused.append(victim)
+        return refused
+
+    def count_refusal(self, tenant: str) -> None:
+        """One of ``tenant``'s requests was refused (a 429), for its figures."""
+        self._account(self.resolve(tenant)).refused += 1
+
+    def remove(self, waiter: Waiter) -> bool:
+        """Take ``waiter`` out of the queue; False when it was not in it."""
+        account = self._accounts.get(waiter.tenant)
+        queue = account.queues.get(waiter.priority) if account is not None else None
+        if account is None or queue is None or waiter not in queue:
+            return False
+        queue.remove(waiter)
+        if not queue:
+            del account.queues[waiter.priority]
+        self.waiting -= 1
+        return True
+
+    def _all(self) -> Iterator[Waiter]:
+        for account in self._accounts.values():
+            for queue in account.queues.values():
+                yield from queue
+
+    @property
+    def waiting_tokens(self) -> int:
+        return sum(w.need for w in self._all())
+
+    def _rank(self, waiter: Waiter, now: float) -> tuple[int, float, float, int]:
+        account = self._account(waiter.tenant)
+        return (waiter.priority, account.key(now), account.held / account.weight, waiter.seq)
+
+    def _victim_key(self, waiter: Waiter, now: float) -> tuple[int, float, int]:
+        return (waiter.priority, self._account(waiter.tenant).key(now), waiter.seq)
+
+    def order(self, now: float) -> list[Waiter]:
+        """The candidates (the head of each tenant's queue of each class), first served first."""
+        heads = [q[0] for a in self._accounts.values() for q in a.queues.values()]
+        return sorted(heads, key=lambda w: self._rank(w, now))
+
+    def ahead(self, waiter: Waiter, now: float) -> tuple[int, int]:
+        """(requests, tokens) waiting ahead of ``waiter``, queued or not, in the order they
+        would be served (within a tenant and class, by arrival)."""
+        rank = self._rank(waiter, now)
+        before = [w for w in self._all() if w is not waiter and self._rank(w, now) < rank]
+        return len(before), sum(w.need for w in before)
+
+    def tokens_ahead_of_newcomer(self, tenant: str, priority: int, now: float) -> int:
+        """Tokens waiting ahead of a request ``tenant`` would send now (for its room)."""
+        account = self._account(self.resolve(tenant))
+        key = account.key(now) - account.counter + self._lifted(account)
+        rank = (priority, key, account.held / account.weight, math.inf)
+        return sum(w.need for w in self._all() if self._rank(w, now) < rank)
+
+    def _within_limit(self, waiter: Waiter) -> bool:
+        account = self._account(waiter.tenant)
+        return account.held + waiter.need <= account.limit
+
+    def own_room_in(self, tenant: str, need: int, now: float) -> float:
+        """Seconds until ``tenant``'s own holders, ending by their due times, leave it room for
+        ``need`` more within its limit (0.0: now; infinity: never)."""
+        account = self._account(self.resolve(tenant))
+        held = account.held
+        if held + need <= account.limit:
+            return 0.0
+        for hold in sorted(account.holds.values(), key=lambda h: h.due):
+            held -= hold.tokens
+            if held + need <= account.limit:
+                return max(0.0, hold.due - now)
+        return math.inf
+
+    @staticmethod
+    def _may_pass(skipped: Waiter, passer: Waiter, max_bypass: int) -> bool:
+        if skipped.priority < passer.priority:
+            return skipped.lower_passes < LOWER_CLASS_PASSES
+        return skipped.bypassed < max_bypass
+
+    def dispatch(
+        self, now: float, try_admit: Callable[[Waiter], H | None]
+    ) -> list[tuple[Waiter, H]]:
+        """Admit what may be admitted now, in fair order: ``try_admit`` reserves for a waiter in
+        the ledger (None: it does not fit). Returns the waiters admitted and their reservations,
+        which are held here from then on."""
+        self.advance(now)
+        admitted: list[tuple[Waiter, H]] = []
+        while True:
+            chosen: tuple[Waiter, H] | None = None
+            skipped: list[Waiter] = []
+            for waiter in self.order(now):
+                if not self._within_limit(waiter):
+                    continue
+                if not all(self._may_pass(s, waiter, self.policy.max_bypass) for s in skipped):
+                    break
+                handle = try_admit(waiter)
+                if handle is not None:
+                    chosen = (waiter, handle)
+                    break
+                skipped.append(waiter)
+            if chosen is None:
+                return admitted
+            waiter, handle = chosen
+            for passed in skipped:
+                if passed.priority < waiter.priority:
+                    passed.lower_passes += 1
+                else:
+                    passed.bypassed += 1
+            self.hold(handle.id, waiter.tenant, handle.reserved_tokens, handle.due_at, now)
+            self.remove(waiter)
+            admitted.append(chosen)
+
+    # --- figures -------------------------------------------------------------------------------
+
+    def stats(self, now: float) -> list[TenantStats]:
+        """Every tenant seen so far, as of ``now``."""
+        self.advance(now)
+        return [
+            TenantStats(
+                tenant=name,
+                weight=a.weight,
+                held=a.held,
+                token_seconds=a.taken,
+                waiting=a.waiting,
+                admitted=a.admitted,
+                refused=a.refused,
+            )
+            for name, a in self._accounts.items()
+        ]
