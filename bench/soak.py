@@ -41,29 +41,27 @@ the reservations held when it was refused (``reference_server.admission.journal.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import math
-import os
-import random
-import re
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import httpx
-from _common import free_port, pin_to_cpu, print_table, write_json
+from _common import pin_to_cpu, print_table, write_json
+from _soak_senders import LONG_MAX_TOKENS, SoakSender
+from _soak_server import (
+    MEGABYTE,
+    Sampler,
+    ServerProcess,
+    rss_bytes,
+    server_5xx,
+    server_process,
+    settle,
+)
 
 from kvclient import (
-    APIResponseError,
     AsyncClient,
     RetryPolicy,
     TiktokenCounter,
@@ -72,7 +70,6 @@ from kvclient import (
 )
 from kvclient.loadgen import (
     MIXED,
-    RecordTimer,
     RequestRecord,
     SyntheticWorkload,
     WorkItem,
@@ -80,8 +77,6 @@ from kvclient.loadgen import (
     run_load,
     summarize,
 )
-from kvclient.loadgen._kvsender import KVClientSender
-from kvclient.loadgen._report import parse_prometheus_text
 from reference_server.admission.journal import AdviceCheck, check_advice, read_log
 from reference_server.admission.ledger import DEFAULT_SAFETY_FRACTION
 from reference_server.simulated.config import (
@@ -92,89 +87,8 @@ from reference_server.simulated.config import (
 )
 
 SEED = 2026
-MEGABYTE = 1024 * 1024
-#: How long the server may take to notice every hang-up once the load is over.
-SETTLE_SECONDS = 10.0
-#: Long holders ask for this many tokens; stalled readers pipeline STALL_PIPELINE of them.
-LONG_MAX_TOKENS = 2000
-STALL_PIPELINE = 32
 #: Advice this much shorter than the real wait is timing noise (two ticks of the engine).
 ADVICE_TOLERANCE = 0.02
-_RESPONSES = re.compile(r'^kv_http_responses_total\{route="([^"]*)",status="(\d+)"\} (\S+)$', re.M)
-
-
-# --- the server in its own process ---------------------------------------------------------------
-
-
-def rss_bytes(pid: int) -> int | None:
-    """VmRSS of a process (Linux ``/proc``); None where there is no such file."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-@dataclass
-class ServerProcess:
-    url: str
-    pid: int
-    log: Any  # the server's stderr, a temporary file
-    admission_log: str  # the server's --admission-log
-
-    def internal_errors(self) -> list[str]:
-        """Log lines of unexpected exceptions (the generic 500 path), ours or uvicorn's."""
-        self.log.flush()
-        self.log.seek(0)
-        text = self.log.read().decode("utf-8", "replace")
-        return [
-            line
-            for line in text.splitlines()
-            if "unexpected " in line or "Exception in ASGI application" in line
-        ]
-
-
-@contextlib.contextmanager
-def server_process(args: Sequence[str], cpu: int | None) -> Iterator[ServerProcess]:
-    """``python -m reference_server ARGS`` on a free loopback port, its stderr kept."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "reference_server", "--port", str(port), "--log-level", "warning"]
-
-    def pin() -> None:
-        if cpu is not None:
-            os.sched_setaffinity(0, {cpu})
-
-    with tempfile.TemporaryFile() as log, tempfile.TemporaryDirectory() as tmp:
-        admission_log = os.path.join(tmp, "admission.jsonl")
-        cmd += ["--admission-log", admission_log]
-        proc = subprocess.Popen(
-            [*cmd, *args], stderr=log, preexec_fn=pin if cpu is not None else None
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=1):
-                        break
-                except OSError:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise RuntimeError("the reference server did not start") from None
-                    time.sleep(0.05)
-            yield ServerProcess(url, proc.pid, log, admission_log)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
-
-
-def server_5xx(metrics_text: str) -> int:
-    """5xx answers the server sent, all routes (its own count, by status)."""
-    return sum(
-        round(float(n)) for _, status, n in _RESPONSES.findall(metrics_text) if status >= "500"
-    )
 
 
 # --- the load ------------------------------------------------------------------------------------
@@ -196,179 +110,6 @@ def estimated_capacity(items: Sequence[WorkItem]) -> float:
         durations.append(mean * (1 - math.exp(-cap / mean)) / DEFAULT_DECODE_RATE)
     concurrency = usable / (sum(needs) / len(needs))
     return concurrency / (sum(durations) / len(durations))
-
-
-class _FaultAwareSender(KVClientSender):
-    """kvclient's sender, remembering which requests an injected fault ended mid-stream."""
-
-    def __init__(self, client: AsyncClient, *, stream: bool, faulted: set[int]) -> None:
-        super().__init__(client, stream=stream)
-        self._faulted = faulted
-
-    async def _call(self, item: WorkItem, timer: RecordTimer) -> Any:
-        try:
-            return await super()._call(item, timer)
-        except APIResponseError as exc:
-            if "injected fault" in str(exc):
-                self._faulted.add(timer.record.index)
-            raise
-
-
-@dataclass
-class SoakSender:
-    """One in ``hang_up_share`` requests is a raw httpx stream that hangs up at a random moment;
-    the others go through kvclient, half of them streamed. Choices are seeded."""
-
-    client: AsyncClient
-    raw: httpx.AsyncClient
-    hang_up_share: float
-    seed: int
-    stall_share: float = 0.0
-    stall_seconds: float = 5.0
-    short_share: float = 0.0
-    long_share: float = 0.0
-    address: tuple[str, int] = ("127.0.0.1", 0)
-    faulted: set[int] = field(default_factory=set)
-    kinds: Counter[str] = field(default_factory=Counter)
-
-    def __post_init__(self) -> None:
-        self._rng = random.Random(self.seed)
-        # Their own threads: on anyio's default limiter (40) they would starve the client's.
-        self._stall_threads = anyio.CapacityLimiter(256)
-        self._stream = _FaultAwareSender(self.client, stream=True, faulted=self.faulted)
-        self._plain = _FaultAwareSender(self.client, stream=False, faulted=self.faulted)
-
-    async def send(self, item: WorkItem, timer: RecordTimer) -> None:
-        roll = self._rng.random()
-        hang_up_after = self._rng.uniform(0.0, 0.6)
-        size = self._rng.random()
-        if roll < self.hang_up_share:
-            self.kinds["raw stream, hangs up"] += 1
-            await self._hang_up(item, timer, hang_up_after)
-            return
-        raw = self.hang_up_share + self.stall_share
-        if roll < raw:
-            self.kinds["raw socket, stops reading"] += 1
-            timer.mark_sent()
-            timer.record.attempts = 1
-            timer.record.error = await anyio.to_thread.run_sync(
-                self._stall, item, limiter=self._stall_threads
-            )
-            timer.mark_end()
-            return
-        if size < self.short_share:
-            item = replace(item, max_tokens=1)
-            self.kinds["  of which max_tokens 1"] += 1
-        elif size < self.short_share + self.long_share:
-            item = replace(item, max_tokens=LONG_MAX_TOKENS)
-            self.kinds[f"  of which max_tokens {LONG_MAX_TOKENS}"] += 1
-        streamed = roll < raw + (1 - raw) / 2
-        self.kinds["kvclient, streamed" if streamed else "kvclient"] += 1
-        await (self._stream if streamed else self._plain).send(item, timer)
-        record = timer.record
-        if record.error == "http_500:injected_fault":
-            record.error = "injected_fault"
-        elif record.error == "bad_response" and record.index in self.faulted:
-            record.error = "injected_fault (mid-stream)"
-
-    def _stall(self, item: WorkItem) -> str:
-        """A client that stops reading: streamed requests pipelined on one small-buffered
-        socket, nothing read for ``stall_seconds``, then closed (in a worker thread)."""
-        body = json.dumps({"prompt": item.prompt, "stream": True, "max_tokens": LONG_MAX_TOKENS})
-        request = (
-            "POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body.encode())}\r\n\r\n{body}"
-        ).encode()
-        try:
-            with socket.socket() as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-                sock.settimeout(5)
-                sock.connect(self.address)
-                sock.sendall(request * STALL_PIPELINE)
-                time.sleep(self.stall_seconds)
-        except OSError as exc:
-            return f"raw: {type(exc).__name__}"
-        return "stopped reading (on purpose)"
-
-    async def _hang_up(self, item: WorkItem, timer: RecordTimer, after: float) -> None:
-        """A client that goes away: it reads the answer for ``after`` seconds, then hangs up."""
-        record = timer.record
-        body: dict[str, Any] = {"prompt": item.prompt, "stream": True}
-        if item.max_tokens is not None:
-            body["max_tokens"] = item.max_tokens
-        timer.mark_sent()
-        record.attempts = 1
-        try:
-            async with self.raw.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    payload = await response.aread()
-                    record.http_429 += response.status_code == 429
-                    code = re.search(rb'"code":\s*"([^"]+)"', payload)
-                    record.error = f"http_{response.status_code}" + (
-                        f":{code.group(1).decode()}" if code else ""
-                    )
-                    if record.error == "http_500:injected_fault":
-                        record.error = "injected_fault"
-                    elif response.status_code == 429:
-                        record.error = "raw: 429 (not retried)"
-                else:
-                    received = bytearray()
-                    with anyio.move_on_after(after) as scope:
-                        async for chunk in response.aiter_raw():
-                            received += chunk
-                            if not record.token_times:
-                                timer.mark_token()
-                    if scope.cancelled_caught:
-                        record.error = "hung up (on purpose)"
-                    elif b'"code":"injected_fault"' in received:
-                        record.error = "injected_fault (mid-stream)"
-                    elif received.rstrip().endswith(b"data: [DONE]"):
-                        record.ok = True
-                    else:
-                        record.error = "raw: stream cut"
-        except httpx.HTTPError as exc:
-            record.error = f"raw: {type(exc).__name__}"
-        timer.mark_end()
-
-
-# --- sampling ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Sampler:
-    url: str
-    pid: int
-    interval: float
-    samples: list[dict[str, float]] = field(default_factory=list)
-
-    async def sample(self, http: httpx.AsyncClient, start: float) -> dict[str, float]:
-        row: dict[str, float] = {"t": round(time.monotonic() - start, 2)}
-        rss = rss_bytes(self.pid)
-        if rss is not None:
-            row["rss_mb"] = round(rss / MEGABYTE, 2)
-        with contextlib.suppress(httpx.HTTPError):
-            metrics = parse_prometheus_text((await http.get(self.url + "/metrics")).text)
-            for name in ("kv_reserved_tokens", "kv_inflight_requests", "kv_used_tokens"):
-                row[name] = metrics.get(name, math.nan)
-        self.samples.append(row)
-        return row
-
-    async def run(self, start: float) -> None:
-        async with httpx.AsyncClient(timeout=5) as http:
-            while True:
-                await self.sample(http, start)
-                await anyio.sleep(self.interval)
-
-
-async def settle(url: str) -> dict[str, float]:
-    """The server's metrics once nothing is in flight (or after SETTLE_SECONDS)."""
-    async with httpx.AsyncClient(base_url=url, timeout=5) as http:
-        deadline = time.monotonic() + SETTLE_SECONDS
-        while True:
-            metrics = parse_prometheus_text((await http.get("/metrics")).text)
-            if metrics["kv_inflight_requests"] == 0 or time.monotonic() > deadline:
-                return metrics
-            await anyio.sleep(0.05)
 
 
 # --- the run -------------------------------------------------------------------------------------
