@@ -170,7 +170,15 @@ def test_shared_wakeup(tmp_path: Path, redis_server_ready: str) -> None:
 
 def test_tenant_fairness(tmp_path: Path) -> None:
     out, data = run_script(
-        tmp_path, "tenant_fairness.py", "--quick", "--seconds", "2", "--flood", "20"
+        tmp_path,
+        "tenant_fairness.py",
+        "--quick",
+        "--seconds",
+        "2",
+        "--flood",
+        "20",
+        "--decode-rate",
+        "4000",
     )
     assert "| gateway" in out
     assert "goals:" in out
