@@ -372,18 +372,27 @@ def test_retry_after_is_when_the_peak_leaves_room(rule: str) -> None:
     assert large == pytest.approx(1.0, abs=0.1)
 
 
-def test_a_holder_whose_count_is_late_is_taken_to_have_gone_on() -> None:
+def _two_holders(
+    counts: tuple[int, int], at: float, **settings: float
+) -> tuple[KVAdmissionController, Handle, Handle]:
+    """A 1,000-token ledger (blocks of 1) holding two requests of 100 + 400, followed, with
+    ``counts`` relayed at ``at``."""
     ledger = KVAdmissionController(
         total_kv_tokens=1000, context_window=4000, decode_rate=100.0, rule="peak",
-        block_size=1, safety_fraction=1.0,
+        block_size=1, safety_fraction=1.0, **settings,  # type: ignore[arg-type]
     )  # fmt: skip
     a = ledger.try_admit(100, 400, now=0.0)
     b = ledger.try_admit(100, 400, now=0.0)
     assert a is not None
     assert b is not None
     a.tracked = b.tracked = True
-    ledger.progress(a, 100, 1.0)
-    ledger.progress(b, 100, 1.0)
+    ledger.progress(a, counts[0], at)
+    ledger.progress(b, counts[1], at)
+    return ledger, a, b
+
+
+def test_a_holder_whose_count_is_late_is_taken_to_have_gone_on() -> None:
+    ledger, a, _ = _two_holders((100, 100), 1.0)
     ledger.progress(a, 300, 3.0)  # b's stream has not been read since: it may be at 300 too
     # Taken at its count, b would hold 200 and peak at 499 when a ends (step 99): 799, room
     # for 200 more. In lockstep it may hold 400 now and 499 then: 999 with a's 500.
@@ -394,24 +403,10 @@ def test_counts_that_are_all_equally_late_need_no_margin() -> None:
     # Two holders last read together 2 s ago (the engine's API process stalled, say): in
     # lockstep both are as far on as each other, the future computed from their counts is the
     # real one shifted, and its peak covers it. One read since, the other is taken on.
-    def ledger_with_two() -> tuple[KVAdmissionController, Handle]:
-        ledger = KVAdmissionController(
-            total_kv_tokens=1000, context_window=4000, decode_rate=100.0, rule="peak",
-            block_size=1, safety_fraction=1.0, relay_lag=0.0,
-        )  # fmt: skip
-        a = ledger.try_admit(100, 400, now=0.0)
-        b = ledger.try_admit(100, 400, now=0.0)
-        assert a is not None
-        assert b is not None
-        a.tracked = b.tracked = True
-        ledger.progress(a, 300, 1.0)
-        ledger.progress(b, 100, 1.0)
-        return ledger, a
-
     # a ends in 100 steps at 500, b then holds 300: room for 200 on the step before.
-    ledger, a = ledger_with_two()
+    ledger, _, _ = _two_holders((300, 100), 1.0, relay_lag=0.0)
     assert ledger.try_admit(100, 100, now=3.0) is not None
-    ledger, a = ledger_with_two()
+    ledger, a, _ = _two_holders((300, 100), 1.0, relay_lag=0.0)
     ledger.progress(a, 301, 3.0)  # b not read for 2 s since: up to 400 more steps
     assert ledger.try_admit(100, 100, now=3.0) is None
 
