@@ -218,7 +218,7 @@ def test_contract_passes_through_the_gateway_in_front_of_vllm(
     assert before is not None
     assert _preemptions(vllm) == before  # what the gateway admitted, vLLM held
     for report in reports:
-        assert report.ok
+        assert report.ok, [(r.name, r.status, r.evidence) for r in report.results if r.failed]
         # Every check passes; Retry-After's honesty may go unjudged: by the peak rule room
         # opens as the holders' first tokens come, so the probe after a refusal can be admitted
         # at once, before any release (the saturation check still judges the 429s' advice).
