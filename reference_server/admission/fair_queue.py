@@ -58,7 +58,7 @@ class FairQueue(AdmissionQueue):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(ledger, max_wait=max_wait, clock=clock)
-        self.fair = FairScheduler(policy, usable=ledger.usable_tokens, now=clock())
+        self.fair: FairScheduler = FairScheduler(policy, usable=ledger.usable_tokens, now=clock())
 
     @property
     def waiting(self) -> int:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -62,6 +62,7 @@ __all__ = [
     "FairPolicy",
     "FairScheduler",
     "Held",
+    "Holding",
     "Tenant",
     "TenantStats",
     "Waiter",
@@ -161,6 +162,18 @@ H = TypeVar("H", bound=Held)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Holding:
+    """A live reservation as a shared store keeps it (:meth:`FairScheduler.restore`): its key,
+    tenant, tokens, due end, and since when it has been held."""
+
+    key: int
+    tenant: str
+    tokens: int
+    due: float
+    since: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TenantStats:
     """One tenant's figures: tokens held now, KV token-seconds taken since it was first seen,
     requests waiting, admitted and refused (429)."""
@@ -250,6 +263,52 @@ class FairScheduler:
             limit = math.floor(terms.max_share * self.usable)
             account = self._accounts[tenant] = _Account(weight=terms.weight, limit=limit)
         return account
+
+    @classmethod
+    def restore(
+        cls,
+        policy: FairPolicy,
+        *,
+        usable: int,
+        now: float,
+        holdings: Iterable[Holding] = (),
+        waiters: Iterable[Waiter] = (),
+        ended: Mapping[str, float] | None = None,
+        offsets: Mapping[str, float] | None = None,
+        counts: Mapping[str, tuple[int, int]] | None = None,
+    ) -> FairScheduler:
+        """A scheduler in the state a shared store keeps (a ledger other processes change too):
+        the live ``holdings``; the ``waiters`` in arrival order, their ``seq``, ``bypassed``
+        and ``lower_passes`` as kept; the token-seconds each tenant's ``ended`` holdings took;
+        each tenant's counter ``offsets`` (:meth:`offsets`: what lifts added); its (admitted,
+        refused) ``counts``. A tenant's token-seconds are its ended ones plus what its live
+        holdings have held since they began, so the counters need no clock of the store's."""
+        fair = cls(policy, usable=usable, now=now)
+        for tenant in {*(ended or {}), *(offsets or {}), *(counts or {})}:
+            fair._account(tenant)
+        for holding in holdings:
+            account = fair._account(holding.tenant)
+            hold = _Hold(tenant=holding.tenant, tokens=holding.tokens, due=holding.due)
+            fair._holds[holding.key] = account.holds[holding.key] = hold
+            account.held += holding.tokens
+            account.taken += holding.tokens * max(0.0, now - holding.since)
+        last = 0
+        for waiter in waiters:
+            account = fair._account(waiter.tenant)
+            account.queues.setdefault(waiter.priority, deque()).append(waiter)
+            fair.waiting += 1
+            last = max(last, waiter.seq)
+        fair._seq = itertools.count(last + 1)
+        for name, account in fair._accounts.items():
+            account.taken += (ended or {}).get(name, 0.0)
+            account.counter = account.taken / account.weight + (offsets or {}).get(name, 0.0)
+            account.admitted, account.refused = (counts or {}).get(name, (0, 0))
+        return fair
+
+    def offsets(self) -> dict[str, float]:
+        """Each tenant's counter less its token-seconds over its weight: what lifts added (what
+        a shared store keeps for :meth:`restore`)."""
+        return {name: a.counter - a.taken / a.weight for name, a in self._accounts.items()}
 
     # --- time ----------------------------------------------------------------------------------
 

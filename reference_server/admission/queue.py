@@ -15,6 +15,7 @@ from collections.abc import Callable, Hashable
 
 import anyio
 
+from .fairness import FairScheduler, TenantStats
 from .ledger import Handle, Headroom, KVAdmissionController
 
 __all__ = ["AdmissionQueue", "LedgerUnavailable", "Rejected", "wait_limit"]
@@ -62,6 +63,10 @@ class _Waiter:
 
 
 class AdmissionQueue:
+    #: The fair shares' scheduler where the queue has tenants (its policy, limits and figures);
+    #: None for a FIFO queue.
+    fair: FairScheduler | None = None
+
     def __init__(
         self,
         ledger: KVAdmissionController,
@@ -79,6 +84,10 @@ class AdmissionQueue:
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    def tenants(self) -> list[TenantStats]:
+        """Each tenant's figures now (for ``/metrics``): none without fair shares."""
+        return []
 
     def now(self) -> float:
         """The queue's clock: the one the ledger's due times are on."""

@@ -163,12 +163,6 @@ class GatewayConfig:
                 raise ValueError(f"{flag} needs a rediss:// --ledger (Redis over TLS)")
             if not os.path.isfile(path):
                 raise ValueError(f"{flag}: no such file: {path}")
-        if self.fairness is not None and self.ledger is not None:
-            raise ValueError(
-                "--tenants cannot be used with --ledger: the shared ledger keeps one FIFO queue "
-                "in Redis for every gateway, and fair shares would need each tenant's holdings "
-                "and counters there too; a gateway process alone would share only its own part"
-            )
         if self.tenant_header is not None and self.fairness is None:
             raise ValueError("--tenant-header needs --tenants FILE")
         if self.fairness is not None and self.api_key is not None and self.tenant_header is None:

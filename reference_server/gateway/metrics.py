@@ -64,10 +64,8 @@ def _plus(a: TenantStats, b: TenantStats) -> TenantStats:
 
 
 def _tenant_metrics(state: GatewayState) -> Iterable[Metric]:
-    from ..admission.fair_queue import FairQueue
-
     queues = [u.known.queue for u in state.upstreams if u.known is not None]
-    stats = [s for q in queues if isinstance(q, FairQueue) for s in q.tenants()]
+    stats = [s for q in queues for s in q.tenants()]
     rows = tenant_rows(stats)
     gauges: dict[str, tuple[str, Callable[[TenantStats], float]]] = {
         "kv_tenant_reserved_tokens": ("KV tokens the tenant holds now.", lambda s: s.held),

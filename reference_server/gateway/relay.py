@@ -34,7 +34,6 @@ from kvclient.engines.behaviour import PROGRESS_ENGINES, PROMPT_SHARING_ENGINES,
 from kvclient.engines.tokenize import RENDER_FIELDS, Tokenized, countable_render_fields
 from kvclient.routing import pick
 
-from ..admission.fair_queue import FairQueue
 from ..admission.ledger import Handle
 from ..http.answers import admissible_cap, retry_after_header, room, send_whole
 from ..http.errors import APIError
@@ -252,7 +251,7 @@ class UpstreamBackend:
         """``plan`` with its tenant and priority class; a 400 when it needs more than its
         tenant may ever hold on any upstream (a 429 would send it round for ever)."""
         tenant = tenant_of(scope, self.state.config.tenant_header)
-        fair = [k.queue.fair for k in known if isinstance(k.queue, FairQueue)]
+        fair = [k.queue.fair for k in known if k.queue.fair is not None]
         if fair and all(f.never_within(tenant, need) for f in fair):
             most = max(f.limit(f.resolve(tenant)) for f in fair)
             raise APIError(

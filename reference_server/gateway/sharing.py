@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from ..admission.fairness import FairPolicy
 from ..admission.ledger import KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable
 from .errors import UpstreamUnavailable
 
 if TYPE_CHECKING:
     from ..shared_ledger.ledger import Lease, RedisLedger, Wakeups
+    from ..shared_ledger.queue import SharedQueue
 
 __all__ = ["SharedLedgers"]
 
@@ -48,6 +50,7 @@ class SharedLedgers:
         self.lease: Lease = Lease(ttl=lease_seconds, on_state=self._state)
         self.wakeups: Wakeups = Wakeups(self.client)
         self.ledgers: list[RedisLedger] = []
+        self.queues: list[SharedQueue] = []
         #: Times Redis was found unreachable (a change from reachable).
         self.outages = 0
         #: Requests refused because Redis was away.
@@ -62,15 +65,22 @@ class SharedLedgers:
             self.outages += 1
 
     async def queue_for(
-        self, name: str, ledger: KVAdmissionController, max_wait: float
+        self,
+        name: str,
+        ledger: KVAdmissionController,
+        max_wait: float,
+        fairness: FairPolicy | None = None,
     ) -> AdmissionQueue:
-        """The shared queue of upstream ``name``, priced by ``ledger``; raises
-        ``UpstreamUnavailable`` when another gateway has it configured differently or Redis
-        cannot be reached (discovery is tried again later)."""
+        """The shared queue of upstream ``name``, priced by ``ledger``, in fair shares by
+        ``fairness`` when given; raises ``UpstreamUnavailable`` when another gateway has it
+        configured differently or Redis cannot be reached (discovery is tried again later)."""
+        from ..shared_ledger.fair import SharedFairQueue
         from ..shared_ledger.ledger import LedgerConflict, RedisLedger
         from ..shared_ledger.queue import SharedQueue
 
-        shared = RedisLedger(self.client, name=name, pricing=ledger, lease=self.lease)
+        shared = RedisLedger(
+            self.client, name=name, pricing=ledger, lease=self.lease, fairness=fairness
+        )
         try:
             await shared.join()
         except LedgerConflict as exc:
@@ -78,16 +88,29 @@ class SharedLedgers:
         except LedgerUnavailable as exc:
             raise UpstreamUnavailable(f"the shared ledger is unreachable ({exc})") from None
         self.ledgers.append(shared)
-        return SharedQueue(
-            ledger, shared, max_wait=max_wait, on_refused=self._refused, wakeups=self.wakeups
-        )
+        queue: SharedQueue
+        if fairness is not None:
+            queue = SharedFairQueue(
+                ledger,
+                shared,
+                policy=fairness,
+                max_wait=max_wait,
+                on_refused=self._refused,
+                wakeups=self.wakeups,
+            )
+        else:
+            queue = SharedQueue(
+                ledger, shared, max_wait=max_wait, on_refused=self._refused, wakeups=self.wakeups
+            )
+        self.queues.append(queue)
+        return queue
 
     async def refresh(self) -> None:
         """Read every upstream's shared totals from Redis (for ``/metrics``); when Redis is
         away the last ones heard stay, and ``kv_ledger_unreachable`` says so."""
-        for shared in self.ledgers:
+        for queue in self.queues:
             try:
-                await shared.refresh()
+                await queue.refresh()
             except LedgerUnavailable:
                 return
 

@@ -411,7 +411,9 @@ class Upstream:
                 ledger, policy=self.config.fairness, max_wait=self.config.max_queue_wait
             )
         if self.shared is not None:
-            queue = await self.shared.queue_for(self.name, ledger, self.config.max_queue_wait)
+            queue = await self.shared.queue_for(
+                self.name, ledger, self.config.max_queue_wait, self.config.fairness
+            )
         self.discovery, self.budget = found, budget
         self.known = Known(upstream=self, ledger=ledger, queue=queue)
         logger.info(

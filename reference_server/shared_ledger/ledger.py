@@ -35,6 +35,7 @@ import anyio
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from ..admission.fairness import FairPolicy
 from ..admission.ledger import Handle, KVAdmissionController
 from ..admission.queue import LedgerUnavailable
 from .connection import COMMAND_TIMEOUT, LEDGER_ERRORS, close
@@ -42,6 +43,8 @@ from .scripts import (
     ADMIT,
     CONFIG,
     DEFAULT_LEASE_SECONDS,
+    FAIR_COMMIT,
+    FAIR_SNAPSHOT,
     KEY_NAMES,
     LEAVE,
     OCCUPANCY,
@@ -77,13 +80,23 @@ class LedgerConflict(Exception):
     """Another gateway sharing the ledger has this upstream configured differently."""
 
 
-def fingerprint(pricing: KVAdmissionController) -> str:
-    """What two gateways must agree on to share an upstream's budget."""
+def fingerprint(pricing: KVAdmissionController, fairness: FairPolicy | None = None) -> str:
+    """What two gateways must agree on to share an upstream's budget: its pricing, and the fair
+    shares' terms when it has them."""
     p = pricing
-    return (
+    text = (
         f"usable={p.usable_tokens} total={p.total_kv_tokens} block={p.block_size} "
         f"strategy={p.strategy} max_concurrency={p.max_concurrency} window={p.context_window}"
     )
+    if fairness is not None:
+        f = fairness
+        terms = [(name, f.tenants[name]) for name in sorted(f.tenants)]
+        listed = ",".join(
+            f"{name}:{t.weight}:{t.max_share}:{t.max_queue_wait}"
+            for name, t in [*terms, ("*", f.default)]
+        )
+        text += f" fair={listed} max_queued={f.max_queued} max_bypass={f.max_bypass}"
+    return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +127,7 @@ class Snapshot:
         #: (tokens, cap, admitted_at) per holder.
         self.holders: list[tuple[int, int, float]] = []
         for value in flat[1::2]:
-            _, tokens, cap, admitted = value.split(" ")
+            tokens, cap, admitted = value.split(" ", 4)[1:4]
             self.holders.append((int(tokens), int(cap), int(admitted) / 1000))
         #: Needs of the waiting tickets, in order.
         self.tickets = [_text(t) for t in raw[3]]
@@ -188,9 +201,17 @@ class RedisLedger:
     """
 
     def __init__(
-        self, client: aioredis.Redis, *, name: str, pricing: KVAdmissionController, lease: Lease
+        self,
+        client: aioredis.Redis,
+        *,
+        name: str,
+        pricing: KVAdmissionController,
+        lease: Lease,
+        fairness: FairPolicy | None = None,
     ) -> None:
         self.client = client
+        #: The fair shares' terms (``--tenants``), part of what every gateway must agree on.
+        self.fairness = fairness
         self.name = name
         self.lease = lease
         tag = "{kvclient:" + name + "}"
@@ -202,6 +223,8 @@ class RedisLedger:
             for script in (
                 ADMIT,
                 CONFIG,
+                FAIR_COMMIT,
+                FAIR_SNAPSHOT,
                 LEAVE,
                 OCCUPANCY,
                 RELEASE,
@@ -233,7 +256,7 @@ class RedisLedger:
     def usable_tokens(self) -> int:
         return self.pricing.usable_tokens
 
-    async def _run(self, script: str, *args: Any) -> Any:
+    async def run(self, script: str, *args: Any) -> Any:
         try:
             result = await self._scripts[script](keys=self._keys, args=list(args))
         except LEDGER_ERRORS as exc:
@@ -249,14 +272,14 @@ class RedisLedger:
     async def join(self) -> None:
         """Register the lease and this gateway's budget; :class:`LedgerConflict` when another
         gateway's differs."""
-        mine = fingerprint(self.pricing)
-        theirs = _text(await self._run(CONFIG, mine, self.lease.ttl_ms))
+        mine = fingerprint(self.pricing, self.fairness)
+        theirs = _text(await self.run(CONFIG, mine, self.lease.ttl_ms))
         if theirs != mine:
             raise LedgerConflict(
                 f"another gateway shares the ledger of {self.name} configured differently "
                 f"(theirs: {theirs}; ours: {mine}): give every gateway the same settings"
             )
-        await self._run(RENEW, self.lease.id, self.lease.ttl_ms)
+        await self.run(RENEW, self.lease.id, self.lease.ttl_ms)
         if self not in self.lease.ledgers:
             self.lease.ledgers.append(self)
 
@@ -277,30 +300,42 @@ class RedisLedger:
             ticket = self.ticket(need)
         most = self.pricing.max_concurrency or 0
         args = (self.lease.id, ticket, need, output_cap, self.usable_tokens, most, int(enqueue))
-        status, now_ms, seen = await self._run(ADMIT, *args)
+        status, now_ms, seen = await self.run(ADMIT, *args)
         if status == -1:  # our lease lapsed (or Redis lost it): renew, then try once more
             await self.renew()
-            status, now_ms, seen = await self._run(ADMIT, *args)
+            status, now_ms, seen = await self.run(ADMIT, *args)
         self.seen = SharedState.parse(seen)
         if status != 1:
             return None
-        admitted = int(now_ms) / 1000
+        return self.adopt(ticket, prompt_tokens, output_cap, need, int(now_ms) / 1000)
+
+    def adopt(
+        self, ticket: str, prompt_tokens: int, output_cap: int, need: int, admitted: float
+    ) -> Handle:
+        """The handle of ``ticket``, admitted at ``admitted`` (the Redis clock): released,
+        shrunk and renewed by this process from now on."""
         handle = Handle(
             id=next(self._ids),
             prompt_tokens=prompt_tokens,
             output_cap=output_cap,
             reserved_tokens=need,
             admitted_at=admitted,
-            due_at=admitted + output_cap / self.pricing.decode_rate + self.pricing.release_margin,
+            due_at=self.due(admitted, output_cap),
         )
         self._fields[handle.id] = (handle, ticket)
         return handle
 
-    async def leave(self, ticket: str) -> None:
-        """A waiter gives up its place in the queue; when Redis is away, at the next renewal
-        (a ticket left at the head would hold up every gateway)."""
+    def due(self, admitted: float, output_cap: int) -> float:
+        """When a holder admitted at ``admitted`` with ``output_cap`` is due to end, at worst."""
+        return admitted + output_cap / self.pricing.decode_rate + self.pricing.release_margin
+
+    async def leave(self, ticket: str, *, refused: bool = False) -> None:
+        """A waiter gives up its place in the queue (``refused``: with a 429, counted for its
+        tenant under fair shares); when Redis is away, at the next renewal (a ticket left at
+        the head would hold up every gateway, one left under fair shares could be admitted
+        for nobody). Admitted meanwhile, it is released."""
         try:
-            await self._run(LEAVE, ticket)
+            await self.run(LEAVE, ticket, int(refused))
         except LedgerUnavailable:
             self._unleft.append(ticket)
 
@@ -312,7 +347,7 @@ class RedisLedger:
             return
         handle.released = True
         try:
-            await self._run(RELEASE, entry[1])
+            await self.run(RELEASE, entry[1])
         except LedgerUnavailable:
             self._unreleased.append(entry[1])
 
@@ -322,7 +357,7 @@ class RedisLedger:
         if entry is None or entry[0] is not handle:
             return 0
         need = self.pricing.need_tokens(prompt_tokens, handle.output_cap)
-        freed = int(await self._run(SHRINK, entry[1], need))
+        freed = int(await self.run(SHRINK, entry[1], need))
         if freed > 0:
             handle.reserved_tokens = need
             handle.prompt_tokens = prompt_tokens
@@ -332,12 +367,12 @@ class RedisLedger:
         """Extend this process's lease; retry releases that failed. A lease found lapsed: its
         reservations are gone from Redis, so the handles here are released (``on_lapse``)."""
         while self._unreleased:
-            await self._run(RELEASE, self._unreleased[-1])
+            await self.run(RELEASE, self._unreleased[-1])
             self._unreleased.pop()
         while self._unleft:
-            await self._run(LEAVE, self._unleft[-1])
+            await self.run(LEAVE, self._unleft[-1], 0)
             self._unleft.pop()
-        kept = await self._run(RENEW, self.lease.id, self.lease.ttl_ms)
+        kept = await self.run(RENEW, self.lease.id, self.lease.ttl_ms)
         if kept == 2:  # Redis lost its data: the engine still holds what was admitted here
             await self._restore()
             return
@@ -357,7 +392,7 @@ class RedisLedger:
                 self.on_lapse(lost)
 
     async def _restore(self) -> None:
-        await self._run(CONFIG, fingerprint(self.pricing), self.lease.ttl_ms)
+        await self.run(CONFIG, fingerprint(self.pricing, self.fairness), self.lease.ttl_ms)
         if not self._fields:
             return
         args: list[str] = []
@@ -367,7 +402,7 @@ class RedisLedger:
                 field,
                 f"{self.lease.id} {handle.reserved_tokens} {handle.output_cap} {admitted}",
             ]
-        await self._run(RESTORE, *args)
+        await self.run(RESTORE, *args)
         logger.warning(
             "shared ledger of %s: Redis had lost its data; %d reservations put back",
             self.name,
@@ -376,7 +411,7 @@ class RedisLedger:
 
     async def snapshot(self) -> Snapshot:
         """The shared state now (and :attr:`seen` from it)."""
-        snap = Snapshot(await self._run(SNAPSHOT))
+        snap = Snapshot(await self.run(SNAPSHOT))
         self.seen = SharedState(snap.reserved, len(snap.holders), sum(snap.waiting))
         return snap
 
@@ -438,9 +473,9 @@ class RedisLedger:
         """Retry the releases and queue exits that failed while Redis was away (at shutdown)."""
         try:
             while self._unreleased:
-                await self._run(RELEASE, self._unreleased.pop())
+                await self.run(RELEASE, self._unreleased.pop())
             while self._unleft:
-                await self._run(LEAVE, self._unleft.pop())
+                await self.run(LEAVE, self._unleft.pop(), 0)
         except LedgerUnavailable:
             logger.warning("shared ledger of %s: unreachable at shutdown", self.name)
 
@@ -455,7 +490,7 @@ class RedisLedger:
         across every gateway: :meth:`~.ledger.KVAdmissionController.occupancy` of the shared
         budget, so an engine's speed is measured against everything that runs on it, not this
         process's share alone."""
-        held, busy, admitted = await self._run(OCCUPANCY)
+        held, busy, admitted = await self.run(OCCUPANCY)
         return int(held) / 1000, int(busy) / 1000, int(admitted)
 
     async def load(self) -> tuple[int, int]:

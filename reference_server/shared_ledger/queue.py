@@ -22,7 +22,7 @@ from ..admission.ledger import Handle, Headroom, KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable, Rejected, wait_limit
 from .ledger import RedisLedger, Wakeups
 
-__all__ = ["FALLBACK_POLL_SECONDS", "POLL_SECONDS", "SharedQueue"]
+__all__ = ["FALLBACK_POLL_SECONDS", "POLL_SECONDS", "SharedQueue", "Wake"]
 
 #: How often a waiter looks again at the shared budget when nothing here was released and no
 #: pub/sub subscription tells it of others' releases.
@@ -32,7 +32,7 @@ POLL_SECONDS = 0.02
 FALLBACK_POLL_SECONDS = 0.5
 
 
-class _Wake:
+class Wake:
     """One waiter's wake-up: a fresh event after each one it used."""
 
     __slots__ = ("event",)
@@ -59,7 +59,7 @@ class SharedQueue(AdmissionQueue):
         self._on_refused = on_refused
         #: mirror handle id -> (mirror handle, shared handle)
         self._links: dict[int, tuple[Handle, Handle]] = {}
-        self._wakes: list[_Wake] = []
+        self._wakes: list[Wake] = []
         shared.on_lapse = self._lapsed
         self._wakeups = wakeups
         if wakeups is not None:
@@ -89,6 +89,10 @@ class SharedQueue(AdmissionQueue):
         gateway's requests in flight, as last heard from Redis."""
         reserved, inflight = self.load()
         return self.ledger.usable_tokens - reserved, inflight
+
+    async def refresh(self) -> None:
+        """Read the shared totals from Redis (for ``/metrics``)."""
+        await self.shared.refresh()
 
     async def occupancy(self) -> tuple[float, float, int]:
         """Every gateway's occupancy (:meth:`RedisLedger.occupancy`); raises
@@ -154,7 +158,7 @@ class SharedQueue(AdmissionQueue):
     ) -> Handle:
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
         ticket = self.shared.ticket(need)
-        wake = _Wake()
+        wake = Wake()
         self._wakes.append(wake)
         limit = wait_limit(self.max_wait, max_wait)
         try:
@@ -173,7 +177,7 @@ class SharedQueue(AdmissionQueue):
         output_cap: int,
         need: int,
         ticket: str,
-        wake: _Wake,
+        wake: Wake,
         limit: float,
     ) -> Handle:
         shared = self.shared
@@ -207,12 +211,20 @@ class SharedQueue(AdmissionQueue):
                     await shared.leave(ticket)
 
     async def _link(self, held: Handle, prompt_tokens: int, output_cap: int, need: int) -> Handle:
+        """This process's mirror of the shared reservation ``held``; cancelled on the way (its
+        client gone), ``held`` is given back rather than left to a lease that lives on."""
+        try:
+            await self.shared.keep_fresh()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.shared.release(held)
+            raise
         mine = self.ledger.try_admit(
             prompt_tokens, output_cap, now=self._clock(), count_rejection=False, need=need
         )
         if mine is None:  # cannot happen while this process's share is within the shared one
-            await self.shared.release(held)
+            with anyio.CancelScope(shield=True):
+                await self.shared.release(held)
             raise Rejected(need=need, retry_after=1.0, queued_ahead=0)
         self._links[mine.id] = (mine, held)
-        await self.shared.keep_fresh()
         return mine

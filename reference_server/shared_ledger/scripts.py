@@ -5,7 +5,8 @@ Keys, per upstream (one hash tag, so they live on one node): ``holders`` (a hash
 waiting tickets in arrival order), ``queued`` (their needs summed), ``seq`` (the arrival counter),
 ``leases`` (a sorted set: lease -> expiry in ms of the Redis clock), ``occupancy`` (a hash: the
 time integrals the speed measurement reads, see ``OCCUPANCY``), ``config`` (the budget's
-fingerprint), ``gone`` (the leases swept for expiring, remembered for an hour); and one pub/sub
+fingerprint), ``gone`` (the leases swept for expiring, remembered for an hour), ``version`` (bumped
+by every change), and for fair shares ``fair`` and ``tickets`` (see below); and one pub/sub
 channel, ``released``, told of every change as ``"wake reserved holders queued"``: the totals after
 it (tokens reserved, reservations, tokens the queue waits for), and ``wake`` 1 when the change may
 let a waiter in (a release, a shrink, a lease swept, a ticket leaving the queue or admitted from
@@ -25,6 +26,8 @@ __all__ = [
     "ADMIT",
     "CONFIG",
     "DEFAULT_LEASE_SECONDS",
+    "FAIR_COMMIT",
+    "FAIR_SNAPSHOT",
     "KEY_NAMES",
     "LEAVE",
     "OCCUPANCY",
@@ -40,7 +43,7 @@ DEFAULT_LEASE_SECONDS = 5.0
 
 KEY_NAMES = (
     "holders", "reserved", "queue", "seq", "leases", "config", "gone", "released", "queued",
-    "occupancy",
+    "occupancy", "version", "fair", "tickets",
 )  # fmt: skip
 
 _PRELUDE = """
@@ -59,12 +62,20 @@ local function dequeue(ticket)
   redis.call('DECRBY', KEYS[9], string.match(ticket, ':(%d+)$'))
   return true
 end
-local function drop_lease(lease)
+local function charge(value, now, keep)
+  local tokens, admitted, tenant = string.match(value, '^%S+ (%d+) %d+ (%d+) (.+)$')
+  if tenant then
+    local spent = (tonumber(tokens) - keep) * math.max(0, now - tonumber(admitted))
+    redis.call('HINCRBY', KEYS[12], 'taken:' .. tenant, string.format('%.0f', spent))
+  end
+end
+local function drop_lease(lease, now)
   local prefix = lease .. ':'
   local all = redis.call('HGETALL', KEYS[1])
   for i = 1, #all, 2 do
     if string.sub(all[i], 1, #prefix) == prefix then
       local tokens = string.match(all[i + 1], '^%S+ (%d+)')
+      charge(all[i + 1], now, 0)
       redis.call('HDEL', KEYS[1], all[i])
       redis.call('DECRBY', KEYS[2], tokens)
     end
@@ -75,12 +86,19 @@ local function drop_lease(lease)
       dequeue(ticket)
     end
   end
+  local metas = redis.call('HKEYS', KEYS[13])
+  for _, ticket in ipairs(metas) do
+    if string.sub(ticket, 1, #prefix) == prefix then
+      redis.call('HDEL', KEYS[13], ticket)
+    end
+  end
 end
 local function state()
   return (redis.call('GET', KEYS[2]) or '0') .. ' ' .. redis.call('HLEN', KEYS[1]) .. ' '
     .. (redis.call('GET', KEYS[9]) or '0')
 end
 local function tell(wake)
+  redis.call('INCR', KEYS[11])
   redis.call('PUBLISH', KEYS[8], wake .. ' ' .. state())
 end
 local function tick(now)
@@ -98,7 +116,7 @@ local function sweep(now)
   tick(now)
   local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now)
   for _, lease in ipairs(dead) do
-    drop_lease(lease)
+    drop_lease(lease, now)
     redis.call('ZREM', KEYS[5], lease)
     redis.call('SADD', KEYS[7], lease)
     redis.call('PEXPIRE', KEYS[7], 3600000)
@@ -164,6 +182,7 @@ local _, tokens = holder(ARGV[1])
 if not tokens then
   return 0
 end
+charge(redis.call('HGET', KEYS[1], ARGV[1]), now_ms(), 0)
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('DECRBY', KEYS[2], tokens)
 tell(1)
@@ -183,6 +202,7 @@ local freed = tokens - tonumber(ARGV[2])
 if freed <= 0 then
   return 0
 end
+charge(redis.call('HGET', KEYS[1], ARGV[1]), now_ms(), tonumber(ARGV[2]))
 redis.call('HSET', KEYS[1], ARGV[1], lease .. ' ' .. ARGV[2] .. ' ' .. rest)
 redis.call('DECRBY', KEYS[2], freed)
 tell(1)
@@ -190,14 +210,36 @@ return freed
 """
 )
 
-#: ARGV: ticket. A waiter that gives up leaves the queue.
+#: ARGV: ticket, refused (1/0: count a 429 for a fair waiter's tenant). A waiter that goes away:
+#: out of the queue; its refusal read (fair shares); or, admitted meanwhile (by another gateway,
+#: or by a first try whose answer was lost), released. Returns 1 left the queue, 2 it had been
+#: refused, 3 released, 0 none of these.
 LEAVE = (
     _PRELUDE
     + """
-sweep(now_ms())
-if dequeue(ARGV[1]) then
+local now = now_ms()
+sweep(now)
+local ticket = ARGV[1]
+local meta = redis.call('HGET', KEYS[13], ticket)
+local tenant = meta and string.match(meta, '^%S+ %S+ %S+ %S+ %S+ (.+)$')
+if tenant and ARGV[2] == '1' then
+  redis.call('HINCRBY', KEYS[12], 'refused:' .. tenant, 1)
+end
+redis.call('HDEL', KEYS[13], ticket)
+if dequeue(ticket) then
   tell(1)
   return 1
+end
+if meta then
+  return 2
+end
+local held = redis.call('HGET', KEYS[1], ticket)
+if held then
+  charge(held, now, 0)
+  redis.call('HDEL', KEYS[1], ticket)
+  redis.call('DECRBY', KEYS[2], string.match(held, '^%S+ (%d+)'))
+  tell(1)
+  return 3
 end
 return 0
 """
@@ -272,5 +314,100 @@ OCCUPANCY = (
 sweep(now_ms())
 local held, busy, admitted = unpack(redis.call('HMGET', KEYS[10], 'held', 'busy', 'admitted'))
 return {tonumber(held or '0'), tonumber(busy or '0'), tonumber(admitted or '0')}
+"""
+)
+
+# --- fair shares (``--tenants``): the order is the fair scheduler's, decided in a gateway -------
+#
+# ``tickets`` (a hash: waiting ticket -> ``"W priority bypassed lower_passes cap tenant"``, or
+# ``"R 0 0 0 0 tenant"`` once refused to keep the queue within its bound, until its owner reads it),
+# ``fair`` (a hash: ``taken:<tenant>`` token-milliseconds its ended holdings took, ``offset:``
+# what lifts added to its counter, ``admitted:`` and ``refused:`` its counts) and ``version``
+# (bumped by every change, in ``tell``). A fair holder's value ends with its tenant; releasing,
+# shrinking or sweeping it charges the tenant what it held (``charge``). A gateway reads the
+# state (FAIR_SNAPSHOT), runs the fair scheduler on it, and writes what it decided (FAIR_COMMIT)
+# only if nothing changed meanwhile (the version): optimistic, as Redis's WATCH, in one script.
+
+#: Returns {now, version, reserved, holders (flat), tickets with their sequence numbers (flat),
+#: their metas (flat), the fair hash (flat)}.
+FAIR_SNAPSHOT = (
+    _PRELUDE
+    + """
+local now = now_ms()
+sweep(now)
+return {now, tonumber(redis.call('GET', KEYS[11]) or '0'),
+        tonumber(redis.call('GET', KEYS[2]) or '0'), redis.call('HGETALL', KEYS[1]),
+        redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES'), redis.call('HGETALL', KEYS[13]),
+        redis.call('HGETALL', KEYS[12])}
+"""
+)
+
+#: ARGV: version read, lease, usable, max_concurrency (0: none), then four counted lists:
+#: tickets joining the queue (ticket, meta), admitted (ticket, cap, tenant), refused (ticket,
+#: tenant), waiters passed (ticket, meta) and the counter offsets (tenant, offset).
+#: Returns {1, now, state} written, {0, now, state} the state changed since it was read (read
+#: it again), {-1, now, state} the lease is gone.
+FAIR_COMMIT = (
+    _PRELUDE
+    + """
+local now = now_ms()
+sweep(now)
+if (redis.call('GET', KEYS[11]) or '0') ~= ARGV[1] then
+  return {0, now, state()}
+end
+local lease = ARGV[2]
+if not redis.call('ZSCORE', KEYS[5], lease) then
+  return {-1, now, state()}
+end
+local i = 5
+local function list(width)
+  local n = tonumber(ARGV[i])
+  local first = i + 1
+  i = first + n * width
+  return first, first + n * width - 1
+end
+local join_a, join_b = list(2)
+local admit_a, admit_b = list(3)
+local refuse_a, refuse_b = list(2)
+local pass_a, pass_b = list(2)
+local offset_a, offset_b = list(2)
+-- the budget once more (the version says nothing changed; a wrong decision must not land)
+local reserved = tonumber(redis.call('GET', KEYS[2]) or '0')
+local holders = redis.call('HLEN', KEYS[1])
+for j = admit_a, admit_b, 3 do
+  reserved = reserved + tonumber(string.match(ARGV[j], ':(%d+)$'))
+  holders = holders + 1
+end
+local most = tonumber(ARGV[4])
+if reserved > tonumber(ARGV[3]) or (most > 0 and holders > most) then
+  return redis.error_reply('fair commit past the budget')
+end
+for j = join_a, join_b, 2 do
+  enqueue(ARGV[j])
+  redis.call('HSET', KEYS[13], ARGV[j], ARGV[j + 1])
+end
+for j = admit_a, admit_b, 3 do
+  local ticket, need = ARGV[j], string.match(ARGV[j], ':(%d+)$')
+  local owner = string.match(ticket, '^(.*):%d+:%d+$')
+  dequeue(ticket)
+  redis.call('HDEL', KEYS[13], ticket)
+  redis.call('HSET', KEYS[1], ticket,
+             owner .. ' ' .. need .. ' ' .. ARGV[j + 1] .. ' ' .. now .. ' ' .. ARGV[j + 2])
+  redis.call('INCRBY', KEYS[2], need)
+  redis.call('HINCRBY', KEYS[10], 'admitted', 1)
+  redis.call('HINCRBY', KEYS[12], 'admitted:' .. ARGV[j + 2], 1)
+end
+for j = refuse_a, refuse_b, 2 do
+  dequeue(ARGV[j])
+  redis.call('HSET', KEYS[13], ARGV[j], 'R 0 0 0 0 ' .. ARGV[j + 1])
+end
+for j = pass_a, pass_b, 2 do
+  redis.call('HSET', KEYS[13], ARGV[j], ARGV[j + 1])
+end
+for j = offset_a, offset_b, 2 do
+  redis.call('HSET', KEYS[12], 'offset:' .. ARGV[j], ARGV[j + 1])
+end
+tell((admit_b >= admit_a or refuse_b >= refuse_a) and 1 or 0)
+return {1, now, state()}
 """
 )
