@@ -218,11 +218,14 @@ def test_weights_3_to_1_share_token_seconds_3_to_1() -> None:
 FLOOD_BUDGET = 9 * 416
 
 
-def _light_latencies(base: str, *, flood: int, light: int) -> tuple[list[float], list[float]]:
+def light_latencies(
+    base: str, *, flood: int, light: int, flood_base: str | None = None
+) -> tuple[list[float], list[float]]:
     """B's latencies alone (``light`` short requests one after the other), then beside tenant
     A keeping ``flood`` requests of 400-token caps in flight (each holds about a second; nine
     of them fill the budget, leaving no room): once A is backlogged, B sends ``light`` short
-    requests a second apart, whether the one before has been answered or not."""
+    requests a second apart, whether the one before has been answered or not. A sends through
+    ``flood_base`` when given (another gateway sharing the budget), else through ``base``."""
 
     def light_one(into: list[float]) -> None:
         began = time.monotonic()
@@ -237,7 +240,7 @@ def _light_latencies(base: str, *, flood: int, light: int) -> tuple[list[float],
 
     def flooder(i: int) -> None:
         time.sleep(i / flood)  # started over one holding: A's holdings end one by one
-        with httpx.Client(base_url=base, timeout=60) as http:
+        with httpx.Client(base_url=flood_base or base, timeout=60) as http:
             for _ in range(20):  # bounded: 20 requests per flooding client at most
                 if stop.is_set():
                     return
@@ -273,10 +276,10 @@ def test_a_light_tenant_beside_a_flooding_one_waits_far_less_than_in_fifo() -> N
     latency alone plus one of A's holdings (400 tokens at 400 tokens/s). Both measured in this
     run, compared as ratios."""
     with _stack(None, kv_tokens=FLOOD_BUDGET) as gateway:
-        _, fifo = _light_latencies(gateway.base_url, flood=40, light=4)
+        _, fifo = light_latencies(gateway.base_url, flood=40, light=4)
     policy = FairPolicy(tenants={"a": Tenant(), "b": Tenant()})
     with _stack(policy, kv_tokens=FLOOD_BUDGET) as gateway:
-        alone, fair = _light_latencies(gateway.base_url, flood=40, light=4)
+        alone, fair = light_latencies(gateway.base_url, flood=40, light=4)
     holding = 400 / 400.0
     assert max(fair) <= 2 * max(alone) + holding, (alone, fair)
     assert statistics.median(fair) < statistics.median(fifo) / 3, (fair, fifo)
