@@ -50,6 +50,13 @@ def test_a_tenants_file_gives_weights_limits_and_waits(tmp_path: Path) -> None:
     assert policy.resolve("someone else") == "default"
 
 
+def test_an_empty_tenants_file_gives_classes_alone(tmp_path: Path) -> None:
+    """The way to priority classes without tenants (the guide says so): one default tenant."""
+    policy = load_policy(_file(tmp_path, ""))
+    assert policy == FairPolicy()
+    assert policy.resolve("anyone") == policy.resolve(None) == "default"
+
+
 @pytest.mark.parametrize(
     ("text", "says"),
     [
