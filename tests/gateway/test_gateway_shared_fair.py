@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from kvclient._prometheus import parse_samples
+from kvclient.contract import CheckStatus, run_contract
 from reference_server import RunningServer, running_server
 from reference_server.admission.fairness import FairPolicy, Tenant
 from reference_server.gateway import GatewayConfig
@@ -77,3 +78,34 @@ def test_a_light_tenant_on_one_gateway_is_not_held_back_by_a_flood_on_another(
     }
     assert admitted["a"] > 9  # A's requests, all through the other gateway
     assert admitted["b"] >= 8  # B's alone and beside the flood
+
+
+def test_contract_passes_through_a_gateway_with_fair_shares_on_the_shared_ledger(
+    redis_server: RedisServer,
+) -> None:
+    with (
+        # Answers run to their caps (as the contract suite's own e2e tests set it up).
+        running_server(
+            decode_rate=2000.0,
+            kv_tokens=4096,
+            context_window=1024,
+            mean_output_tokens=1e6,
+            admission="prompt",
+        ) as up,
+        running_gateway(
+            GatewayConfig(
+                upstreams=(up.base_url,),
+                decode_rate=2000.0,
+                fairness=FairPolicy(
+                    tenants={"a": Tenant(weight=2.0)}, default=Tenant(max_share=0.9)
+                ),
+                ledger=redis_server.url,
+            )
+        ) as gateway,
+    ):
+        report = run_contract(gateway.base_url, burst=24, timeout=60)
+        wait_for(lambda: _held(gateway) == 0)
+    failed = [
+        (r.name, r.status, r.evidence) for r in report.results if r.status != CheckStatus.PASS
+    ]
+    assert not failed
