@@ -19,6 +19,7 @@ read and a write per decision, against requests that last seconds.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -196,9 +197,9 @@ class _Decision:
 
     def decide(
         self, joining: list[_Seat], shared: RedisLedger
-    ) -> tuple[list[Any], list[tuple[Waiter, _Slot]], list[Waiter]]:
-        """Queue ``joining``, dispatch; returns the commit's arguments, who was admitted and who
-        refused."""
+    ) -> tuple[list[Any] | None, list[tuple[Waiter, _Slot]], list[Waiter]]:
+        """Queue ``joining``, dispatch; returns the commit's arguments (None: nothing to write),
+        who was admitted and who refused."""
         state, fair, now = self.state, self.fair, self.state.now
         refused: list[Waiter] = []
         for seat in joining:
@@ -229,7 +230,11 @@ class _Decision:
             if id(w) not in gone
             and (w.bypassed, w.lower_passes) != (state.metas[t].bypassed, state.metas[t].lower)
         ]
-        offsets = [(t, repr(v)) for t, v in fair.offsets().items() if self._offsets.get(t) != v]
+        offsets = [
+            (t, repr(v))
+            for t, v in fair.offsets().items()
+            if not math.isclose(v, self._offsets.get(t, 0.0), rel_tol=1e-9, abs_tol=1e-9)
+        ]
         args: list[Any] = [
             state.version,
             shared.lease.id,
@@ -245,7 +250,8 @@ class _Decision:
         ):
             args.append(len(rows))
             args += [x for row in rows for x in row]
-        return args, admitted, refused
+        changed = any(rows for rows in (joins, admitted, refused, passes, offsets))
+        return (args if changed else None), admitted, refused
 
     @staticmethod
     def _meta(waiter: Waiter, cap: int) -> _Meta:
@@ -331,6 +337,8 @@ class SharedFairQueue(SharedQueue):
                 if s.handle is None and not s.refused and not state.known(s.ticket)
             ]
             args, admitted, refused = decision.decide(joining, self.shared)
+            if args is None:
+                return  # nobody joins, nobody fits: a write would only bump the version
             status, now_ms, seen = await self.shared.run(FAIR_COMMIT, *args)
             if int(status) == -1:  # our lease lapsed: renew, then read again
                 await self.shared.renew()

@@ -304,3 +304,21 @@ async def test_three_gateways_admit_release_and_leave_back_to_zero_within_every_
     await at_zero(queues[0])
     for queue in queues:
         assert queue.ledger.stats().reserved_tokens == 0
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_waiter_that_looks_again_and_still_does_not_fit_writes_nothing(
+    redis_server: RedisServer, closing: None
+) -> None:
+    one = await gateway(redis_server)
+    held = await one.acquire(0, 8500, tenant="a")
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: one.acquire(0, 2000, tenant="b", max_wait=1.0))
+        await until(lambda: _waiting(one, 1))
+        before = (await state(one)).version
+        await anyio.sleep(0.3)  # it polls every 20 ms (no pub/sub here): about 15 looks
+        assert (await state(one)).version == before  # others' decisions are never made stale
+        group.cancel_scope.cancel()
+    await one.release(held)
+    await at_zero(one)
