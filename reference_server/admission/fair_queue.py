@@ -19,7 +19,22 @@ from .fairness import FairPolicy, FairScheduler, TenantStats, Waiter
 from .ledger import Handle, Headroom, KVAdmissionController
 from .queue import AdmissionQueue, Rejected, wait_limit
 
-__all__ = ["FairQueue"]
+__all__ = ["FairQueue", "tenant_room"]
+
+
+def tenant_room(
+    fair: FairScheduler, tenant: str, budget: Headroom, *, released: int = 0
+) -> Headroom:
+    """The room ``budget`` leaves ``tenant`` within its own limit (its RateLimit fields): what
+    it holds counted, less ``released`` tokens of its own being given back."""
+    limit = fair.limit(tenant)
+    held = fair.held(tenant) - released
+    return Headroom(
+        usable=limit,
+        free=max(0, min(budget.free, limit - held)),
+        next_release_in=budget.next_release_in,
+        advertised=budget.advertised,
+    )
 
 
 class _Seat(Waiter):
@@ -90,16 +105,9 @@ class FairQueue(AdmissionQueue):
         self, tenant: str, now: float, *, releasing: Handle | None = None, queued: int = 0
     ) -> Headroom:
         budget = self.ledger.headroom(now, releasing=releasing, queued=queued)
-        held = self.fair.held(tenant)
-        if releasing is not None and self.fair.tenant_of(releasing.id) == tenant:
-            held -= releasing.reserved_tokens
-        limit = self.fair.limit(tenant)
-        return Headroom(
-            usable=limit,
-            free=max(0, min(budget.free, limit - held)),
-            next_release_in=budget.next_release_in,
-            advertised=budget.advertised,
-        )
+        own = releasing is not None and self.fair.tenant_of(releasing.id) == tenant
+        released = releasing.reserved_tokens if own and releasing is not None else 0
+        return tenant_room(self.fair, tenant, budget, released=released)
 
     def notify(self) -> None:
         """Room may have appeared (a release, a holder's first token): admit who may go."""

@@ -27,6 +27,7 @@ from typing import Any
 
 import anyio
 
+from ..admission.fair_queue import tenant_room
 from ..admission.fairness import (
     DEFAULT_TENANT,
     FairPolicy,
@@ -364,16 +365,9 @@ class SharedFairQueue(SharedQueue):
         tenant = self._tenant_of.get(who.id) if who is not None else None
         if tenant is None:
             return budget
-        held = self.fair.held(tenant)
-        if releasing is not None and self._tenant_of.get(releasing.id) == tenant:
-            held -= releasing.reserved_tokens
-        limit = self.fair.limit(tenant)
-        return Headroom(
-            usable=limit,
-            free=max(0, min(budget.free, limit - held)),
-            next_release_in=budget.next_release_in,
-            advertised=budget.advertised,
-        )
+        own = releasing is not None and self._tenant_of.get(releasing.id) == tenant
+        released = releasing.reserved_tokens if own and releasing is not None else 0
+        return tenant_room(self.fair, tenant, budget, released=released)
 
     async def release(self, handle: Handle) -> None:
         self._tenant_of.pop(handle.id, None)
@@ -399,14 +393,13 @@ class SharedFairQueue(SharedQueue):
         if own != float("inf"):
             wait = max(wait, own)
         self.ledger.record_rejection(seat.need, wait)
-        limit = decision.fair.limit(seat.tenant)
-        room = Headroom(
-            usable=limit,
-            free=max(0, min(self.ledger.usable_tokens - state.reserved - tokens,
-                            limit - decision.fair.held(seat.tenant))),
+        budget = Headroom(
+            usable=self.ledger.usable_tokens,
+            free=max(0, self.ledger.usable_tokens - state.reserved - tokens),
             next_release_in=model.headroom(now).next_release_in,
             advertised=self.ledger.strategy == "reserve",
-        )  # fmt: skip
+        )
+        room = tenant_room(decision.fair, seat.tenant, budget)
         return Rejected(need=seat.need, retry_after=wait, queued_ahead=ahead, room=room)
 
     async def acquire(
