@@ -11,9 +11,13 @@ room left; the rest wait in the gateway's queue), the first 16 of its clients st
 holding so that its holdings end one after another (``--burst``: all at once, so they end in
 waves a holding apart); tenant B sends one short request (``max_tokens`` 10) a second for
 ``--seconds`` seconds, without waiting for the one before. B's latencies alone (before the
-flood), beside the flood through the FIFO gateway and through the fair one: p50, p99. Goal:
-fair p99 <= 2 x B's p99 alone + one of A's holdings (1,000 tokens at the decode rate: the
-longest B can wait for a release); under FIFO it waits behind A's whole queue.
+flood), beside the flood through the FIFO gateway and through the fair one: p50, p99. While A
+fills the budget, B's request cannot start before one of A's holdings is released: its wait for
+that release is measured in the run, request by request (from its send to the first of A's
+answers received more than a round trip later), about a holding / 16 with A's holdings spread
+(0.2 s at 300 tokens/s), up to a whole holding (3.3 s) in --burst's waves. Goal: fair p99 <=
+2 x B's p99 alone + the p99 of that wait, and B's latency beyond that wait, p99 <= 2 x its p99
+alone (B goes at the first release); under FIFO it waits behind A's whole queue.
 
 Shares: tenants A (weight 3) and B (weight 1) each keep 48 requests with 500-token caps in
 flight; once both are backlogged, the reserved KV token-seconds each takes over ``--seconds``
@@ -26,6 +30,8 @@ seconds (the gateway's ``kv_tenant_token_seconds_total``). Goal: A/B within 10 %
 from __future__ import annotations
 
 import argparse
+import bisect
+import math
 import statistics
 import tempfile
 import time
@@ -68,11 +74,17 @@ async def _post(http: httpx.AsyncClient, tenant: str, cap: int) -> float:
 
 
 async def _keep(
-    base: str, tenant: str, cap: int, clients: int, until: float, spread: float = 0.0
+    base: str,
+    tenant: str,
+    cap: int,
+    clients: int,
+    until: float,
+    spread: float = 0.0,
+    ends: list[float] | None = None,
 ) -> int:
     """``clients`` requests of ``tenant`` in flight until ``until`` (each client sends its next
     when its last is answered; client i starts ``i / clients`` of ``spread`` seconds late); the
-    answers counted."""
+    answers counted, and the time each was received added to ``ends``."""
     answered = 0
     async with httpx.AsyncClient(base_url=base, timeout=600) as http:
 
@@ -82,6 +94,8 @@ async def _keep(
             while time.monotonic() < until:
                 await _post(http, tenant, cap)
                 answered += 1
+                if ends is not None:
+                    ends.append(time.monotonic())
 
         async with anyio.create_task_group() as group:
             for i in range(clients):
@@ -89,13 +103,15 @@ async def _keep(
     return answered
 
 
-async def _light(base: str, seconds: float) -> list[float]:
-    """One short request of B a second for ``seconds``, each sent on time; their latencies."""
-    latencies: list[float] = []
+async def _light(base: str, seconds: float) -> list[tuple[float, float]]:
+    """One short request of B a second for ``seconds``, each sent on time; when each was sent
+    and its latency."""
+    latencies: list[tuple[float, float]] = []
     async with httpx.AsyncClient(base_url=base, timeout=600) as http:
 
         async def one() -> None:
-            latencies.append(await _post(http, "b", LIGHT_CAP))
+            sent = time.monotonic()
+            latencies.append((sent, await _post(http, "b", LIGHT_CAP)))
 
         async with anyio.create_task_group() as group:
             start = time.monotonic()
@@ -105,26 +121,43 @@ async def _light(base: str, seconds: float) -> list[float]:
     return latencies
 
 
+def _next_after(times: list[float], t: float) -> float:
+    """The first of the sorted ``times`` after ``t`` (infinity when none is)."""
+    i = bisect.bisect_right(times, t)
+    return times[i] if i < len(times) else math.inf
+
+
 def _p(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 async def _flood(
-    base: str, flood: int, seconds: float, warmup: float, spread: float
+    base: str, flood: int, seconds: float, warmup: float, spread: float, rate: float
 ) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=base, timeout=60) as http:
         alone = [await _post(http, "b", LIGHT_CAP) for _ in range(10)]
-    beside: list[float] = []
+    sends: list[tuple[float, float]] = []
+    ends: list[float] = []
     until = time.monotonic() + warmup + seconds
 
     async def light() -> None:
         await anyio.sleep(warmup)  # A holds the budget and its queue is deep
-        beside.extend(await _light(base, seconds))
+        sends.extend(await _light(base, seconds))
 
     async with anyio.create_task_group() as group:
-        group.start_soon(_keep, base, "a", FLOOD_CAP, flood, until, spread)
+        group.start_soon(_keep, base, "a", FLOOD_CAP, flood, until, spread, ends)
         group.start_soon(light)
+    beside = [latency for _, latency in sends]
+    # Each of B's requests waits for a release of one of A's holdings (A fills the budget): the
+    # first of A's answers received more than a round trip after B's request was sent (B's
+    # latency alone less its decoding; an answer received sooner was released before B's
+    # request reached the gateway, and its room went, rightly, to A's next waiter). B's wait
+    # from its send to that answer, and its latency beyond it.
+    lag = max(0.0, statistics.median(alone) - LIGHT_CAP / rate)
+    ends.sort()
+    waits = [_next_after(ends, sent + lag) - sent for sent, _ in sends]
+    beyond = [latency - wait for (_, latency), wait in zip(sends, waits, strict=True)]
     return {
         "alone_p50": statistics.median(alone),
         "alone_p99": _p(alone, 0.99),
@@ -132,6 +165,15 @@ async def _flood(
         "p99": _p(beside, 0.99),
         "requests": len(beside),
         "latencies": beside,
+        "round_trip": lag,
+        "release_wait_p50": statistics.median(waits),
+        "release_wait_p99": _p(waits, 0.99),
+        "release_wait_max": max(waits),
+        "beyond_p50": statistics.median(beyond),
+        "beyond_p99": _p(beyond, 0.99),
+        "beyond_max": max(beyond),
+        "release_waits": waits,
+        "a_answers": len(ends),
     }
 
 
@@ -197,9 +239,9 @@ def main() -> None:
         weighted = _policy(Path(tmp) / "weighted.toml", {"a": 3.0, "b": 1.0})
         fair_args = ("--tenant-header", TENANT)
         with gateway_process(up, *gateway, cpu=0) as url:
-            results["fifo"] = anyio.run(_flood, url, flood, seconds, warmup, spread)
+            results["fifo"] = anyio.run(_flood, url, flood, seconds, warmup, spread, rate)
         with gateway_process(up, *gateway, "--tenants", even, *fair_args, cpu=0) as url:
-            results["fair"] = anyio.run(_flood, url, flood, seconds, warmup, spread)
+            results["fair"] = anyio.run(_flood, url, flood, seconds, warmup, spread, rate)
         with gateway_process(up, *gateway, "--tenants", weighted, *fair_args, cpu=0) as url:
             results["shares"] = anyio.run(_shares, url, seconds, warmup)
     fifo, fair, shares = results["fifo"], results["fair"], results["shares"]
@@ -210,24 +252,43 @@ def main() -> None:
         ["gateway", "alone p50", "alone p99", "beside p50", "beside p99"],
         rows,
     )
+    waits: tuple[str, ...] = ("release_wait_p50", "release_wait_p99", "release_wait_max")
+    waits += ("beyond_p50", "beyond_p99", "beyond_max")
+    rows = [[name, *(f"{r[k]:.3f}" for k in waits)] for name, r in (("FIFO", fifo), ("fair", fair))]
+    print_table(
+        "B's wait (s) from its send to A's next answer (a release), and its latency beyond it",
+        ["gateway", "wait p50", "wait p99", "wait max", "beyond p50", "beyond p99", "beyond max"],
+        rows,
+    )
     print_table(
         f"reserved KV token-seconds over {seconds:g} s, weights 3:1",
         ["tenant A", "tenant B", "A/B"],
         [[f"{shares['a_token_seconds']:.0f}", f"{shares['b_token_seconds']:.0f}",
           f"{shares['ratio']:.3f}"]],
     )  # fmt: skip
-    bound = 2 * fair["alone_p99"] + holding
+    # The goal, as measured in this run: B's p99 within 2x its p99 alone plus the p99 of its
+    # wait for the next release of one of A's holdings (about a holding / 16 with A's holdings
+    # spread, up to a whole holding in --burst's waves); and, request by request, B's latency
+    # beyond that wait within 2x its p99 alone (B is admitted at the first release).
+    twice_alone = 2 * fair["alone_p99"]
+    bound = twice_alone + fair["release_wait_p99"]
     results["goals"] = {
         "fair_p99_within_bound": fair["p99"] <= bound,
         "fair_p99_bound": bound,
+        "fair_beyond_p99_within_2x_alone": fair["beyond_p99"] <= twice_alone,
+        "one_holding": holding,
         "fifo_over_fair_p99": fifo["p99"] / fair["p99"],
         "shares_within_10_percent": abs(shares["ratio"] / 3 - 1) <= 0.10,
     }
     goals = results["goals"]
     print(
-        f"\ngoals: fair p99 {fair['p99']:.3f} s <= 2 x alone p99 + one holding "
-        f"({bound:.3f} s): {goals['fair_p99_within_bound']}; FIFO p99 / fair p99 = "
-        f"{goals['fifo_over_fair_p99']:.1f}; A/B within 10 % of 3: "
+        f"\ngoals: fair p99 {fair['p99']:.3f} s <= 2 x alone p99 ({twice_alone:.3f} s) + p99 "
+        f"of B's wait for A's next release, measured ({fair['release_wait_p99']:.3f} s; one "
+        f"holding {holding:.3f} s) = {bound:.3f} s: {goals['fair_p99_within_bound']}; "
+        f"fair p99 beyond that wait {fair['beyond_p99']:.3f} s <= 2 x alone p99: "
+        f"{goals['fair_beyond_p99_within_2x_alone']}; FIFO p99 / fair p99 = "
+        f"{goals['fifo_over_fair_p99']:.1f} (FIFO p99 beyond the wait "
+        f"{fifo['beyond_p99']:.3f} s: behind A's queue); A/B within 10 % of 3: "
         f"{goals['shares_within_10_percent']}"
     )
     write_json("tenant_fairness", results)

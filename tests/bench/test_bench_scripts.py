@@ -185,5 +185,11 @@ def test_tenant_fairness(tmp_path: Path) -> None:
     for mode in ("fifo", "fair"):
         assert data[mode]["requests"] == 2
         assert data[mode]["p99"] > 0
+        assert len(data[mode]["release_waits"]) == 2
+        assert 0 < data[mode]["release_wait_p99"] < float("inf")
+    goals = data["goals"]
+    assert goals["fair_p99_bound"] == pytest.approx(
+        2 * data["fair"]["alone_p99"] + data["fair"]["release_wait_p99"]
+    )
     assert data["shares"]["a_token_seconds"] > 0
     assert data["shares"]["b_token_seconds"] > 0
