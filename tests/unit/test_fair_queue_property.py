@@ -243,7 +243,7 @@ async def _drive(
         event("admitted as it went away, and given back")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)  # the give-back race: a few % of examples only
 @given(policy=_policies(), requests=_REQUESTS, steps=_STEPS)
 def test_every_task_ends_and_the_ledger_returns_to_zero(
     policy: FairPolicy, requests: list[_Request], steps: list[tuple[float, float, bool]]
