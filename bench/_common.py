@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
+import shutil
 import socket
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
@@ -206,3 +209,24 @@ class MetricsSampler:
 
 def mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """A local ``redis-server`` on a free loopback port, nothing saved; yields its URL."""
+    path = shutil.which("redis-server")
+    if path is None:
+        raise SystemExit("redis-server is missing: run scripts/test_setup.py")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as directory:
+        proc = subprocess.Popen(
+            [path, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly",
+             "no", "--dir", directory],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            time.sleep(0.3)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            proc.wait(10)

@@ -21,17 +21,20 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import free_port, instant_server_process, print_table, write_json
+from _common import (
+    free_port,
+    instant_server_process,
+    print_table,
+    redis_server,
+    write_json,
+)
 
 from reference_server import KVAdmissionController
 from reference_server.shared_ledger.connection import connect
@@ -39,26 +42,6 @@ from reference_server.shared_ledger.ledger import Lease, RedisLedger
 
 STREAMS = 32
 EVENTS_PER_STREAM = 64
-
-
-@contextlib.contextmanager
-def redis_server() -> Iterator[str]:
-    path = shutil.which("redis-server")
-    if path is None:
-        raise SystemExit("redis-server is missing: run scripts/test_setup.py")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as directory:
-        proc = subprocess.Popen(
-            [path, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly",
-             "no", "--dir", directory],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            time.sleep(0.3)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            proc.wait(10)
 
 
 def pricing() -> KVAdmissionController:
