@@ -108,9 +108,11 @@ class UpstreamHTTP:
             self._headers["Authorization"] = f"Bearer {config.upstream_api_key}"
         self._config = config
         self._session: aiohttp.ClientSession | None = None
+        #: For a request sent again: a new connection each time, never one from the pool.
+        self._fresh: aiohttp.ClientSession | None = None
         self._proxy = _proxy_for(self._origin)
 
-    def _open_session(self) -> aiohttp.ClientSession:
+    def _open_session(self, *, pooled: bool = True) -> aiohttp.ClientSession:
         config = self._config
         tls: ssl.SSLContext | bool = True
         if config.upstream_ca_bundle or config.upstream_client_cert:
@@ -123,7 +125,10 @@ class UpstreamHTTP:
             # Idle connections are closed before the engine's server would (uvicorn: 5 s), so
             # that the pool seldom hands out one the engine is closing.
             connector=aiohttp.TCPConnector(
-                limit=config.max_connections, ssl=tls, keepalive_timeout=_KEEPALIVE_SECONDS
+                limit=config.max_connections,
+                ssl=tls,
+                keepalive_timeout=_KEEPALIVE_SECONDS if pooled else None,
+                force_close=not pooled,
             ),
             timeout=aiohttp.ClientTimeout(
                 total=None, sock_connect=config.connect_timeout, sock_read=config.read_timeout
@@ -148,13 +153,18 @@ class UpstreamHTTP:
         Sent again, once, when the connection broke before any answer and it was not a new
         connection failing to open: a kept-alive connection that the engine's server closed as
         it went idle (uvicorn's keep-alive is 5 s) while the pool handed it out. The engine had
-        not read the request; a new connection carries it.
+        not read the request; a new connection carries it, opened for it alone (the pool may
+        hold other connections the engine closed at the same moment, after a burst).
         """
         if self._session is None:
             self._session = self._open_session()
         for attempt in (1, 2):
+            if attempt == 2 and self._fresh is None:
+                self._fresh = self._open_session(pooled=False)
+            session = self._session if attempt == 1 else self._fresh
+            assert session is not None
             try:
-                return await self._session.request(
+                return await session.request(
                     method,
                     self._origin + path,
                     data=content,
@@ -170,9 +180,10 @@ class UpstreamHTTP:
         raise AssertionError("unreachable")
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh = None
 
 
 def release(response: aiohttp.ClientResponse) -> None:

@@ -66,3 +66,64 @@ def test_a_kept_alive_connection_closed_under_a_request_is_replaced() -> None:
     finally:
         listener.close()
     assert answered == [1, 2]  # the second answer came on a new connection
+
+
+def _serve_each(listener: socket.socket, stale: int, answered: list[int]) -> None:
+    """A threaded HTTP/1.1 server: each of the first ``stale`` connections answers its first
+    request and is closed when a second arrives on it (as uvicorn closes every connection that
+    went idle together after a burst); later connections answer everything."""
+    count = 0
+
+    def handle(conn: socket.socket, number: int) -> None:
+        with conn:
+            served = 0
+            while conn.recv(65536):
+                if number <= stale and served == 1:
+                    return
+                body = b'{"ok": true}'
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                served += 1
+                answered.append(number)
+
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        count += 1
+        threading.Thread(target=handle, args=(conn, count), daemon=True).start()
+
+
+def test_a_request_sent_again_never_takes_another_stale_connection_from_the_pool() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    answered: list[int] = []
+    threading.Thread(target=_serve_each, args=(listener, 4, answered), daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    http = UpstreamHTTP(url, GatewayConfig(upstreams=(url,)))
+
+    async def burst_then_one() -> int:
+        async def one() -> None:
+            response = await http.request("POST", "/v1/completions", content=b"{}")
+            await response.read()
+            response.release()
+
+        async with anyio.create_task_group() as group:
+            for _ in range(4):  # four connections in the pool, all closed by the server next
+                group.start_soon(one)
+        response = await http.request("POST", "/v1/completions", content=b"{}")
+        await response.read()
+        response.release()
+        await http.aclose()
+        return response.status
+
+    try:
+        assert anyio.run(burst_then_one) == 200
+    finally:
+        listener.close()
+    assert sorted(answered[:4]) == [1, 2, 3, 4]
+    assert answered[4] == 5  # a new connection, not another of the four

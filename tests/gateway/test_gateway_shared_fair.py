@@ -12,12 +12,12 @@ import httpx
 import pytest
 
 from kvclient._prometheus import parse_samples
-from kvclient.contract import CheckStatus, run_contract
 from reference_server import RunningServer, running_server
 from reference_server.admission.fairness import FairPolicy, Tenant
 from reference_server.gateway import GatewayConfig
 from reference_server.shared_ledger.fair import SharedFairQueue
 from reference_server.testing import running_gateway
+from tests.gateway.test_gateway import contract_passes_through_a_gateway
 from tests.gateway.test_gateway_fairness import ENGINE, FLOOD_BUDGET, TENANT, light_latencies
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.servers import wait_for
@@ -83,29 +83,5 @@ def test_a_light_tenant_on_one_gateway_is_not_held_back_by_a_flood_on_another(
 def test_contract_passes_through_a_gateway_with_fair_shares_on_the_shared_ledger(
     redis_server: RedisServer,
 ) -> None:
-    with (
-        # Answers run to their caps (as the contract suite's own e2e tests set it up).
-        running_server(
-            decode_rate=2000.0,
-            kv_tokens=4096,
-            context_window=1024,
-            mean_output_tokens=1e6,
-            admission="prompt",
-        ) as up,
-        running_gateway(
-            GatewayConfig(
-                upstreams=(up.base_url,),
-                decode_rate=2000.0,
-                fairness=FairPolicy(
-                    tenants={"a": Tenant(weight=2.0)}, default=Tenant(max_share=0.9)
-                ),
-                ledger=redis_server.url,
-            )
-        ) as gateway,
-    ):
-        report = run_contract(gateway.base_url, burst=24, timeout=60)
-        wait_for(lambda: _held(gateway) == 0)
-    failed = [
-        (r.name, r.status, r.evidence) for r in report.results if r.status != CheckStatus.PASS
-    ]
-    assert not failed
+    fairness = FairPolicy(tenants={"a": Tenant(weight=2.0)}, default=Tenant(max_share=0.9))
+    contract_passes_through_a_gateway(fairness=fairness, ledger=redis_server.url)
