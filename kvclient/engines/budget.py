@@ -25,6 +25,7 @@ from .metrics import (
 
 __all__ = [
     "METRICS",
+    "VLLM_KEPT_BLOCKS",
     "Budget",
     "budget_from_llama_cpp_props",
     "budget_from_reference_metrics",
@@ -54,9 +55,27 @@ class Budget:
     #: It says that it runs every request it is sent at each step, however many (ours without
     #: ``--max-running``: it exports its waiting line and no cap).
     runs_all: bool = False
+    #: Where the engine reports its pool in blocks it manages itself, the blocks of it that it
+    #: keeps for itself (vLLM: one, its null block): the budget is the pool less those, exactly.
+    #: None where its memory is not counted in blocks: a safety fraction of it is budgeted.
+    kept_blocks: int | None = None
+    #: Its overflow preempts a running sequence and recomputes it later (vLLM, SGLang; ours
+    #: when told to) rather than failing requests: a forecast of outputs may bet within a budget.
+    preempts: bool = False
+
+    @property
+    def exact_pool(self) -> int | None:
+        """Tokens of KV the engine can really hand out, where it counts them in blocks: its pool
+        less the blocks it keeps; None elsewhere."""
+        if self.kv_tokens is None or self.kept_blocks is None:
+            return None
+        return max(0, self.kv_tokens - self.kept_blocks * self.block_size)
 
 
 METRICS = Probe("GET", "/metrics", engines="vLLM, TGI, llama.cpp (--metrics), ours")
+#: Blocks vLLM keeps out of its ``num_gpu_blocks`` for itself: its block pool's null block
+#: (``BlockPool.null_block``, taken from the free queue when the pool is made).
+VLLM_KEPT_BLOCKS = 1
 
 
 def budget_from_vllm_metrics(text: str) -> tuple[int, int] | None:
@@ -115,7 +134,10 @@ def discover_budget() -> Generator[Probe, Answer, Budget]:
         if vllm is not None:
             source = f"{METRICS} vllm:cache_config_info num_gpu_blocks x block_size"
             sharing = prefix_caching_from_vllm_metrics(text)
-            return Budget(vllm[0], vllm[1], None, "vllm", source, tuple(tried), sharing)
+            return Budget(
+                vllm[0], vllm[1], None, "vllm", source, tuple(tried), sharing,
+                kept_blocks=VLLM_KEPT_BLOCKS, preempts=True,
+            )  # fmt: skip
         ours = budget_from_reference_metrics(text)
         if ours is not None:
             source = f"{METRICS} kv_physical_capacity_tokens"
@@ -127,6 +149,7 @@ def discover_budget() -> Generator[Probe, Answer, Budget]:
                 ours, block, running, "kvclient", source, tuple(tried),
                 None if shares is None else shares == 1,
                 runs_all=lined and running is None,
+                kept_blocks=0, preempts=metric_whole(text, OURS.preempts) == 1,
             )  # fmt: skip
         tgi = budget_from_tgi_metrics(answer.payload)
         if tgi is not None:
@@ -145,5 +168,5 @@ def discover_budget() -> Generator[Probe, Answer, Budget]:
         tokens = budget_from_sglang(answer.payload)
         if tokens is not None:
             source = f"{SGLANG_SERVER_INFO} max_total_num_tokens"
-            return Budget(tokens, 1, None, "sglang", source, tuple(tried))
+            return Budget(tokens, 1, None, "sglang", source, tuple(tried), preempts=True)
     return Budget(None, tried=tuple(tried))

@@ -82,6 +82,8 @@ class EngineMetrics:
     prefix_caching: str | None = None
     #: What it lost for lack of KV.
     losses: LossCounter | None = None
+    #: 1 when its overflow preempts and recomputes (0: it fails requests), where it says.
+    preempts: str | None = None
 
 
 VLLM = EngineMetrics(
@@ -138,6 +140,8 @@ OURS = EngineMetrics(
     "kvclient",
     generated_tokens="kv_generated_tokens_total",
     requests_waiting="kv_engine_requests_waiting",
+    preemptions="kv_engine_preemptions_total",
+    preempts="kv_engine_preempts",
     kv_tokens="kv_physical_capacity_tokens",
     block_size="kv_engine_block_size",
     max_running="kv_engine_max_running",
@@ -270,12 +274,14 @@ class Lockstep:
 
 def lockstep_from_metrics(text: str) -> Lockstep:
     """vLLM's ``vllm:num_requests_waiting`` and ``vllm:num_preemptions_total``; ours'
-    ``kv_engine_requests_waiting``."""
-    waiting = None
+    ``kv_engine_requests_waiting`` and ``kv_engine_preemptions_total``."""
+    waiting = preemptions = None
     for names in METRIC_NAMES.values():
         if names.requests_waiting is not None and waiting is None:
             waiting = _metric_sum(text, names.requests_waiting)
-    return Lockstep(waiting=waiting, preemptions=preemptions_from_vllm_metrics(text))
+        if names.preemptions is not None and preemptions is None:
+            preemptions = _metric_sum(text, names.preemptions)
+    return Lockstep(waiting=waiting, preemptions=preemptions)
 
 
 # --- what an engine lost for lack of KV --------------------------------------------------------

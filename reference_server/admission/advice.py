@@ -2,6 +2,14 @@
 ``output_quantile``) and the returns it has promised (staggered Retry-After, see
 :meth:`.ledger.KVAdmissionController.retry_after`).
 
+A client told to come back at ``t`` is expected to hold what it asked for from ``t`` for its own
+worst-case duration. Later estimates count promised returns as load, so clients turned away
+together are told staggered times that each fit, instead of one time that fits only the first of
+them back; promises only shape estimates, admission ignores them. A client (a connection's
+address) refused again replaces the promise it was given before, so one that comes back early,
+however often, holds one promise; promised returns push an answer at most ``STAGGER_ROUNDS`` of
+its own duration (plus the release margin) past the plain estimate, whatever clients do.
+
 No lock, no clock: the ledger calls it under its own lock, with its ``now``.
 """
 

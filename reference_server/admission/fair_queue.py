@@ -41,7 +41,7 @@ class _Seat(Waiter):
     """A waiter with what its reservation is made of, the event it waits on, and its handle
     once admitted."""
 
-    __slots__ = ("event", "handle", "output_cap", "prefix", "prompt_tokens")
+    __slots__ = ("event", "follow", "handle", "kind", "output_cap", "prefix", "prompt_tokens")
 
     def __init__(
         self,
@@ -52,11 +52,15 @@ class _Seat(Waiter):
         prompt_tokens: int,
         output_cap: int,
         prefix: tuple[Hashable, ...],
+        kind: Hashable = None,
+        follow: bool = False,
     ) -> None:
         super().__init__(tenant=tenant, need=need, priority=priority)
         self.prompt_tokens = prompt_tokens
         self.output_cap = output_cap
         self.prefix = prefix
+        self.kind = kind
+        self.follow = follow
         self.event = anyio.Event()
         self.handle: Handle | None = None
 
@@ -122,6 +126,8 @@ class FairQueue(AdmissionQueue):
                 count_rejection=False,
                 need=waiter.need,
                 prefix=waiter.prefix,
+                kind=waiter.kind,
+                follow=waiter.follow,
             )
 
         for waiter, handle in self.fair.dispatch(now, attempt):
@@ -167,6 +173,8 @@ class FairQueue(AdmissionQueue):
         prefix: tuple[Hashable, ...] = (),
         tenant: str | None = None,
         priority: int = 0,
+        model: str | None = None,
+        follow: bool = False,
     ) -> Handle:
         """A handle for the request, or :class:`Rejected`: after its tenant's longest wait (else
         the queue's), shortened by ``max_wait``; at once when the queue is full and it is the
@@ -181,6 +189,8 @@ class FairQueue(AdmissionQueue):
             prompt_tokens=prompt_tokens,
             output_cap=output_cap,
             prefix=prefix,
+            kind=(model, name),
+            follow=follow,
         )
         for refused in self.fair.enqueue(seat, self._clock()):
             assert isinstance(refused, _Seat)

@@ -14,13 +14,16 @@ from .values import Handle
 
 __all__ = [
     "DEFAULT_RELAY_LAG",
+    "START_SLACK_STEPS",
     "RuleInForce",
     "as_holder",
     "borrowable",
+    "clock_steps",
     "freshest",
     "lag_tokens",
     "lender_in_prefill",
     "stalled",
+    "start_deadline",
     "tainted_after",
 ]
 
@@ -34,6 +37,10 @@ LAG_RATE_FACTOR = 2.0
 #: Seconds of a holder's own stream before its own speed counts for that margin: chunks come in
 #: bursts (an engine's API process catching up), and a burst's rate is no speed.
 OWN_RATE_SPAN = 0.5
+#: Decode steps a newcomer admitted on the engine's clock may start late (its prompt's prefill
+#: split over steps by the engine's token budget, the engine's API process): a model of the
+#: real vLLM's burst shows no loss against a start known exactly with this slack.
+START_SLACK_STEPS = 8
 
 
 def freshest(live: Iterable[Handle], now: float) -> float:
@@ -60,21 +67,48 @@ def lag_tokens(handle: Handle, fresh: float, *, decode_rate: float, relay_lag: f
 
 
 def as_holder(handle: Handle, fresh: float, *, decode_rate: float, relay_lag: float) -> Holder:
-    """How the peak sees ``handle`` as of the freshest count read (``fresh``): flat (its whole
-    reservation) until its first relayed token or when its progress is not followed; else its
-    trajectory."""
-    if handle.generated is None or not handle.tracked:
+    """How the peak sees ``handle`` as of the freshest count read (``fresh``), counted to its
+    ``counted_output`` (its cap, or its forecast): flat (its whole size) until its first relayed
+    token or when its progress is not followed; its trajectory once it has one; and, admitted
+    on the engine's clock (``start_by``) with no token yet, as if it had started at admission:
+    no more made than the steps since could make, and ended no later than its output after
+    every step until its first token is due (see :func:`clock_steps`)."""
+    if not handle.tracked:
         return Holder.flat(handle.reserved_tokens, handle.prefix, handle.borrowed)
-    cap, generated = handle.output_cap, handle.generated
+    prompt, total, generated = handle.prompt_tokens, handle.counted_output, handle.generated
+    if generated is None:
+        if handle.start_by is None:
+            return Holder.flat(prompt + total, handle.prefix, handle.borrowed)
+        made = clock_steps(max(0.0, fresh - handle.admitted_at), decode_rate)
+        return Holder(
+            held=prompt + min(total, made),
+            most=prompt + total,
+            steps_left=total + 1 + clock_steps(max(0.0, handle.start_by - fresh), decode_rate),
+            prefix=handle.prefix,
+            borrowed=handle.borrowed,
+        )
     lag = lag_tokens(handle, fresh, decode_rate=decode_rate, relay_lag=relay_lag)
     return Holder(
-        held=handle.prompt_tokens + min(cap, generated + lag),
-        most=handle.prompt_tokens + cap,
+        held=prompt + min(total, generated + lag),
+        most=prompt + total,
         # Through the step that makes its last token, at its whole size: it frees after.
-        steps_left=max(0, cap - generated) + 1,
+        steps_left=max(0, total - generated) + 1,
         prefix=handle.prefix,
         borrowed=handle.borrowed,
     )
+
+
+def clock_steps(seconds: float, decode_rate: float) -> int:
+    """The most decode steps an engine may run in ``seconds``: at twice the speed of one
+    sequence alone (``decode_rate``, as measured), the margin :func:`lag_tokens` takes."""
+    return math.ceil(LAG_RATE_FACTOR * decode_rate * seconds)
+
+
+def start_deadline(now: float, step_seconds: float, relay_lag: float) -> float:
+    """When the first token of a newcomer admitted ``now`` on the engine's clock must have been
+    relayed: made at the end of the step it starts in, at most ``START_SLACK_STEPS`` steps of
+    ``step_seconds`` late, plus the relay's lag."""
+    return now + (START_SLACK_STEPS + 1) * step_seconds + relay_lag
 
 
 def borrowable(prefix: tuple[Hashable, ...], live: Iterable[Handle]) -> int:

@@ -53,6 +53,7 @@ from .holders import (
     stalled,
     tainted_after,
 )
+from .outlook import Outlook
 from .peak import Holder, peak, prefix_blocks
 from .values import Handle, Headroom, LedgerEvent, LedgerStats
 
@@ -108,27 +109,31 @@ class KVAdmissionController:
         on_event: Callable[[LedgerEvent], None] | None = None,
         rule: Rule = "caps",
         relay_lag: float = DEFAULT_RELAY_LAG,
+        preemption_budget: float = 0.0,
+        start_clock: bool = False,
     ) -> None:
-        if total_kv_tokens < 1:
-            raise ValueError(f"total_kv_tokens must be >= 1, got {total_kv_tokens}")
-        if not 0.0 < safety_fraction <= 1.0:
-            raise ValueError(f"safety_fraction must be in (0, 1], got {safety_fraction}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-        if max_concurrency is not None and max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        if output_quantile is not None and not 0.0 < output_quantile <= 1.0:
-            raise ValueError(f"output_quantile must be in (0, 1], got {output_quantile}")
-        if kv_bytes_per_token < 1:
-            raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
-        if not (0.0 <= overrun < math.inf):
-            raise ValueError(f"overrun must be a finite number >= 0, got {overrun}")
-        if rule not in RULES:
-            raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
-        if not (0.0 <= relay_lag < math.inf):
-            raise ValueError(f"relay_lag must be a finite number >= 0, got {relay_lag}")
+        for name, whole in (
+            ("total_kv_tokens", total_kv_tokens),
+            ("block_size", block_size),
+            ("kv_bytes_per_token", kv_bytes_per_token),
+            ("max_concurrency", 1 if max_concurrency is None else max_concurrency),
+        ):
+            if whole < 1:
+                raise ValueError(f"{name} must be >= 1, got {whole}")
+        for name, share in (
+            ("safety_fraction", safety_fraction),
+            ("output_quantile", output_quantile),
+        ):
+            if share is not None and not 0.0 < share <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {share}")
+        for name, amount in (
+            ("overrun", overrun), ("relay_lag", relay_lag), ("preemption_budget", preemption_budget)
+        ):  # fmt: skip
+            if not (0.0 <= amount < math.inf):
+                raise ValueError(f"{name} must be a finite number >= 0, got {amount}")
+        for name, value, allowed in (("strategy", strategy, STRATEGIES), ("rule", rule, RULES)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         self._decoding = Decoding(decode_rate, throughput)
         self.total_kv_tokens = total_kv_tokens
         self.context_window = context_window
@@ -153,6 +158,8 @@ class KVAdmissionController:
         self.shares_prefixes = False
         #: Prefix blocks of which a copy was let go while another was held (see ``peak.py``).
         self._tainted: set[Hashable] = set()
+        #: The newcomer's clock and the forecast of outputs (see ``outlook.py``).
+        self._outlook = Outlook(preemption_budget=preemption_budget, start_clock=start_clock)
 
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -182,13 +189,18 @@ class KVAdmissionController:
         (:meth:`.decode.Decoding.rate_at`)."""
         return self._decoding.rate_at(sequences)
 
-    def set_speed(self, decode_rate: float, throughput: float | None, now: float) -> None:
+    def set_speed(
+        self, decode_rate: float, throughput: float | None, now: float, *, steps: bool = False
+    ) -> None:
         """The engine's measured speed (see :meth:`rate_at`), from ``now`` on: the progress of
-        the live handles so far is kept at the speed it was made at."""
+        the live handles so far is kept at the speed it was made at. ``steps``: measured from
+        the engine's own counters, step by step (a newcomer's clock is bounded in its steps),
+        rather than guessed from answers' durations."""
         check_speed(decode_rate, throughput)
         with self._lock:
             self._advance(now)
             self._decoding.set(decode_rate, throughput)
+            self._outlook.speed_known |= steps
 
     def _advance(self, now: float) -> None:
         """Move the decode progress to ``now`` (lock held)."""
@@ -283,11 +295,43 @@ class KVAdmissionController:
             first = handle.generated is None
             if first:
                 handle.first_seen_at = now
+                self._outlook.started(handle)
             elif generated <= (handle.generated or 0):
                 return False
             handle.generated = min(max(0, generated), handle.output_cap)
             handle.seen_at = now
+            if self._peak_in_force():
+                self._outlook.outlived(handle, handle.generated)
             return first
+
+    def ended(self, handle: Handle, *, by_itself: bool) -> None:
+        """The engine said how ``handle``'s output ended: ``by_itself`` (an end-of-sequence or
+        stop token), else at its cap or cut. Its length is learnt when it is released."""
+        with self._lock:
+            handle.ended = by_itself
+
+    def unfollow(self, handle: Handle) -> None:
+        """Its progress will not be relayed after all: it counts whole until released."""
+        with self._lock:
+            handle.tracked = False
+            handle.start_by = None
+
+    @property
+    def forecasting(self) -> bool:
+        """Whether holders are counted by a forecast of their outputs now (an engine that
+        preempts, a preemption budget, the peak rule in force and the budget not spent)."""
+        with self._lock:
+            return self._peak_in_force() and self._outlook.quantile() is not None
+
+    def engine_seen(self, *, waiting: float | None, preemptions: float | None) -> str | None:
+        """What the engine's ``/metrics`` said just now: requests waiting inside it (a
+        newcomer then may not start at once) and its preemption counter (the forecast's
+        budget; a line for the log when its quantile moved)."""
+        with self._lock:
+            self._outlook.engine_waiting = int(waiting or 0)
+            if preemptions is None:
+                return None
+            return self._outlook.observe(preemptions, self._live.values())
 
     def stalled(self, now: float, seconds: float) -> list[Handle]:
         """Tracked holders whose count stood still for ``seconds`` while another's moved (see
@@ -307,6 +351,7 @@ class KVAdmissionController:
             live = without is not None and self._live.get(without.id) is without
             gone = without.reserved_tokens if live and without is not None else 0
             return self._reserved - gone + (extra.most if extra is not None else 0)
+        self._outlook.expire(self._live.values(), now)
         fresh = freshest(self._live.values(), now)
         holders = [self._holder(h, fresh) for h in self._live.values() if h is not without]
         if extra is not None:
@@ -317,21 +362,22 @@ class KVAdmissionController:
 
     # --- admission ---------------------------------------------------------------------------
 
-    def _fits(self, need: int, now: float, prefix: tuple[Hashable, ...] = ()) -> bool:
+    def _fits(self, newcomer: Handle, now: float) -> bool:
         if self.max_concurrency is not None and len(self._live) >= self.max_concurrency:
             return False
         # A newcomer whose prefix a holder is computing waits for that holder's first token,
         # then borrows its blocks: two copies would be counted twice, and once one of them is
         # let go the engine may hand the freed one to the next borrower (see ``peak.py``).
         live = self._live.values()
+        prefix = newcomer.prefix
         if prefix and self._peak_in_force() and lender_in_prefill(prefix, live):
             return False
-        if self._reserved + need <= self.usable_tokens:
+        if self._reserved + newcomer.reserved_tokens <= self.usable_tokens:
             return True  # the sum of the caps is never below the peak
         if not self._peak_in_force():
             return False
-        candidate = Holder.flat(need, prefix, borrowable(prefix, live))
-        return self._committed(now, candidate) <= self.usable_tokens
+        fresh = freshest(live, now)
+        return self._committed(now, self._holder(newcomer, fresh)) <= self.usable_tokens
 
     def try_admit(
         self,
@@ -342,6 +388,8 @@ class KVAdmissionController:
         count_rejection: bool = True,
         need: int | None = None,
         prefix: tuple[Hashable, ...] = (),
+        kind: Hashable = None,
+        follow: bool = False,
     ) -> Handle | None:
         """Reserve for a request, or return ``None`` when the budget is short now.
 
@@ -349,19 +397,18 @@ class KVAdmissionController:
         counts in ``rejected_total`` (see :meth:`record_rejection`). ``need``: what
         :meth:`need_tokens` gave for these sizes, when the caller has it already. ``prefix``:
         the keys of its shareable prompt blocks (:func:`.peak.prefix_blocks`), where the engine
-        shares them; only the ``peak`` rule counts them once.
+        shares them; only the ``peak`` rule counts them once. ``follow``: the caller will relay
+        its progress (:meth:`progress`; one sequence, counted from the engine's own stream),
+        which the peak rule may count (:attr:`Handle.tracked`); ``kind``: whose outputs its
+        forecast learns from (its model, and its tenant).
         """
         if need is None:
             need = self.need_tokens(prompt_tokens, output_cap)
         with self._lock:
-            if not self._fits(need, now, prefix):
-                if count_rejection:
-                    self._rejected_total += 1
-                return None
             self._advance(now)
             rate = self.rate_at(len(self._live) + 1)
             handle = Handle(
-                id=next(self._ids),
+                id=0,
                 prompt_tokens=prompt_tokens,
                 output_cap=output_cap,
                 reserved_tokens=need,
@@ -369,8 +416,24 @@ class KVAdmissionController:
                 due_at=now + output_cap / rate + self.release_margin,
                 progress_at_admit=self._decoding.progress,
             )
-            if prefix and self._peak_in_force():
-                handle.prefix, handle.borrowed = prefix, borrowable(prefix, self._live.values())
+            if self._in_force.tracks_progress:
+                self._outlook.expire(self._live.values(), now)
+                self._outlook.admit(
+                    handle,
+                    now,
+                    kind=kind,
+                    follow=follow,
+                    step_seconds=1.0 / rate,
+                    relay_lag=self.relay_lag,
+                )
+                if prefix and self._peak_in_force():
+                    handle.prefix = prefix
+                    handle.borrowed = borrowable(prefix, self._live.values())
+            if not self._fits(handle, now):
+                if count_rejection:
+                    self._rejected_total += 1
+                return None
+            handle.id = next(self._ids)
             self._live[handle.id] = handle
             self._advice.keep_promise(need, now, self.release_margin)
             self._reserved += need
@@ -407,31 +470,13 @@ class KVAdmissionController:
             if handle.prefix:
                 self._tainted = tainted_after(handle, self._live.values(), self._tainted)
             self._in_force.gone(handle.id)
+            self._outlook.gone(handle)
             handle.released = True
             self._reserved -= handle.reserved_tokens
             self._released_total += 1
             if self._on_event is not None:
                 event = LedgerEvent(kind="release", id=handle.id, tokens=handle.reserved_tokens)
                 self._on_event(event)
-
-    def shrink(self, handle: Handle, prompt_tokens: int) -> int:
-        """Lower a live reservation to what ``prompt_tokens`` and its cap need, once the prompt's
-        exact count is known (it was admitted on an upper bound). Never raises it: a need above
-        what is held keeps the reservation as it is. Returns the tokens given back (0 when
-        none, or when the handle was released already)."""
-        need = self.need_tokens(prompt_tokens, handle.output_cap)
-        with self._lock:
-            if handle.released or self._live.get(handle.id) is not handle:
-                return 0
-            freed = handle.reserved_tokens - need
-            if freed <= 0:
-                return 0
-            handle.reserved_tokens = need
-            handle.prompt_tokens = prompt_tokens
-            self._reserved -= freed
-            if self._on_event is not None:
-                self._on_event(LedgerEvent(kind="shrink", id=handle.id, tokens=freed))
-            return freed
 
     # --- back-pressure -----------------------------------------------------------------------
 
@@ -473,23 +518,11 @@ class KVAdmissionController:
         takes to decode, if that is sooner than its cap: an estimate that holds in most cases
         rather than in all, and is much closer when outputs stop well before their caps.
 
-        With ``promise=True`` the answer is also remembered as a promise: a client told to come
-        back at ``t`` is expected to hold ``need`` tokens from ``t`` for ``duration`` seconds
-        (its own worst case). Later estimates count promised returns as load, so clients turned
-        away together are told staggered times that each fit, instead of one time that fits
-        only the first of them back. Promises only shape estimates; admission ignores them.
-
-        A live handle is never taken as released before it is (see ``_expected_end``): while
-        the budget is held, the answer is not "fits now", and it is never shorter than the time
-        until the handles it needs reach their caps once they have outlived the quantile.
-
-        ``client`` (the connection's address, say) identifies who is told: a client refused
-        again replaces the promise it was given before, so one that comes back early, however
-        often, holds one promise. Promised returns push the answer at most to
-        ``STAGGER_ROUNDS`` of its own duration (plus the release margin) after the plain estimate
-        (the one without promises), whatever clients do.
-
-        Returns 0.0 when it fits now; callers clamp it for the header (whole seconds, >= 1).
+        With ``promise=True`` the answer is also remembered as a promise that ``client`` (the
+        connection's address, say) holds ``need`` tokens for ``duration`` seconds from then, so
+        that clients turned away together are told staggered times (see :mod:`.advice`). A live
+        handle is never taken as released before it is: while the budget is held, the answer is
+        not "fits now". Returns 0.0 when it fits now; callers clamp it for the header.
         """
         with self._lock:
             self._advice.forget(now, client if promise else None)
@@ -584,4 +617,5 @@ class KVAdmissionController:
                 rule="peak" if self._peak_in_force() else "caps",
                 caps_reason=self._in_force.reason,
                 committed_tokens=self._committed(self._decoding.at or 0.0),
+                **self._outlook.figures(peak=self._peak_in_force()),
             )

@@ -160,6 +160,8 @@ class AdmissionQueue:
         prefix: tuple[Hashable, ...] = (),
         tenant: str | None = None,
         priority: int = 0,
+        model: str | None = None,
+        follow: bool = False,
     ) -> Handle:
         """A handle for the request, or :class:`Rejected` after at most ``max_wait`` seconds.
 
@@ -168,6 +170,8 @@ class AdmissionQueue:
         wait``); it never lengthens it. ``prefix``: the keys of the request's shareable prompt
         blocks (see :meth:`KVAdmissionController.try_admit`). ``tenant`` and ``priority`` are
         for a fair queue (:class:`~.fair_queue.FairQueue`); this one serves all in arrival order.
+        ``model`` and ``follow``: whose outputs its forecast learns from, and whether its
+        progress will be relayed (see :meth:`KVAdmissionController.try_admit`).
         """
         limit = wait_limit(self.max_wait, max_wait)
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
@@ -180,6 +184,8 @@ class AdmissionQueue:
                 count_rejection=False,
                 need=need,
                 prefix=prefix,
+                kind=(model, None),
+                follow=follow,
             )
 
         if not self._waiters and (handle := attempt()) is not None:

@@ -54,15 +54,26 @@ class Handle:
     ``seen_at`` when the first and the latest count arrived; ``prefix`` the keys of its
     shareable prompt blocks, the first ``borrowed`` of them computed by another holder. An
     untracked holder, or one whose first token has not come, counts at its whole reservation.
+
+    Beyond the exact rule (see :mod:`.outputs` and :mod:`.preemption`): ``counted_output`` is
+    the output it is counted to (its cap, or the forecast of where it ends), ``level`` how many
+    forecasts it has outlived, ``kind`` whose outputs its forecast learns from; ``start_by``,
+    when set, says it was admitted on the engine's clock: counted from its admission as if it
+    started then, its first token due by that time (else it counts whole); ``ended`` whether
+    the engine said it ended by itself (None: not said).
     """
 
     __slots__ = (
         "admitted_at",
         "borrowed",
+        "counted_output",
         "due_at",
+        "ended",
         "first_seen_at",
         "generated",
         "id",
+        "kind",
+        "level",
         "output_cap",
         "prefix",
         "progress_at_admit",
@@ -70,6 +81,7 @@ class Handle:
         "released",
         "reserved_tokens",
         "seen_at",
+        "start_by",
         "tracked",
         "writing_since",
     )
@@ -100,6 +112,11 @@ class Handle:
         self.seen_at = 0.0
         self.prefix: tuple[Hashable, ...] = ()
         self.borrowed = 0
+        self.counted_output = output_cap
+        self.level = 0
+        self.kind: Hashable = None
+        self.start_by: float | None = None
+        self.ended: bool | None = None
 
     def __repr__(self) -> str:
         state = "released" if self.released else "live"
@@ -132,6 +149,17 @@ class LedgerStats:
     caps_reason: str | None = None
     #: Tokens the holders may hold at once at worst (``peak``; under ``caps`` the reserved sum).
     committed_tokens: int = 0
+    #: The forecast of outputs (engines that preempt, with a preemption budget): the quantile
+    #: new holders are counted at (None: off, caps), the budget and the measured rate in
+    #: preemptions per 1,000 requests, and why it is off when it is.
+    forecast_quantile: float | None = None
+    preemption_budget: float | None = None
+    preemption_rate: float | None = None
+    forecast_reason: str | None = None
+    #: Newcomers counted from their admission (the engine starts them at once), and the times
+    #: one's first token came later than its bound (then counted whole, and newcomers too).
+    start_clock: bool = False
+    late_starts: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -131,6 +131,19 @@ async def _health(request: Request) -> Response:
                 "caps_reason": stats.caps_reason if stats else None,
                 "committed_tokens": stats.committed_tokens if stats else None,
                 "max_running": stats.max_concurrency if stats else None,
+                "budget": u.pool_basis,
+                "forecast": (
+                    {
+                        "quantile": stats.forecast_quantile,
+                        "preemption_budget": stats.preemption_budget,
+                        "preemptions_per_1000": stats.preemption_rate,
+                        "off_because": stats.forecast_reason,
+                    }
+                    if stats
+                    else None
+                ),
+                "start_clock": stats.start_clock if stats else None,
+                "late_starts": stats.late_starts if stats else None,
                 "problem": u.discovery_error,
             }
         )

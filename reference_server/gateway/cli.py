@@ -20,6 +20,7 @@ from .config import (
     DEFAULT_DECODE_RATE,
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_QUEUE_WAIT,
+    DEFAULT_PREEMPTION_BUDGET,
     DEFAULT_SEND_TIMEOUT,
     GatewayConfig,
 )
@@ -81,8 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="the context window of every upstream (default: discovered per upstream)",
     )  # fmt: skip
     add(
-        "--safety-fraction", type=float, default=DEFAULT_SAFETY_FRACTION, metavar="F",
-        help="share of each upstream's KV budget that is admitted (default: %(default)s)",
+        "--safety-fraction", type=float, metavar="F",
+        help="share of each upstream's KV pool that is admitted (default: the pool less what the "
+        f"engine keeps for itself where it counts its pool in blocks, vLLM's; else "
+        f"{DEFAULT_SAFETY_FRACTION})",
+    )  # fmt: skip
+    add(
+        "--preemption-budget", action="append", type=float, default=[], metavar="N",
+        help="preemptions per 1,000 requests the upstream at the same position may pay for "
+        "holders counted by a forecast of their outputs (learnt from finished ones) instead of "
+        "their caps; its quantile tightens when the engine's own counter runs over N; 0: the "
+        "exact rule (default: "
+        f"{DEFAULT_PREEMPTION_BUDGET:g} for an engine whose overflow preempts and recomputes, "
+        "vLLM's and SGLang's; 0, always, for one whose overflow fails requests)",
     )  # fmt: skip
     add(
         "--max-queue-wait", type=float, default=DEFAULT_MAX_QUEUE_WAIT, metavar="S",
@@ -205,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         upstreams=tuple(args.upstream),
         kv_tokens=tuple(args.kv_tokens),
         max_running=tuple(args.max_running),
+        preemption_budget=tuple(args.preemption_budget),
         admission_rule=args.admission_rule,
         context_window=args.context_window,
         safety_fraction=args.safety_fraction,

@@ -31,6 +31,8 @@ __all__ = ["ProgressReader", "with_progress"]
 _FIGURE = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,12})\s*[,}]')
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _NO_CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+#: Why a choice ended, where a chunk says (``"stop"``: an end-of-sequence or stop token).
+_FINISH = re.compile(rb'"finish_reason"\s*:\s*"([a-z_]{1,32})"')
 #: An unfinished event larger than this is passed on as it is (no engine sends one this long
 #: without a break; it is not a stream of ours to read).
 _MAX_PENDING = 1 << 20
@@ -43,6 +45,8 @@ class ProgressReader:
         self.drop_usage_only = drop_usage_only
         #: The tokens generated so far, by the latest chunk that said.
         self.generated = 0
+        #: Why the output ended, once a chunk said (``"stop"``, ``"length"``, ...).
+        self.finish_reason: str | None = None
         self._pending = b""
 
     def feed(self, piece: bytes) -> bytes:
@@ -61,6 +65,8 @@ class ProgressReader:
         found = [int(m.group(1)) for m in _FIGURE.finditer(events)]
         if found:
             self.generated = max(self.generated, *found)
+        for finish in _FINISH.finditer(events):
+            self.finish_reason = finish.group(1).decode("ascii")
         if not self.drop_usage_only or b'"usage"' not in events:
             return events
         kept: list[bytes] = []

@@ -332,15 +332,11 @@ class UpstreamBackend:
         # Under the peak rule the holder's progress is followed from the engine's stream (a
         # plain request goes as a stream, its answer assembled): see ``progress.py``.
         reader: ProgressReader | None = None
-        if (
-            chat is not None
-            and plan.sequences == 1
-            and engine in PROGRESS_ENGINES
-            and target.ledger.tracks_progress
-        ):
+        if handle.tracked and chat is not None and engine in PROGRESS_ENGINES:
             content, asked = with_progress(content)
             reader = ProgressReader(drop_usage_only=stream and not asked)
-            handle.tracked = True
+        elif handle.tracked:
+            target.ledger.unfollow(handle)
         assembled = (
             not stream
             and chat is not None
@@ -418,6 +414,8 @@ class UpstreamBackend:
                     if reader.generated:
                         known.queue.progress(handle, reader.generated)
             answer = assembler.end()
+            if reader is not None:
+                known.ledger.ended(handle, by_itself=reader.finish_reason == "stop")
         except EngineError as error:
             return _Assembled(error.status, json.dumps(error.body).encode())
         except UPSTREAM_ERRORS as exc:
@@ -544,6 +542,8 @@ class UpstreamBackend:
             return
         upstream.health.succeeded()
         rest = reader.end() if reader is not None else b""
+        if reader is not None:
+            known.ledger.ended(handle, by_itself=reader.finish_reason == "stop")
         await send({"type": "http.response.body", "body": rest, "more_body": False})
         # Tokens by its usage (an event may carry several); no more than the cap it was sent
         # with, whatever the stream says. A stream without usage says nothing of its speed.

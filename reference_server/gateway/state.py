@@ -35,9 +35,12 @@ class GatewayState:
         n = len(config.upstreams)
         overrides = [*config.kv_tokens, *[None] * (n - len(config.kv_tokens))]
         running = [*config.max_running, *[None] * (n - len(config.max_running))]
+        budgets = [*config.preemption_budget, *[None] * (n - len(config.preemption_budget))]
         self.upstreams = [
-            Upstream(url, kv, config, most)
-            for url, kv, most in zip(config.upstreams, overrides, running, strict=True)
+            Upstream(url, kv, config, most, budget)
+            for url, kv, most, budget in zip(
+                config.upstreams, overrides, running, budgets, strict=True
+            )
         ]
         self.fallback_counter: TokenCounter = config.counter or TiktokenCounter()
         self.backends: list[UpstreamBackend] = []

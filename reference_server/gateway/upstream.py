@@ -38,10 +38,10 @@ from kvclient.engines.tokenize import TOKENIZE_ENGINES, Tokenized, tokenize
 from kvclient.routing import Endpoint, Health
 
 from ..admission.fair_queue import FairQueue
-from ..admission.ledger import KVAdmissionController
+from ..admission.ledger import DEFAULT_SAFETY_FRACTION, KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable
 from ..http.requests import GenerationRequest
-from .config import GatewayConfig, public_url
+from .config import DEFAULT_PREEMPTION_BUDGET, GatewayConfig, public_url
 from .errors import UpstreamUnavailable
 from .sharing import SharedLedgers
 from .speed import Speed, SpeedEstimator
@@ -240,10 +240,16 @@ class Upstream:
         kv_override: int | None,
         config: GatewayConfig,
         max_running: int | None = None,
+        preemption_budget: float | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         #: How many sequences it runs at once, when told (``--max-running``).
         self.max_running = max_running
+        #: Preemptions per 1,000 requests its forecast may cost, when told
+        #: (``--preemption-budget``).
+        self.preemption_budget = preemption_budget
+        #: What its usable budget is made of, for ``/health``.
+        self.pool_basis: str | None = None
         #: Times it was seen not to run its holders in lockstep (the peak rule then counted
         #: whole caps until they had gone), and the engine's preemptions when last scraped.
         self.lockstep_breaks = 0
@@ -331,7 +337,7 @@ class Upstream:
             speed = estimator.estimate()
             if speed is not None:
                 self.speed = speed
-                known.ledger.set_speed(speed.decode_rate, speed.throughput, now)
+                known.ledger.set_speed(speed.decode_rate, speed.throughput, now, steps=True)
 
     async def fetch(
         self,
@@ -388,24 +394,26 @@ class Upstream:
             tried = "; ".join(budget.tried)
             raise UpstreamUnavailable(f"no KV budget discovered (tried: {tried}); pass --kv-tokens")
         running = self.max_running if self.max_running is not None else budget.max_concurrency
+        engine = found.engine or budget.engine
+        pool, fraction, self.pool_basis = self._pool(kv, budget)
         try:
             ledger = KVAdmissionController(
-                total_kv_tokens=kv,
+                total_kv_tokens=pool,
                 context_window=window,
                 decode_rate=self.config.decode_rate,
                 relay_lag=self.config.relay_lag,
-                safety_fraction=self.config.safety_fraction,
+                safety_fraction=fraction,
                 block_size=budget.block_size,
                 max_concurrency=running,
                 release_margin=0.05,
                 rule=self.config.admission_rule,
+                preemption_budget=self._preemption_budget(budget),
+                start_clock=engine in PROGRESS_ENGINES,
             )
         except ValueError as exc:
             raise UpstreamUnavailable(f"unusable budget (KV {kv} tokens): {exc}") from None
         unbounded = running is None and budget.runs_all
-        ledger.set_caps_for_good(
-            self._caps_reason(found.engine or budget.engine, running, unbounded)
-        )
+        ledger.set_caps_for_good(self._caps_reason(engine, running, unbounded))
         ledger.shares_prefixes = budget.prefix_caching is True
         if ledger.caps_reason is not None:
             logger.warning(
@@ -434,6 +442,41 @@ class Upstream:
             ledger.usable_tokens,
         )  # fmt: skip
 
+    def _pool(self, kv: int, budget: Budget) -> tuple[int, float, str]:
+        """The KV pool admitted into, the share of it, and what they are made of: the share
+        ``--safety-fraction`` says; else, where the engine counts its pool in blocks, the pool
+        less the blocks it keeps for itself, whole; else the seed's safety fraction (memory not
+        managed in blocks loses some to fragmentation and activations)."""
+        fraction = self.config.safety_fraction
+        if fraction is not None:
+            return kv, fraction, f"{fraction:g} of {kv} tokens (--safety-fraction)"
+        exact = budget.exact_pool
+        if self.kv_override is None and exact is not None and exact > 0:
+            kept = budget.kept_blocks or 0
+            return exact, 1.0, (
+                f"the engine's pool of {kv} tokens less the {kept} blocks of {budget.block_size} "
+                "it keeps for itself"
+            )  # fmt: skip
+        source = "--kv-tokens" if self.kv_override is not None else "a pool not counted in blocks"
+        return kv, DEFAULT_SAFETY_FRACTION, (
+            f"{DEFAULT_SAFETY_FRACTION:g} of {kv} tokens ({source})"
+        )  # fmt: skip
+
+    def _preemption_budget(self, budget: Budget) -> float:
+        """The preemption budget of this upstream's forecast: ``--preemption-budget``, else the
+        default for an engine that preempts; 0 (the exact rule), always, for one whose overflow
+        fails requests."""
+        wanted = self.preemption_budget
+        if not budget.preempts:
+            if wanted:
+                logger.warning(
+                    "upstream %s: --preemption-budget %g ignored: its overflow fails requests, "
+                    "so it keeps the exact rule",
+                    self.name, wanted,
+                )  # fmt: skip
+            return 0.0
+        return DEFAULT_PREEMPTION_BUDGET if wanted is None else wanted
+
     def _caps_reason(
         self, engine: str | None, running: int | None, unbounded: bool = False
     ) -> str | None:
@@ -460,12 +503,23 @@ class Upstream:
         if known is None or not known.ledger.tracks_progress:
             return
         signals = lockstep_from_metrics(text)
+        said = known.ledger.engine_seen(waiting=signals.waiting, preemptions=signals.preemptions)
+        if said is not None:
+            logger.warning("upstream %s: %s", self.name, said)
+        # Counting by a forecast, preemptions are the price of the bet, which its budget holds
+        # (and a preempted sequence waits in the engine until it is recomputed): not a break.
+        betting = known.ledger.forecasting
         reason = None
-        if signals.waiting is not None and signals.waiting > 0:
+        if signals.waiting is not None and signals.waiting > 0 and not betting:
             reason = f"{signals.waiting:.0f} requests wait inside the engine"
         previous, self._preemptions = self._preemptions, signals.preemptions
         now_preempted = signals.preemptions
-        if previous is not None and now_preempted is not None and now_preempted > previous:
+        if (
+            previous is not None
+            and now_preempted is not None
+            and now_preempted > previous
+            and not betting
+        ):
             reason = f"the engine preempted {now_preempted - previous:.0f} requests"
         stalled = known.ledger.stalled(now, _STALL_SECONDS)
         if reason is None and stalled:

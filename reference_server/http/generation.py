@@ -250,6 +250,9 @@ class GenerationEndpoint:
                     ),
                     tenant=plan.tenant,
                     priority=plan.priority,
+                    model=plan.model,
+                    # One sequence: its progress is relayed from the engine's own stream.
+                    follow=plan.sequences == 1,
                 )
             except Rejected as rejected:
                 busy = too_busy(ledger, rejected, plan.reserved_prompt, plan.reserved_output, queue)

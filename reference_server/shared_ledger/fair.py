@@ -412,6 +412,8 @@ class SharedFairQueue(SharedQueue):
         prefix: tuple[Hashable, ...] = (),  # the shared ledger counts whole caps: unused
         tenant: str | None = None,
         priority: int = 0,
+        model: str | None = None,  # the shared ledger counts whole caps: no forecast
+        follow: bool = False,
     ) -> Handle:
         """A handle for the request, or :class:`Rejected`: after its tenant's longest wait (else
         the queue's), shortened by ``max_wait``; at once when the shared queue is full and it is

@@ -51,7 +51,6 @@ from .scripts import (
     RELEASE,
     RENEW,
     RESTORE,
-    SHRINK,
     SNAPSHOT,
 )
 
@@ -196,8 +195,8 @@ class Lease:
 class RedisLedger:
     """An upstream's reservations in Redis, under keys named by ``name`` (its public URL).
 
-    The pricing, the budget and the decode rate are ``pricing``'s; admission, release and
-    shrinking are one script each. Methods raise :class:`LedgerUnavailable` when Redis is away.
+    The pricing, the budget and the decode rate are ``pricing``'s; admission and release are
+    one script each. Methods raise :class:`LedgerUnavailable` when Redis is away.
     """
 
     def __init__(
@@ -230,7 +229,6 @@ class RedisLedger:
                 RELEASE,
                 RENEW,
                 RESTORE,
-                SHRINK,
                 SNAPSHOT,
             )
         }
@@ -350,18 +348,6 @@ class RedisLedger:
             await self.run(RELEASE, entry[1])
         except LedgerUnavailable:
             self._unreleased.append(entry[1])
-
-    async def shrink(self, handle: Handle, prompt_tokens: int) -> int:
-        """Lower a live reservation to what ``prompt_tokens`` and its cap need; never raises it."""
-        entry = self._fields.get(handle.id)
-        if entry is None or entry[0] is not handle:
-            return 0
-        need = self.pricing.need_tokens(prompt_tokens, handle.output_cap)
-        freed = int(await self.run(SHRINK, entry[1], need))
-        if freed > 0:
-            handle.reserved_tokens = need
-            handle.prompt_tokens = prompt_tokens
-        return freed
 
     async def renew(self) -> None:
         """Extend this process's lease; retry releases that failed. A lease found lapsed: its

@@ -155,6 +155,8 @@ class SharedQueue(AdmissionQueue):
         prefix: tuple[Hashable, ...] = (),  # the shared ledger counts whole caps: unused
         tenant: str | None = None,  # no fair shares on the shared ledger (the gateway refuses)
         priority: int = 0,
+        model: str | None = None,  # the shared ledger counts whole caps: no forecast
+        follow: bool = False,
     ) -> Handle:
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
         ticket = self.shared.ticket(need)

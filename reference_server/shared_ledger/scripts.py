@@ -9,7 +9,7 @@ fingerprint), ``gone`` (the leases swept for expiring, remembered for an hour), 
 by every change), and for fair shares ``fair`` and ``tickets`` (see below); and one pub/sub
 channel, ``released``, told of every change as ``"wake reserved holders queued"``: the totals after
 it (tokens reserved, reservations, tokens the queue waits for), and ``wake`` 1 when the change may
-let a waiter in (a release, a shrink, a lease swept, a ticket leaving the queue or admitted from
+let a waiter in (a release, a lease swept, a ticket leaving the queue or admitted from
 its head with others behind it), so that waiters in every process wake and every process knows the
 shared room.
 
@@ -34,7 +34,6 @@ __all__ = [
     "RELEASE",
     "RENEW",
     "RESTORE",
-    "SHRINK",
     "SNAPSHOT",
 ]
 
@@ -190,26 +189,6 @@ return tokens
 """
 )
 
-#: ARGV: reservation, tokens now needed. Returns the tokens given back (never raises one).
-SHRINK = (
-    _PRELUDE
-    + """
-local lease, tokens, rest = holder(ARGV[1])
-if not tokens then
-  return 0
-end
-local freed = tokens - tonumber(ARGV[2])
-if freed <= 0 then
-  return 0
-end
-charge(redis.call('HGET', KEYS[1], ARGV[1]), now_ms(), tonumber(ARGV[2]))
-redis.call('HSET', KEYS[1], ARGV[1], lease .. ' ' .. ARGV[2] .. ' ' .. rest)
-redis.call('DECRBY', KEYS[2], freed)
-tell(1)
-return freed
-"""
-)
-
 #: ARGV: ticket, refused (1/0: count a 429 for a fair waiter's tenant). A waiter that goes away:
 #: out of the queue; its refusal read (fair shares); or, admitted meanwhile (by another gateway,
 #: or by a first try whose answer was lost), released. Returns 1 left the queue, 2 it had been
@@ -323,8 +302,8 @@ return {tonumber(held or '0'), tonumber(busy or '0'), tonumber(admitted or '0')}
 # ``"R 0 0 0 0 tenant"`` once refused to keep the queue within its bound, until its owner reads it),
 # ``fair`` (a hash: ``taken:<tenant>`` token-milliseconds its ended holdings took, ``offset:``
 # what lifts added to its counter, ``admitted:`` and ``refused:`` its counts) and ``version``
-# (bumped by every change, in ``tell``). A fair holder's value ends with its tenant; releasing,
-# shrinking or sweeping it charges the tenant what it held (``charge``). A gateway reads the
+# (bumped by every change, in ``tell``). A fair holder's value ends with its tenant; releasing
+# or sweeping it charges the tenant what it held (``charge``). A gateway reads the
 # state (FAIR_SNAPSHOT), runs the fair scheduler on it, and writes what it decided (FAIR_COMMIT)
 # only if nothing changed meanwhile (the version): optimistic, as Redis's WATCH, in one script.
 

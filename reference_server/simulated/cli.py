@@ -32,6 +32,7 @@ from .config import (
     DEFAULT_SEND_TIMEOUT,
     ServerConfig,
 )
+from .scheduler import OVERFLOWS
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -142,6 +143,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="every sequence holds its whole prompt, as with vLLM's --no-enable-prefix-caching",
     )
     add(
+        "--on-overflow",
+        choices=OVERFLOWS,
+        default="fail",
+        help="what an overflow of the KV pool does: fail every request in the engine (a crash, "
+        "as llama.cpp's unified cache does), or preempt the newest sequence and recompute it "
+        "once its blocks fit again, as vLLM does (default: %(default)s)",
+    )
+    add(
+        "--recompute-cost",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --on-overflow preempt: seconds each recomputed token (a preempted sequence's "
+        "prompt and output) adds to the step it rejoins in (default: %(default)s)",
+    )
+    add(
         "--mean-output-tokens",
         type=float,
         default=DEFAULT_MEAN_OUTPUT_TOKENS,
@@ -240,6 +257,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         throughput=args.throughput,
         max_running=args.max_running,
         prefix_caching=not args.no_prefix_caching,
+        on_overflow=args.on_overflow,
+        recompute_seconds=args.recompute_cost,
         mean_output_tokens=args.mean_output_tokens,
         admission=args.admission,
         max_concurrency=args.max_concurrency,

@@ -10,6 +10,7 @@ from kvclient import DEFAULT_BLOCK_SIZE, ModelProfile, TiktokenCounter, Tokenize
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION, STRATEGIES, Strategy
 from ..http.generation import DEFAULT_SEND_TIMEOUT
 from ..http.requests import DEFAULT_MAX_BODY_BYTES
+from .scheduler import OVERFLOWS
 
 __all__ = [
     "DEFAULT_CONTEXT_WINDOW",
@@ -66,6 +67,12 @@ class ServerConfig:
     #: Share full prompt blocks between running sequences with the same prefix (vLLM's
     #: automatic prefix caching), once the holder's prefill is done.
     prefix_caching: bool = True
+    #: What an overflow of the pool does: ``fail`` every request in the engine (a crash, as
+    #: llama.cpp's unified cache does), or ``preempt`` the newest running sequence to recompute
+    #: it later (vLLM's scheduler), each recomputed token adding ``recompute_seconds`` to the
+    #: step it rejoins in.
+    on_overflow: str = "fail"
+    recompute_seconds: float = 0.0
     mean_output_tokens: float = DEFAULT_MEAN_OUTPUT_TOKENS
     admission: Strategy = "reserve"
     max_concurrency: int | None = None
@@ -132,6 +139,12 @@ class ServerConfig:
             positive_number("throughput", self.throughput)
         if self.max_running is not None:
             positive_int("max_running", self.max_running)
+        if self.on_overflow not in OVERFLOWS:
+            raise ValueError(f"on_overflow must be one of {', '.join(OVERFLOWS)}")
+        if not (self.recompute_seconds >= 0 and math.isfinite(self.recompute_seconds)):
+            raise ValueError(
+                f"recompute_seconds must be a finite number >= 0, got {self.recompute_seconds}"
+            )
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be a boolean, got {self.prefix_caching!r}")
         positive_number("send_timeout", self.send_timeout)

@@ -100,6 +100,8 @@ class EngineStats:
     oom_failed_sequences_total: int
     faults_total: int
     generated_tokens_total: int
+    preempts: bool = False
+    preemptions_total: int = 0
 
 
 class _WordStream:
@@ -157,6 +159,8 @@ class SimulatedEngine:
         throughput: float | None = None,
         max_running: int | None = None,
         prefix_caching: bool = True,
+        on_overflow: str = "fail",
+        recompute_seconds: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity_tokens < 1:
@@ -195,7 +199,10 @@ class SimulatedEngine:
             decode_rate=self.decode_rate,
             throughput=self.throughput,
             max_running=max_running,
+            on_overflow=on_overflow,
+            recompute_seconds=recompute_seconds,
         )
+        self.on_overflow = on_overflow
         self._started = 0
         self._finished = 0
         self._faults = 0
@@ -228,6 +235,8 @@ class SimulatedEngine:
                 oom_failed_sequences_total=scheduler.oom_failed_total,
                 faults_total=self._faults,
                 generated_tokens_total=scheduler.generated_tokens_total,
+                preempts=scheduler.on_overflow == "preempt",
+                preemptions_total=scheduler.preemptions_total,
             )
 
     async def generate(

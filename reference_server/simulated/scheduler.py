@@ -15,8 +15,13 @@ tests drive it step by step and the engine calls it under its lock. It models wh
   last token are named by a chained hash (:func:`prefix_keys`). A sequence that starts shares
   each such block another running sequence holds, once that holder's prefill is done (it has
   produced a token): the block is charged to the pool once, for as long as any holder lives.
-- **The pool can overflow**: when the blocks in use exceed the capacity, every sequence in the
-  engine (running or waiting) fails with :class:`EngineOOMError` and the pool is emptied.
+- **The pool can overflow**, and what that does is the engine's (``on_overflow``): ``fail``,
+  every sequence in the engine (running or waiting) fails with :class:`EngineOOMError` and the
+  pool is emptied (llama.cpp with a unified cache); ``preempt``, as vLLM's scheduler does, the
+  step that would overflow first takes back the newest running sequence's blocks and puts it
+  at the head of the waiting line, to be recomputed (its prompt and what it had generated, at
+  ``recompute_seconds`` a token added to the step it rejoins in) once its blocks fit again. A
+  waiting sequence then starts only when its blocks fit.
 
 >>> scheduler = Scheduler(capacity_tokens=1024, block_size=16, decode_rate=100.0)
 >>> seq = ScheduledSequence(id=1, prompt_tokens=20, stop=3)
@@ -33,9 +38,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-__all__ = ["EngineOOMError", "ScheduledSequence", "Scheduler", "prefix_keys"]
+__all__ = ["OVERFLOWS", "EngineOOMError", "ScheduledSequence", "Scheduler", "prefix_keys"]
+
+#: What an overflow of the pool does: fail every sequence, or preempt the newest.
+OVERFLOWS = ("fail", "preempt")
 
 
 class EngineOOMError(Exception):
@@ -90,6 +98,7 @@ class ScheduledSequence:
         "generated",
         "id",
         "keys",
+        "prefilled",
         "prefix",
         "prompt_tokens",
         "running",
@@ -107,6 +116,8 @@ class ScheduledSequence:
         self.generated = 0
         self.running = False
         self.done = False
+        #: Its prompt (and what it had generated, when recomputed) is in the pool.
+        self.prefilled = False
         self.failure: EngineOOMError | None = None
         #: The physical blocks of the shareable prefix (shared or its own), one per key.
         self.prefix: list[_Block] = []
@@ -130,7 +141,16 @@ class Scheduler:
         decode_rate: float,
         throughput: float | None = None,
         max_running: int | None = None,
+        on_overflow: str = "fail",
+        recompute_seconds: float = 0.0,
     ) -> None:
+        if on_overflow not in OVERFLOWS:
+            raise ValueError(f"on_overflow must be one of {', '.join(OVERFLOWS)}")
+        self.on_overflow = on_overflow
+        self.recompute_seconds = recompute_seconds
+        self.preemptions_total = 0
+        #: Seconds the step in progress is lengthened by sequences recomputed in it.
+        self._penalty = 0.0
         self.capacity_tokens = capacity_tokens
         self.block_size = block_size
         self.decode_rate = decode_rate
@@ -196,6 +216,12 @@ class Scheduler:
                 due -= 1
             while due < most and self._step_end(first + due) <= now:
                 due += 1
+            if self.on_overflow == "preempt":
+                room = self._steps_that_fit(due)
+                if room == 0:
+                    self._preempt(self._step_started_at)  # before the step that would overflow
+                    continue
+                due = room
             self._steps(due, self._step_end(first + due - 1))
 
     def remove(self, seq: ScheduledSequence, now: float) -> None:
@@ -220,7 +246,7 @@ class Scheduler:
         block_size = self.block_size
         finished: list[ScheduledSequence] = []
         for seq in self.running.values():
-            if seq.generated == 0:
+            if not seq.prefilled:
                 self._prefilled(seq)  # its first token: its prompt's blocks are ready
             seq.generated += steps
             tail = -(-(seq.prompt_tokens + seq.generated) // block_size) - len(seq.prefix)
@@ -247,19 +273,25 @@ class Scheduler:
         """When the ``n``-th step (from 0) since the batch last changed its length ends."""
         return self._steps_from + n * self._step_length
 
+    def _used_after(self, back: int) -> Callable[[int], int]:
+        """The blocks in use ``j`` steps after the running sequences had ``back`` tokens fewer
+        than now (no sequence ending on the way)."""
+        block_size = self.block_size
+        running = list(self.running.values())
+        shared = self.used_blocks - sum(seq.tail for seq in running)
+        before = [seq.prompt_tokens + seq.generated - back for seq in running]
+        prefixes = sum(len(seq.prefix) for seq in running)
+
+        def used(j: int) -> int:
+            return shared + sum(-(-(tokens + j) // block_size) for tokens in before) - prefixes
+
+        return used
+
     def _first_overflowing(self, steps: int) -> int:
         """The pool overflowed within the last ``steps`` steps: at which one first (the pool
         only grows between two ends)? The books are set back to that step."""
-        block_size = self.block_size
-        limit = self.capacity_tokens // block_size  # the most blocks that fit
-        running = list(self.running.values())
-        shared = self.used_blocks - sum(seq.tail for seq in running)
-        before = [seq.prompt_tokens + seq.generated - steps for seq in running]
-
-        def used(j: int) -> int:
-            whole = sum(-(-(tokens + j) // block_size) for tokens in before)
-            return shared + whole - sum(len(seq.prefix) for seq in running)
-
+        limit = self.capacity_tokens // self.block_size  # the most blocks that fit
+        used = self._used_after(steps)
         low, high = 1, steps
         while low < high:
             middle = (low + high) // 2
@@ -270,6 +302,32 @@ class Scheduler:
         self.used_blocks = used(low)
         return low
 
+    def _steps_that_fit(self, steps: int) -> int:
+        """How many of the next ``steps`` steps run without overflowing the pool."""
+        limit = self.capacity_tokens // self.block_size
+        used = self._used_after(0)
+        if used(steps) <= limit:
+            return steps
+        low, high = 0, steps  # used(low) fits, used(high) does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            if used(middle) <= limit:
+                low = middle
+            else:
+                high = middle
+        return low
+
+    def _preempt(self, now: float) -> None:
+        """The next step would overflow the pool: the newest running sequence gives its blocks
+        back and waits at the head of the line, to be recomputed (vLLM's scheduler)."""
+        seq = next(reversed(self.running.values()))
+        self._free(seq)
+        del self.running[seq.id]
+        seq.running = False
+        self.waiting.appendleft(seq)
+        self.preemptions_total += 1
+        self._schedule(now)
+
     def _schedule(self, now: float) -> None:
         """Start waiting sequences while slots are free (FIFO); time the step in progress."""
         idle = not self.running
@@ -277,7 +335,12 @@ class Scheduler:
             self._step_started_at = now
         cap = self.max_running
         while self.waiting and (cap is None or len(self.running) < cap):
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            if self.on_overflow == "preempt" and not self._fits(seq):
+                break  # its blocks must fit first (a preempting engine never overflows)
+            self.waiting.popleft()
+            if seq.generated:
+                self._penalty += self.recompute_seconds * (seq.prompt_tokens + seq.generated)
             self._start(seq)
             if self._overflowed():
                 return
@@ -290,11 +353,12 @@ class Scheduler:
             self.next_step_at = None
             return
         seconds = self.step_seconds(len(self.running))
-        if idle or seconds != self._step_length:
+        if idle or seconds != self._step_length or self._penalty:
             # The step in progress is as long as the batch it now holds (a sequence that joins
-            # has its prefill in it); never ends before now. The steps from it on are timed
-            # from its end.
-            self._steps_from = max(now, self._step_started_at + seconds)
+            # has its prefill in it, and a recomputed one its recompute); never ends before
+            # now. The steps from it on are timed from its end.
+            self._steps_from = max(now, self._step_started_at + seconds) + self._penalty
+            self._penalty = 0.0
             self._steps_since = 0
             self._step_length = seconds
         self.next_step_at = self._step_end(self._steps_since)
@@ -310,7 +374,7 @@ class Scheduler:
                 block = _Block(key)
                 self.used_blocks += 1
             seq.prefix.append(block)
-        whole = -(-seq.prompt_tokens // self.block_size)
+        whole = -(-(seq.prompt_tokens + seq.generated) // self.block_size)
         seq.tail = whole - len(seq.keys)
         self.used_blocks += seq.tail
         seq.running = True
@@ -318,12 +382,21 @@ class Scheduler:
 
     def _prefilled(self, seq: ScheduledSequence) -> None:
         """``seq`` produced its first token: its prefix blocks may be shared from now on."""
+        seq.prefilled = True
         for block in seq.prefix:
             block.ready += 1
             self._cached.setdefault(block.key, block)
 
+    def _fits(self, seq: ScheduledSequence) -> bool:
+        """Whether ``seq``'s blocks (its prompt, what it has generated and its next token) fit
+        the pool now, none of them shared, with a block to spare for each running sequence's
+        next step (else it would be preempted again at once)."""
+        blocks = -(-(seq.prompt_tokens + seq.generated + 1) // self.block_size)
+        spare = len(self.running)
+        return self.used_blocks + blocks + spare <= self.capacity_tokens // self.block_size
+
     def _free(self, seq: ScheduledSequence) -> None:
-        prefilled = seq.generated > 0
+        prefilled, seq.prefilled = seq.prefilled, False
         for block in seq.prefix:
             block.holders -= 1
             if prefilled:

@@ -51,6 +51,8 @@ class ServerState:
             throughput=config.throughput,
             max_running=config.max_running,
             prefix_caching=config.prefix_caching,
+            on_overflow=config.on_overflow,
+            recompute_seconds=config.recompute_seconds,
         )
         self.ledger = KVAdmissionController(
             total_kv_tokens=config.total_kv_tokens,
@@ -141,6 +143,8 @@ class ServerState:
             "kv_engine_requests_waiting": engine.waiting,
             "kv_engine_prefix_caching": int(engine.prefix_caching),
             "kv_engine_block_size": engine.block_size,
+            "kv_engine_preempts": int(engine.preempts),
+            "kv_engine_preemptions_total": engine.preemptions_total,
         }
         if engine.max_running is not None:
             values["kv_engine_max_running"] = engine.max_running

@@ -173,7 +173,8 @@ def test_a_killed_gateways_reservations_come_back_within_its_lease(
     run the survivors' renewals late, but the killed gateway's lease ends at most one lease
     after its last renewal (before the kill), and the first script after that gives its
     reservations back."""
-    slow = {"decode_rate": 100.0, "tick_seconds": 0.01, "kv_tokens": 8192,
+    # The engine counts its pool in blocks: the gateway budgets all 7,000 tokens of it.
+    slow = {"decode_rate": 100.0, "tick_seconds": 0.01, "kv_tokens": 7000,
             "context_window": 4096}  # fmt: skip
     lease_ms = 1000
     lease = ("--ledger", redis_server.url, "--lease-seconds", str(lease_ms / 1000),
@@ -294,7 +295,8 @@ def test_workers_share_one_port_and_need_a_shared_ledger(redis_server: RedisServ
 
 
 def test_a_gateway_whose_lease_lapsed_stops_relaying(redis_server: RedisServer) -> None:
-    slow = {"decode_rate": 100.0, "tick_seconds": 0.01, "kv_tokens": 8192,
+    # The engine counts its pool in blocks: the gateway budgets all 7,000 tokens of it.
+    slow = {"decode_rate": 100.0, "tick_seconds": 0.01, "kv_tokens": 7000,
             "context_window": 4096}  # fmt: skip
     with running_server(**slow) as upstream:
         config = GatewayConfig(
@@ -334,7 +336,8 @@ def _gauge(metrics: str, name: str, upstream: str) -> float:
 
 
 def test_metrics_ratelimit_and_refusals_show_the_shared_room(redis_server: RedisServer) -> None:
-    slow = {"decode_rate": 100.0, "tick_seconds": 0.01, "kv_tokens": 8192,
+    # The engine counts its pool in blocks: the gateway budgets all 7,000 tokens of it.
+    slow = {"decode_rate": 100.0, "tick_seconds": 0.01, "kv_tokens": 7000,
             "context_window": 4096}  # fmt: skip
     with running_server(**slow) as upstream:
         config = GatewayConfig(upstreams=(upstream.base_url,), ledger=redis_server.url)
@@ -352,7 +355,7 @@ def test_metrics_ratelimit_and_refusals_show_the_shared_room(redis_server: Redis
                 assert answer.status_code == 200
                 hint = parse_ratelimit(answer.headers)
                 assert hint is not None
-                assert hint.quota == 7372
+                assert hint.quota == 7000
                 assert hint.remaining == hint.quota - held  # a's reservation, seen from b
                 assert hint.reset is not None
                 assert hint.reset > 0  # a's holder ends later; b holds nothing
@@ -363,7 +366,7 @@ def test_metrics_ratelimit_and_refusals_show_the_shared_room(redis_server: Redis
                 )
                 assert refused.status_code == 429
                 message = refused.json()["error"]["message"]
-                assert f"{held} of 7372 usable tokens are reserved by 1 in-flight" in message
+                assert f"{held} of 7000 usable tokens are reserved by 1 in-flight" in message
                 metrics = httpx.get(b.base_url + "/metrics").text
                 shared = "kv_upstream_shared_reserved_tokens"
                 assert _gauge(metrics, "kv_upstream_reserved_tokens", upstream.base_url) == 0

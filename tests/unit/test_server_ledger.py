@@ -62,31 +62,6 @@ def test_rejects_when_short_and_admits_after_release() -> None:
     assert ledger.try_admit(100, 4000, now=0.0) is not None
 
 
-def test_shrink_lowers_a_live_reservation_to_its_need_and_lets_another_in() -> None:
-    events: list[object] = []
-    ledger = make(total_kv_tokens=5000, safety_fraction=1.0, on_event=events.append)
-    window = ledger.try_admit(4096 - 100, 100, now=0)  # admitted on the whole window
-    assert window is not None
-    assert ledger.try_admit(1000, 100, now=0) is None
-    held = window.reserved_tokens
-    assert held == ledger.need_tokens(4096 - 100, 100)
-    freed = ledger.shrink(window, 200)
-    assert freed == held - ledger.need_tokens(200, 100) > 0
-    assert window.reserved_tokens == ledger.need_tokens(200, 100)
-    assert window.prompt_tokens == 200
-    assert ledger.stats().reserved_tokens == window.reserved_tokens
-    assert ledger.shrink(window, 3000) == 0  # never up
-    assert window.reserved_tokens == ledger.need_tokens(200, 100)
-    other = ledger.try_admit(1000, 100, now=0)
-    assert other is not None
-    ledger.release(window)
-    assert ledger.shrink(window, 0) == 0  # released: nothing to give back
-    ledger.release(other)
-    assert ledger.stats().reserved_tokens == 0
-    kinds = [e.kind for e in events]  # type: ignore[attr-defined]
-    assert kinds == ["admit", "shrink", "admit", "release", "release"]
-
-
 def test_release_is_idempotent() -> None:
     ledger = make()
     handle = ledger.try_admit(10, 10, now=0.0)
@@ -282,7 +257,7 @@ def test_many_threads_admit_and_release_back_to_zero() -> None:
 
 
 _op = st.tuples(
-    st.sampled_from(["admit", "finish", "fail", "cancel", "double_release", "shrink"]),
+    st.sampled_from(["admit", "finish", "fail", "cancel", "double_release"]),
     st.integers(0, 3000),
     st.integers(1, 3000),
     st.integers(0, 10_000),
@@ -310,8 +285,6 @@ def test_random_interleavings_from_many_threads_keep_the_invariants(
                 handle = ledger.try_admit(prompt, cap, now=0.0)
                 if handle is not None:
                     held.append(handle)
-            elif op == "shrink":  # a count landed for one admitted on an upper bound
-                ledger.shrink(held[pick % len(held)], prompt // 2)
             else:
                 # finish, fail and cancel all end in the same finally: release.
                 handle = held.pop(pick % len(held))
@@ -363,25 +336,6 @@ class LedgerMachine(RuleBasedStateMachine):
         handle = self.live.pop(pick % len(self.live))
         self.ledger.release(handle)
         self.dead.append(handle)
-
-    @precondition(lambda self: bool(self.live or self.dead))
-    @rule(pick=st.integers(0, 100), prompt=st.integers(0, 4000))
-    def shrink(self, pick: int, prompt: int) -> None:
-        """A count landed: the reservation goes down to its need, never up; a released
-        handle's shrink changes nothing."""
-        pool = self.live + self.dead
-        handle = pool[pick % len(pool)]
-        held = handle.reserved_tokens
-        before = self.ledger.stats().reserved_tokens
-        freed = self.ledger.shrink(handle, prompt)
-        need = self.ledger.need_tokens(prompt, handle.output_cap)
-        if handle in self.live and need < held:
-            assert freed == held - need
-            assert handle.reserved_tokens == need
-        else:
-            assert freed == 0
-            assert handle.reserved_tokens == held
-        assert self.ledger.stats().reserved_tokens == before - freed
 
     @precondition(lambda self: bool(self.dead))
     @rule(pick=st.integers(0, 100))

@@ -429,3 +429,72 @@ def test_a_step_ends_at_the_same_moment_whether_steps_run_one_by_one_or_in_a_bat
         ]
 
     assert run(fine=True) == run(fine=False)
+
+
+# --- an engine that preempts ------------------------------------------------------------------
+
+
+def test_an_overflow_preempts_the_newest_sequence_and_recomputes_it_when_it_fits() -> None:
+    # Pool of 8 blocks (128 tokens): two sequences of 48-token prompts grow to 64 each after 16
+    # steps; the 17th step would need a fifth block for one of them.
+    s = scheduler(capacity_tokens=128, on_overflow="preempt", recompute_seconds=0.001)
+    old, new = seq(48, stop=40), seq(48, stop=40)
+    s.add(old, 0.0)
+    s.add(new, 0.0)
+    s.advance(at_step(16))
+    assert (old.generated, new.generated, s.used_tokens) == (16, 16, 128)
+    s.advance(at_step(17))
+    assert s.preemptions_total == 1
+    assert not new.running
+    assert list(s.waiting) == [new]
+    assert new.generated == 16
+    assert old.generated == 17
+    assert s.used_tokens == blocks(48 + 17)
+    assert s.oom_events_total == 0
+    # The old one ends at step 40; the new one rejoins once its blocks fit (with a block to
+    # spare for the running), recomputing its 64 tokens (64 ms added to that step), and ends.
+    s.advance(at_step(300))
+    assert old.done
+    assert new.done
+    assert new.generated == 40
+    assert s.used_tokens == 0
+    assert s.oom_events_total == 0
+    assert s.peak_used_tokens <= 128
+
+
+def test_a_preempting_engine_starts_a_newcomer_only_when_its_blocks_fit() -> None:
+    s = scheduler(capacity_tokens=64, on_overflow="preempt")
+    first, second = seq(40, stop=5), seq(40, stop=5)
+    s.add(first, 0.0)
+    s.add(second, 0.0)  # 3 blocks + 3 blocks would overflow 4
+    assert first.running
+    assert not second.running
+    assert list(s.waiting) == [second]
+    s.advance(at_step(20))
+    assert first.done
+    assert second.done
+    assert s.oom_events_total == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 80), st.integers(1, 120), st.integers(0, 50)), max_size=12),
+    st.integers(8, 30),
+)
+def test_a_preempting_engine_never_overflows_and_finishes_everything(
+    requests: list[tuple[int, int, int]], pool_blocks: int
+) -> None:
+    s = scheduler(capacity_tokens=pool_blocks * B, on_overflow="preempt", recompute_seconds=0.0005)
+    sequences = []
+    for prompt, stop, arrival in sorted(requests, key=lambda r: r[2]):
+        if blocks(prompt + stop + 1) + B > pool_blocks * B:
+            continue  # could never fit alone
+        sequence = seq(prompt, stop=stop)
+        s.add(sequence, at_step(arrival))
+        sequences.append(sequence)
+    s.advance(1000.0)
+    event(f"preempted: {s.preemptions_total > 0}")
+    assert all(x.done and x.failure is None for x in sequences)
+    assert s.oom_events_total == 0
+    assert s.peak_used_tokens <= pool_blocks * B
+    assert s.used_tokens == 0

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Protocol
 
 import anyio
 import pytest
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from reference_server import Handle
-from reference_server.admission.interface import AsyncLedger, LocalLedger
+from reference_server.admission.ledger import KVAdmissionController
 from reference_server.admission.queue import LedgerUnavailable, Rejected
 from reference_server.shared_ledger import queue as shared_queue
 from reference_server.shared_ledger.connection import connect
@@ -84,8 +85,6 @@ async def test_two_gateways_share_one_budget_and_release_once(
     await a.release(held)
     await a.release(held)  # idempotent
     assert await b.load() == (4112, 1)
-    assert await b.shrink(held2, 10) == 96
-    assert await a.load() == (4016, 1)
     await b.release(held2)
     assert await a.load() == (0, 0)
 
@@ -500,6 +499,44 @@ def test_the_password_comes_from_the_url_or_else_the_environment() -> None:
 # --- the property tests, against both ledgers ---------------------------------------------------
 
 
+class AsyncLedger(Protocol):
+    """What both ledgers do, async (the shared one speaks to Redis)."""
+
+    @property
+    def pricing(self) -> KVAdmissionController: ...
+
+    async def try_admit(
+        self, prompt_tokens: int, output_cap: int, *, need: int | None = None
+    ) -> Handle | None: ...
+
+    async def release(self, handle: Handle) -> None: ...
+
+    async def retry_after(self, need: int, *, duration: float = 0.0) -> tuple[float, int]: ...
+
+    async def load(self) -> tuple[int, int]: ...
+
+
+class LocalLedger:
+    """:class:`AsyncLedger` over an in-process ledger."""
+
+    def __init__(self, ledger: KVAdmissionController) -> None:
+        self.pricing = ledger
+
+    async def try_admit(
+        self, prompt_tokens: int, output_cap: int, *, need: int | None = None
+    ) -> Handle | None:
+        return self.pricing.try_admit(prompt_tokens, output_cap, now=time.monotonic(), need=need)
+
+    async def release(self, handle: Handle) -> None:
+        self.pricing.release(handle, time.monotonic())
+
+    async def retry_after(self, need: int, *, duration: float = 0.0) -> tuple[float, int]:
+        return self.pricing.retry_after(need, time.monotonic(), duration=duration), 0
+
+    async def load(self) -> tuple[int, int]:
+        return self.pricing.load()
+
+
 class _Bridge:
     """One event loop per machine, so a sync state machine drives the async interface."""
 
@@ -563,22 +600,6 @@ class LedgerMachine(RuleBasedStateMachine):
         handle = self.live.pop(pick % len(self.live))
         self.run(self.ledger.release(handle))
         self.dead.append(handle)
-
-    @precondition(lambda self: bool(self.live or self.dead))
-    @rule(pick=st.integers(0, 100), prompt=st.integers(0, 4000))
-    def shrink(self, pick: int, prompt: int) -> None:
-        pool = self.live + self.dead
-        handle = pool[pick % len(pool)]
-        held = handle.reserved_tokens
-        before, _ = self.run(self.ledger.load())
-        freed = self.run(self.ledger.shrink(handle, prompt))
-        need = self.ledger.pricing.need_tokens(prompt, handle.output_cap)
-        if handle in self.live and need < held:
-            assert freed == held - need == held - handle.reserved_tokens
-        else:
-            assert freed == 0
-            assert handle.reserved_tokens == held
-        assert self.run(self.ledger.load())[0] == before - freed
 
     @precondition(lambda self: bool(self.dead))
     @rule(pick=st.integers(0, 100))
