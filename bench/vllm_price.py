@@ -1,171 +1,90 @@
-"""The gateway's price in throughput, on a real vLLM: the same overload direct and through it.
+"""The gateway's price in throughput, on a real vLLM: the same load direct and through it.
 
-A burst of long generations (``--requests`` 32, caps drawn from 400-800, sent at once) to the
-real vLLM the tests use (``scripts/vllm_engine.py``: a tiny random-weight Llama on CPU, a 2,048
-window over 3,072 KV tokens, 8 sequences at most), through ``kvclient.AsyncClient``:
+The real vLLM the tests use (``scripts/vllm_engine.py``: a tiny random-weight Llama on CPU, a
+2,048 window) over 3,072 KV tokens and 8 sequences at most (``--engine small``, the tests'), or
+over 16,384 KV tokens and 64 sequences (``--engine large``: the pool binds), through
+``kvclient.AsyncClient``, with vLLM on CPU 1 and the client and the gateway on CPU 0:
 
 - **direct**: vLLM admits everything its scheduler can fit and preempts sequences when their KV
-  outgrows the pool (recomputing them later);
-- **gateway**: ``kvclient gateway --max-running 8`` in front of the same vLLM, its defaults:
-  the peak rule (admit by the most the holders can hold at once, from each one's progress as
-  its stream shows it), and what does not fit waits in its FIFO queue (``--max-queue-wait``
-  300 s), admitted the moment there is room; kvclient says how long it will wait (``Prefer:
-  wait``);
-- **caps**: the same with ``--admission-rule caps``: every holder counts its whole reservation;
-- **gateway, no queue**: the peak rule with ``--max-queue-wait 0``: a 429 + Retry-After at
-  once, the client pacing itself from the RateLimit room;
-- **tight** (not run by default): the peak rule admitting to 95 % of vLLM's pool instead of
-  90 % (vLLM keeps one of its blocks for itself: 95 % of 24 blocks stays under the 23 it
-  allocates from).
+  outgrows the pool (recomputing them later); ``direct@N``: the client sends at most N at once;
+- **gateway**: ``kvclient gateway --max-running N`` in front of the same vLLM, its defaults: the
+  pool vLLM really has (less its null block), the peak rule with a newcomer's clock, and holders
+  counted by a forecast of their outputs within a preemption budget (5 per 1,000 requests); what
+  does not fit waits in its FIFO queue;
+- **exact**: the same with ``--preemption-budget 0`` (no forecast: every holder to its cap);
+- **caps**: ``--admission-rule caps``, every holder its whole reservation;
+- **no-queue** (429 + Retry-After at once), ``lag@S`` (``--relay-lag S``), ``budget@N``
+  (``--preemption-budget N``).
 
-``--mix prefix``: the prefix-heavy mix instead: two shared prefixes of 512 tokens, a 64-token
-suffix each, ``max_tokens`` 300 (vLLM shares the prefixes' KV blocks; the gateway counts them
-once where a holder past its prefill has them).
+Mixes (``--mix``):
 
-Reported side by side: completed requests, output tokens per second (completion tokens over the
-burst's wall time), p50/p99 latency, attempts per completed request (every POST the client's
-transport sent), 429s, and vLLM's preemptions during the run (``vllm:num_preemptions_total``).
+- ``caps``: a burst of ``--requests`` (32) sent at once, caps 400-800, every one run to its cap;
+- ``prefix``: a burst of prompts of two shared 512-token prefixes, 64-token suffixes, 300 out;
+- ``realistic``: Poisson arrivals at ``--rate`` a second, prompts of 100-300 tokens, caps
+  400-800, outputs that stop before their caps (median about a third of the cap, a long tail;
+  see ``_vllm_price_load.py``), streamed: TTFT, TPOT and goodput (TTFT <= 5 s, TPOT <= 60 ms),
+  measured by our client and, with ``--tester vllm``, by vLLM's own ``vllm bench serve``.
 
-    python bench/vllm_price.py [--requests 32] [--runs direct,gateway,caps,no-queue] [--mix prefix]
+Reported side by side: output tokens/s, vs direct, preemptions (``vllm:num_preemptions_total``),
+attempts per completed request, 429s, sequences running at once and KV used (vLLM's own
+gauges), and for the bursts each rule played exactly on the same mix (``ideal_running``).
 
-About 10 minutes on 2 cores (vLLM's start-up included). Needs vLLM installed by
+    python bench/vllm_price.py [--mix caps|prefix|realistic] [--rate R] [--engine small|large]
+        [--runs direct,gateway,exact,caps] [--rounds N] [--tester ours|vllm|both]
+
+10-30 minutes on 2 cores (vLLM's start-up included). Needs vLLM installed by
 ``python scripts/test_setup.py`` (or ``python scripts/vllm_engine.py ensure``).
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, ClassVar
 
 import anyio
 import httpx
 from _common import gateway_process, machine, pin_to_cpu, print_table, write_json
+from _vllm_price_load import (
+    PREFIX_CAP,
+    PREFIX_TOKENS,
+    PREFIXES,
+    Item,
+    burst,
+    caps_workload,
+    poisson,
+    prefix_workload,
+    realistic_workload,
+    vllm_tester,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import vllm_engine
 
-from kvclient import AsyncClient, HuggingFaceCounter, RetryPolicy
-from kvclient.engines.budget import budget_from_vllm_metrics
+from kvclient import HuggingFaceCounter
+from kvclient.engines.budget import VLLM_KEPT_BLOCKS, budget_from_vllm_metrics
 from kvclient.engines.metrics import preemptions_from_vllm_metrics, prometheus_samples
-from kvclient.loadgen import percentile
+from reference_server.admission.holders import START_SLACK_STEPS
 from reference_server.admission.ledger import DEFAULT_SAFETY_FRACTION
 from reference_server.admission.peak import Holder, peak, prefix_blocks
 
-SEED = 7
-DEADLINE = 900.0
 LABELS = {
     "direct": "direct to vLLM",
-    "gateway": "through kvclient gateway (defaults: peak rule, a FIFO queue)",
+    "gateway": "through kvclient gateway (its defaults)",
+    "exact": "through kvclient gateway --preemption-budget 0 (no forecast)",
     "caps": "through kvclient gateway --admission-rule caps",
     "no-queue": "through kvclient gateway --max-queue-wait 0 (429 at once)",
-    "tight": "through kvclient gateway --safety-fraction 0.95",
 }
-#: The prefix-heavy mix: shared prefixes, each request's own suffix, one output cap.
-PREFIXES, PREFIX_TOKENS, SUFFIX_TOKENS, PREFIX_CAP = 2, 512, 64, 300
-
-
-def workload(requests: int, low: int, high: int) -> list[tuple[str, int]]:
-    """Seeded prompts (a few words each) and caps drawn uniformly from ``low``-``high``."""
-    rng = random.Random(SEED)
-    words = "story river mountain lamp garden engine winter market letter harbor".split()
-    return [
-        (f"Tell a long story about {' and '.join(rng.sample(words, 3))}.", rng.randint(low, high))
-        for _ in range(requests)
-    ]
-
-
-def prefix_workload(requests: int) -> list[tuple[str, int]]:
-    """Seeded prompts of one of two 512-word prefixes (one token a word for Llama 3's
-    tokenizer) and a 64-word suffix of their own, each with ``max_tokens`` 300."""
-    rng = random.Random(SEED)
-    words = "story river mountain lamp garden engine winter market letter harbor".split()
-    prefixes = [" ".join(rng.choice(words) for _ in range(PREFIX_TOKENS)) for _ in range(PREFIXES)]
-    return [
-        (
-            prefixes[i % PREFIXES]
-            + " "
-            + " ".join(rng.choice(words) for _ in range(SUFFIX_TOKENS)),
-            PREFIX_CAP,
-        )
-        for i in range(requests)
-    ]
+#: The engines: (KV cache bytes of the tiny model at 2 KiB a token, sequences at once).
+ENGINES = {"small": ("6M", 8), "large": ("32M", 64)}
 
 
 def preemptions(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=30).text
     return preemptions_from_vllm_metrics(text) or 0.0
-
-
-async def burst(
-    url: str, items: list[tuple[str, int]], counter: HuggingFaceCounter, limit: int | None = None
-) -> dict[str, Any]:
-    """Send every item at once through one AsyncClient (at most ``limit`` in flight: None, no
-    limit); what came back, and how."""
-    posts = 0
-    rejected = 0
-
-    async def on_response(response: httpx.Response) -> None:
-        nonlocal posts, rejected
-        if response.request.method == "POST":
-            posts += 1
-            rejected += response.status_code == 429
-
-    http = httpx.AsyncClient(
-        timeout=DEADLINE,
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        event_hooks={"response": [on_response]},
-    )
-    latencies: list[float] = []
-    tokens = 0
-    failures: dict[str, int] = {}
-    async with (
-        http,
-        AsyncClient(
-            base_url=url,
-            counter=counter,
-            http_client=http,
-            retry=RetryPolicy(deadline=DEADLINE, max_attempts=50),
-        ) as client,
-    ):
-        slots = anyio.Semaphore(limit or len(items))
-
-        async def one(prompt: str, cap: int) -> None:
-            nonlocal tokens
-            started = time.monotonic()
-            try:
-                async with slots:
-                    result = await client.complete(prompt, max_tokens=cap)
-            except Exception as exc:
-                failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
-                return
-            latencies.append(time.monotonic() - started)
-            tokens += result.usage.completion_tokens if result.usage else 0
-
-        started = time.monotonic()
-        async with anyio.create_task_group() as group:
-            for prompt, cap in items:
-                group.start_soon(one, prompt, cap)
-        wall = time.monotonic() - started
-    completed = len(latencies)
-    return {
-        "requests": len(items),
-        "completed": completed,
-        "failures": failures,
-        "wall_seconds": wall,
-        "completion_tokens": tokens,
-        "tokens_per_second": tokens / wall if wall else 0.0,
-        "latency_p50": percentile(latencies, 50),
-        "latency_p99": percentile(latencies, 99),
-        "attempts": posts,
-        "attempts_per_completed": posts / completed if completed else None,
-        "http_429": rejected,
-    }
 
 
 class EngineWatch:
@@ -215,64 +134,88 @@ class EngineWatch:
 
 
 def label(name: str) -> str:
-    if name.startswith("direct@"):
-        return f"direct to vLLM, at most {name.partition('@')[2]} at once (the client waits)"
-    if name.startswith("lag@"):
-        return f"through kvclient gateway --relay-lag {name.partition('@')[2]}"
+    kind, _, value = name.partition("@")
+    if kind == "direct" and value:
+        return f"direct to vLLM, at most {value} at once (the client waits)"
+    if kind == "lag":
+        return f"through kvclient gateway --relay-lag {value}"
+    if kind == "budget":
+        return f"through kvclient gateway --preemption-budget {value}"
     return LABELS[name]
-
-
-def run(
-    name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]], cpu: int | None
-) -> dict[str, Any]:
-    with EngineWatch(engine.url) as watch:
-        result = _run(name, engine, items, cpu)
-    result.update(watch.summary())
-    return result
 
 
 def gateway_args(name: str, engine: vllm_engine.VllmServer) -> list[str]:
     """The ``kvclient gateway`` options of run ``name``."""
     args = ["--max-running", str(engine.max_num_seqs)]
-    if name == "caps":
-        args += ["--admission-rule", "caps"]
-    if name == "no-queue":
-        args += ["--max-queue-wait", "0"]
-    if name == "tight":
-        args += ["--safety-fraction", "0.95"]
-    if name.startswith("lag@"):
-        args += ["--relay-lag", name.partition("@")[2]]
+    kind, _, value = name.partition("@")
+    args += {
+        "caps": ["--admission-rule", "caps"],
+        "exact": ["--preemption-budget", "0"],
+        "no-queue": ["--max-queue-wait", "0"],
+        "lag": ["--relay-lag", value],
+        "budget": ["--preemption-budget", value],
+    }.get(kind, [])
     return args
 
 
-def _run(
-    name: str, engine: vllm_engine.VllmServer, items: list[tuple[str, int]], cpu: int | None
+def run(
+    name: str, engine: vllm_engine.VllmServer, items: list[Item], cpu: int | None, tester: str
 ) -> dict[str, Any]:
+    """One run of ``name``: the load played by our client (``tester`` "ours") or vLLM's own
+    (``tester`` "vllm"), vLLM's gauges watched meanwhile, its preemptions counted."""
     counter = HuggingFaceCounter.from_pretrained(str(engine.model))
     before = preemptions(engine.url)
-    if name.startswith("direct"):
-        limit = int(name.partition("@")[2]) if "@" in name else None
-        result = anyio.run(burst, engine.url, items, counter, limit)
-    else:
-        # The gateway in a process of its own, as it is deployed (on the client's core when
-        # pinned: the CPU it spends is not taken from the engine's).
-        with gateway_process(engine.url, *gateway_args(name, engine), cpu=cpu) as url:
-            result = anyio.run(burst, url, items, counter)
-            metrics = httpx.get(url + "/metrics", timeout=30).text
-            breaks = prometheus_samples(metrics, "kv_upstream_lockstep_breaks")
-            result["lockstep_breaks"] = sum(value for _, value in breaks)
+    realistic = any(item.at for item in items)
+
+    def play(url: str) -> dict[str, Any]:
+        if tester == "vllm":
+            rate = (len(items) - 1) / items[-1].at
+            saved = vllm_tester(engine.python, engine.model, url, requests=len(items), rate=rate)
+            return {
+                "requests": len(items), "completed": saved["completed"],
+                "tokens_per_second": saved["output_throughput"],
+                "goodput": saved.get("request_goodput"),
+                "ttft_mean": saved["mean_ttft_ms"] / 1000, "ttft_p99": saved["p99_ttft_ms"] / 1000,
+                "tpot_p99": saved["p99_tpot_ms"] / 1000,
+                "latency_p99": saved["p99_e2el_ms"] / 1000, "attempts_per_completed": None,
+                "http_429": 0,
+            }  # fmt: skip
+        if realistic:
+            return anyio.run(poisson, url, items, counter)
+        limit = int(name.partition("@")[2]) if name.startswith("direct@") else None
+        return anyio.run(burst, url, items, counter, limit)
+
+    with EngineWatch(engine.url) as watch:
+        if name.startswith("direct"):
+            result = play(engine.url)
+        else:
+            # The gateway in a process of its own, as it is deployed (on the client's core when
+            # pinned: the CPU it spends is not taken from the engine's).
+            with gateway_process(engine.url, *gateway_args(name, engine), cpu=cpu) as url:
+                result = play(url)
+                metrics = httpx.get(url + "/metrics", timeout=30).text
+                health = httpx.get(url + "/health", timeout=30).json()["upstreams"][0]
+                breaks = prometheus_samples(metrics, "kv_upstream_lockstep_breaks")
+                result["lockstep_breaks"] = sum(value for _, value in breaks)
+                result["forecast"] = health.get("forecast")
+                result["late_starts"] = health.get("late_starts")
+                result["usable_tokens"] = health.get("usable_tokens")
+    result.update(watch.summary())
     result["preemptions"] = preemptions(engine.url) - before
     result["run"] = name
+    result["tester"] = tester
     return result
 
 
-#: The rules :func:`ideal_running` plays: whole caps; the peak rule as built (a newcomer counts
-#: whole until its first token); the peak rule if a newcomer's start were known (its trajectory
-#: from admission on).
+#: The rules :func:`ideal_running` plays: whole caps; the peak rule as built before, a newcomer
+#: whole until its first token, into 90 % of the pool; the peak rule as built now, the pool less
+#: vLLM's null block and a newcomer counted from admission with ``START_SLACK_STEPS`` steps of
+#: slack; and the best schedule that never preempts (the whole pool, starts known exactly).
 IDEAL_RULES = {
-    "caps": "whole caps",
-    "peak": "peak rule (a newcomer whole until its first token)",
-    "peak, start known": "peak rule, if a newcomer's start were known",
+    "caps": "whole caps, 90 % of the pool",
+    "peak, before": "peak rule as built before (a newcomer whole until its first token, 90 %)",
+    "peak, now": "peak rule as built now (the pool less its null block, the newcomer's clock)",
+    "best": "best schedule that never preempts (the whole pool, every start known)",
 }
 
 
@@ -280,7 +223,7 @@ def ideal_running(
     prompts: list[list[int]],
     caps: list[int],
     *,
-    usable: int,
+    pool: int,
     block_size: int,
     max_running: int,
     rule: str,
@@ -288,9 +231,16 @@ def ideal_running(
     """The mean number of sequences at once if the gateway saw every holder's progress exactly
     and at once (no relay lag, a newcomer's first token on the step after its admission), the
     engine stepping all of them together: the FIFO queue admitting by ``rule`` (see
-    :data:`IDEAL_RULES`) as the ledger counts, every request running to its cap as they do here.
-    What the rule itself allows on this mix, against which the measured runs' means say what
-    the relay's view costs."""
+    :data:`IDEAL_RULES`) as the ledger counts, every request running to its cap as it does in
+    the bursts. What each rule allows on this mix, against which the measured runs' means say
+    what the relay's view costs."""
+    if rule in ("caps", "peak, before"):
+        usable = int(pool * DEFAULT_SAFETY_FRACTION)
+    elif rule == "peak, now":
+        usable = pool - VLLM_KEPT_BLOCKS * block_size
+    else:
+        usable = pool - VLLM_KEPT_BLOCKS * block_size
+    slack = START_SLACK_STEPS if rule == "peak, now" else 0
     queue = list(zip(prompts, caps, strict=True))
     running: list[tuple[Holder, int]] = []  # (its holder at admission, steps it has run)
     steps = produced = 0
@@ -304,8 +254,8 @@ def ideal_running(
                 Holder(h.held + s, h.most, h.steps_left - s, h.prefix, h.borrowed)  # type: ignore[operator]
                 for h, s in running
             ]
-            new = admitted
-            if rule != "peak, start known":
+            new = Holder(admitted.held, admitted.most, cap + 1 + slack, keys, admitted.borrowed)
+            if rule in ("caps", "peak, before"):
                 new = Holder.flat(new.most, new.prefix, new.borrowed)
             if rule == "caps":  # every reservation whole, shared blocks or not
                 now = [Holder.flat(h.most) for h in now]
@@ -335,19 +285,29 @@ def fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=32, help="requests in the burst")
+    parser.add_argument("--requests", type=int, default=None, help="requests (default: 32 in a "
+                        "burst, 150 realistic)")  # fmt: skip
     parser.add_argument("--low", type=int, default=400, help="smallest max_tokens")
     parser.add_argument("--high", type=int, default=800, help="largest max_tokens")
     parser.add_argument(
-        "--runs",
-        default="direct,direct@4,gateway,caps",
-        help="comma-separated: direct, direct@N (at most N at once), gateway, caps, no-queue, "
-        "tight",
-    )
+        "--runs", default="direct,direct@4,gateway,exact,caps",
+        help="comma-separated: direct, direct@N (at most N at once), gateway, exact, caps, "
+        "no-queue, lag@S, budget@N",
+    )  # fmt: skip
     parser.add_argument(
-        "--mix", choices=("caps", "prefix"), default="caps",
-        help="caps: short prompts, caps from --low to --high; prefix: two shared 512-token "
-        "prefixes, 64-token suffixes, max_tokens 300",
+        "--mix", choices=("caps", "prefix", "realistic"), default="caps",
+        help="caps: a burst run to caps of --low to --high; prefix: a burst of two shared "
+        "512-token prefixes; realistic: Poisson arrivals at --rate, outputs that stop early",
+    )  # fmt: skip
+    parser.add_argument("--rate", type=float, default=1.5, help="realistic: requests a second")
+    parser.add_argument(
+        "--engine", choices=sorted(ENGINES), default="small",
+        help="small: 3,072 KV tokens, 8 sequences (the tests'); large: 16,384 KV tokens, 64",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tester", choices=("ours", "vllm", "both"), default="ours",
+        help="realistic: who plays the load: kvclient's AsyncClient, vLLM's own "
+        "`vllm bench serve`, or both (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--rounds", type=int, default=1,
@@ -362,98 +322,126 @@ def main() -> None:
     args = parser.parse_args()
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     if args.mix == "prefix":
-        items = prefix_workload(args.requests)
+        items = prefix_workload(args.requests or 32)
+    elif args.mix == "realistic":
+        items = realistic_workload(args.requests or 150, args.rate, args.low, args.high)
     else:
-        items = workload(args.requests, args.low, args.high)
+        items = caps_workload(args.requests or 32, args.low, args.high)
+    testers = ["ours", "vllm"] if args.tester == "both" else [args.tester]
+    if args.mix != "realistic":
+        testers = ["ours"]
     pinned = not args.no_pin and pin_to_cpu(0)
+    kv_bytes, seqs = ENGINES[args.engine]
     print("… starting vLLM (a minute or two)", flush=True)
-    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    with vllm_engine.VllmServer(cpus={1} if pinned else None) as engine:
+    keys = [(name, tester) for tester in testers for name in names]
+    rounds: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key in keys}
+    with vllm_engine.VllmServer(
+        cpus={1} if pinned else None, kv_cache_bytes=kv_bytes, max_num_seqs=seqs
+    ) as engine:
         for round_ in range(args.rounds):
-            for name in names:
-                print(f"… round {round_ + 1}: {label(name)}", flush=True)
-                rounds[name].append(run(name, engine, items, 0 if pinned else None))
-                print(f"  {rounds[name][-1]}", flush=True)
+            for name, tester in keys:
+                print(f"… round {round_ + 1}: {label(name)} ({tester})", flush=True)
+                result = run(name, engine, items, 0 if pinned else None, tester)
+                rounds[name, tester].append(result)
+                print(f"  {result}", flush=True)
         counter = HuggingFaceCounter.from_pretrained(str(engine.model))
-        ideal = ideals(items, counter, engine)
-    results = [median_round(rounds[name]) for name in names]
-    direct = next((r for r in results if r["run"] == "direct"), None)
+        ideal = ideals(items, counter, engine) if args.mix != "realistic" else {}
+    results = [median_round(rounds[key]) for key in keys]
     for r in results:
-        r["vs_direct"] = r["tokens_per_second"] / direct["tokens_per_second"] if direct else None
-    rows = [
-        [
-            label(r["run"]),
-            f"{r['completed']}/{r['requests']}",
-            f"{r['tokens_per_second']:.1f}",
-            fmt(r["latency_p50"], ".0f", " s"),
-            fmt(r["latency_p99"], ".0f", " s"),
-            fmt(r["attempts_per_completed"], ".2f"),
-            str(r["http_429"]),
-            f"{r['preemptions']:.0f}",
-            f"{fmt(r['running_mean'], '.1f')} ({fmt(r['running_max'], '.0f')})",
-            fmt(r["kv_usage_mean"] and 100 * r["kv_usage_mean"], ".0f", " %"),
-            fmt(r["kv_usage_max"] and 100 * r["kv_usage_max"], ".0f", " %"),
-            fmt(r["vs_direct"], ".2f", "x"),
-        ]
-        for r in results
-    ]
-    what = (
-        f"{args.requests} requests of {PREFIXES} shared {PREFIX_TOKENS}-token prefixes, "
-        f"max_tokens {PREFIX_CAP}"
-        if args.mix == "prefix"
-        else f"{args.requests} requests with max_tokens {args.low}-{args.high}"
-    )
-    print_table(
-        f"{what} sent at once, real vLLM "
-        f"{vllm_engine.VLLM_VERSION} on CPU (3,072 KV tokens, window 2,048, 8 sequences at most"
-        f"{'; vLLM on CPU 1, the rest on CPU 0' if pinned else ''})",
-        [
-            "run",
-            "completed",
-            "output tokens/s",
-            "p50",
-            "p99",
-            "attempts / completed",
-            "429s",
-            "preemptions",
-            "running at once, mean (most)",
-            "KV used, mean",
-            "KV used, most",
-            "vs direct",
-        ],
-        rows,
-    )
-    model = step_model(results)
-    for rule, mean in ideal.items():
-        line = f"{IDEAL_RULES[rule]}, ideal (exact progress, no lag): {mean:.2f} at once"
-        if model is not None and direct is not None:
-            a, b = model
-            line += (
-                f", {mean / (a + b * mean):.0f} tokens/s by the step time measured "
-                f"({1000 * a:.1f} + {1000 * b:.2f} ms a sequence): "
-                f"{mean / (a + b * mean) / direct['tokens_per_second']:.2f}x direct"
-            )
-        print(line)
+        direct = next(
+            (d for d in results if d["run"] == "direct" and d["tester"] == r["tester"]), None
+        )
+        for what in ("tokens_per_second", "goodput"):
+            mine, theirs = r.get(what), direct.get(what) if direct else None
+            r[f"{what}_vs_direct"] = mine / theirs if mine is not None and theirs else None
+    report(args, results, ideal, pinned, seqs)
+    name = f"vllm_price_{args.mix}_{args.engine}"
     write_json(
-        "vllm_price" if args.mix == "caps" else "vllm_price_prefix",
-        {"machine": machine(), "requests": args.requests, "caps": [args.low, args.high],
-         "mix": args.mix, "rounds": args.rounds, "pinned": pinned, "results": results,
-         "ideal_running": ideal, "step_model": model, "all_rounds": rounds},
+        name + (f"_{args.rate:g}" if args.mix == "realistic" else ""),
+        {"machine": machine(), "requests": len(items), "caps": [args.low, args.high],
+         "mix": args.mix, "rate": args.rate, "engine": args.engine, "rounds": args.rounds,
+         "pinned": pinned, "results": results, "ideal_running": ideal,
+         "step_model": step_model(results),
+         "all_rounds": {f"{n} ({t})": v for (n, t), v in rounds.items()}},
     )  # fmt: skip
 
 
+def report(
+    args: argparse.Namespace,
+    results: list[dict[str, Any]],
+    ideal: dict[str, float],
+    pinned: bool,
+    seqs: int,
+) -> None:
+    """The table of the runs, and for the bursts each rule played exactly."""
+    realistic = args.mix == "realistic"
+    headers = ["run", "tester", "completed", "output tokens/s", "vs direct"]
+    if realistic:
+        headers += ["goodput/s", "vs direct", "TTFT mean", "TTFT p99", "TPOT p99"]
+    else:
+        headers += ["p50", "p99"]
+    headers += ["preemptions", "attempts / completed", "running at once, mean (most)",
+                "KV used, mean", "forecast quantile"]  # fmt: skip
+    rows = []
+    for r in results:
+        row = [
+            label(r["run"]),
+            r["tester"],
+            f"{r['completed']}/{r['requests']}",
+            f"{r['tokens_per_second']:.1f}",
+            fmt(r["tokens_per_second_vs_direct"], ".2f", "x"),
+        ]
+        if realistic:
+            row += [fmt(r.get("goodput"), ".2f"), fmt(r.get("goodput_vs_direct"), ".2f", "x"),
+                    fmt(r.get("ttft_mean"), ".1f", " s"), fmt(r.get("ttft_p99"), ".1f", " s"),
+                    fmt(r.get("tpot_p99") and 1000 * r["tpot_p99"], ".0f", " ms")]  # fmt: skip
+        else:
+            row += [fmt(r.get("latency_p50"), ".0f", " s"), fmt(r.get("latency_p99"), ".0f", " s")]
+        forecast = r.get("forecast") or {}
+        row += [f"{r['preemptions']:.0f}", fmt(r.get("attempts_per_completed"), ".2f"),
+                f"{fmt(r['running_mean'], '.1f')} ({fmt(r['running_max'], '.0f')})",
+                fmt(r["kv_usage_mean"] and 100 * r["kv_usage_mean"], ".0f", " %"),
+                fmt(forecast.get("quantile"), "g")]  # fmt: skip
+        rows.append(row)
+    if args.mix == "prefix":
+        what = f"{PREFIXES} shared {PREFIX_TOKENS}-token prefixes, max_tokens {PREFIX_CAP}"
+        what += ", at once"
+    elif realistic:
+        what = f"Poisson arrivals at {args.rate:g}/s, caps {args.low}-{args.high}"
+        what += ", outputs that stop early"
+    else:
+        what = f"max_tokens {args.low}-{args.high} sent at once, run to their caps"
+    kv = "16,384 KV tokens, 64" if args.engine == "large" else "3,072 KV tokens, 8"
+    print_table(
+        f"{what}, real vLLM {vllm_engine.VLLM_VERSION} on CPU ({kv} sequences at most"
+        f"{'; vLLM on CPU 1, the rest on CPU 0' if pinned else ''})",
+        headers,
+        rows,
+    )
+    model = step_model(results)
+    direct = next((r for r in results if r["run"] == "direct"), None)
+    for rule, mean in ideal.items():
+        line = f"{IDEAL_RULES[rule]}, played exactly: {mean:.2f} at once"
+        if model is not None and direct is not None:
+            a, b = model
+            rate = mean / (a + b * mean)
+            ratio = rate / direct["tokens_per_second"]
+            line += f", {rate:.0f} tokens/s by the step time measured: {ratio:.2f}x direct"
+        print(line)
+
+
 def ideals(
-    items: list[tuple[str, int]], counter: HuggingFaceCounter, engine: vllm_engine.VllmServer
+    items: list[Item], counter: HuggingFaceCounter, engine: vllm_engine.VllmServer
 ) -> dict[str, float]:
-    """:func:`ideal_running` by each rule, at the gateway's defaults against this engine."""
+    """:func:`ideal_running` by each rule against this engine."""
     found = budget_from_vllm_metrics(httpx.get(engine.url + "/metrics", timeout=30).text)
     assert found is not None, "vLLM's /metrics has no vllm:cache_config_info"
     total, block_size = found
     return {
         rule: ideal_running(
-            [counter.encode(prompt) for prompt, _ in items],
-            [cap for _, cap in items],
-            usable=int(total * DEFAULT_SAFETY_FRACTION),
+            [counter.encode(item.prompt) for item in items],
+            [item.cap for item in items],
+            pool=total,
             block_size=block_size,
             max_running=engine.max_num_seqs,
             rule=rule,

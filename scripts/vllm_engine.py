@@ -52,6 +52,11 @@ MODEL = {
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
     "max_position_embeddings": 8192,
+    # Small embeddings keep the logits small: at temperature 1 the next token is spread over the
+    # whole vocabulary (a larger scale makes each sequence repeat one token for ever), so a set
+    # of K stop token ids ends a sequence with a chance of about K / 128,256 a step, and load
+    # can stop before its caps as real outputs do (bench/vllm_price.py --mix realistic).
+    "embed_scale": 0.01,
     "seed": 1234,
     "format": 1,  # bump when the generator changes what it writes
 }
@@ -172,7 +177,7 @@ def write_model(target: Path) -> None:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     tensors = {
-        "model.embed_tokens.weight": weights(vocab_size, hidden, scale=0.5),
+        "model.embed_tokens.weight": weights(vocab_size, hidden, scale=float(m["embed_scale"])),
         "model.norm.weight": np.ones(hidden, dtype=np.float32),
     }
     for layer in range(int(m["num_hidden_layers"])):

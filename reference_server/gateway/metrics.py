@@ -154,12 +154,28 @@ class GatewayCollector:
                 1 if s is not None and s.rule == "peak" else 0 for _, s in rows
             ],
             "kv_upstream_committed_tokens": [s.committed_tokens if s else 0 for _, s in rows],
+            # The forecast of outputs: the quantile new holders are counted at (0: off, whole
+            # caps), the preemption budget (0: none, the exact rule) and the engine's measured
+            # preemptions per 1,000 requests; 1 while newcomers are counted from admission.
+            "kv_upstream_forecast_quantile": [
+                (s.forecast_quantile or 0) if s else 0 for _, s in rows
+            ],
+            "kv_upstream_preemption_budget": [
+                (s.preemption_budget or 0) if s else 0 for _, s in rows
+            ],
+            "kv_upstream_preemptions_per_1000": [
+                (s.preemption_rate or 0) if s else 0 for _, s in rows
+            ],
+            "kv_upstream_start_clock": [
+                1 if s is not None and s.start_clock else 0 for _, s in rows
+            ],
         }
         counters: dict[str, list[float]] = {
             "kv_upstream_admitted": [s.admitted_total if s else 0 for _, s in rows],
             "kv_upstream_rejected": [s.rejected_total if s else 0 for _, s in rows],
             "kv_upstream_errors": [u.errors for u, _ in rows],
             "kv_upstream_lockstep_breaks": [u.lockstep_breaks for u, _ in rows],
+            "kv_upstream_late_starts": [s.late_starts if s else 0 for _, s in rows],
         }
         yield GaugeMetricFamily(
             "kv_fairness_enabled",

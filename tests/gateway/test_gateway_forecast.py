@@ -131,12 +131,19 @@ def test_the_forecast_runs_more_at_once_than_the_exact_rule_within_its_budget() 
                 wait_for(lambda: ledger.stats().reserved_tokens == 0)  # noqa: B023
                 stats = ledger.stats()
                 health = httpx.get(gw.base_url + "/health").json()["upstreams"][0]
+                shown = httpx.get(gw.base_url + "/metrics").text
             metrics = upstream.metrics()
+        assert f'kv_upstream_preemption_budget{{upstream="{upstream.base_url}"}} {budget}' in shown
         assert metrics["kv_oom_events_total"] == 0
         assert health["admission"] == "peak"
         if budget:
             assert health["forecast"]["preemption_budget"] == budget
-            assert health["forecast"]["quantile"] is not None
+            quantile = health["forecast"]["quantile"]
+            assert quantile is not None
+            assert (
+                f'kv_upstream_forecast_quantile{{upstream="{upstream.base_url}"}} {quantile}'
+                in shown
+            )
         else:
             assert health["forecast"]["quantile"] is None
             assert metrics["kv_engine_preemptions_total"] == 0  # the exact rule never overflows
