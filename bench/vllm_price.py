@@ -3,7 +3,9 @@
 The real vLLM the tests use (``scripts/vllm_engine.py``: a tiny random-weight Llama on CPU, a
 2,048 window) over 3,072 KV tokens and 8 sequences at most (``--engine small``, the tests'), or
 over 16,384 KV tokens and 64 sequences (``--engine large``: the pool binds), through
-``kvclient.AsyncClient``, with vLLM on CPU 1 and the client and the gateway on CPU 0:
+``kvclient.AsyncClient``, with the process that runs vLLM's model on CPU 1 and everything else
+(vLLM's API server and scheduler, the client, the gateway) on CPU 0, as on a GPU host, where
+the model's steps are the GPU's and no CPU work per streamed token is taken from them:
 
 - **direct**: vLLM admits everything its scheduler can fit and preempts sequences when their KV
   outgrows the pool (recomputing them later); ``direct@N``: the client sends at most N at once;
@@ -316,8 +318,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--no-pin", action="store_true",
-        help="leave vLLM on every core (default: vLLM on CPU 1, the client and the gateway on "
-        "CPU 0, so that what the gateway spends is not taken from the engine, as on a GPU)",
+        help="leave vLLM on every core (default: the process running vLLM's model on CPU 1, "
+        "everything else on CPU 0, so that no CPU work per token is taken from the model's "
+        "steps, as on a GPU)",
     )  # fmt: skip
     args = parser.parse_args()
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
@@ -336,7 +339,10 @@ def main() -> None:
     keys = [(name, tester) for tester in testers for name in names]
     rounds: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key in keys}
     with vllm_engine.VllmServer(
-        cpus={1} if pinned else None, kv_cache_bytes=kv_bytes, max_num_seqs=seqs
+        cpus={0} if pinned else None,
+        compute_cpus={1} if pinned else None,
+        kv_cache_bytes=kv_bytes,
+        max_num_seqs=seqs,
     ) as engine:
         for round_ in range(args.rounds):
             for name, tester in keys:
@@ -414,7 +420,7 @@ def report(
     kv = "16,384 KV tokens, 64" if args.engine == "large" else "3,072 KV tokens, 8"
     print_table(
         f"{what}, real vLLM {vllm_engine.VLLM_VERSION} on CPU ({kv} sequences at most"
-        f"{'; vLLM on CPU 1, the rest on CPU 0' if pinned else ''})",
+        f"{'; vLLM model on CPU 1, the rest on CPU 0' if pinned else ''})",
         headers,
         rows,
     )

@@ -255,9 +255,11 @@ class VllmServer(EngineProcess):
         python: Path | None = None,
         model: Path | None = None,
         cpus: set[int] | None = None,
+        compute_cpus: set[int] | None = None,
     ) -> None:
         super().__init__()
         self.cpus = cpus
+        self.compute_cpus = compute_cpus
         self.max_model_len = max_model_len
         self.kv_cache_bytes = kv_cache_bytes
         self.max_num_seqs = max_num_seqs
@@ -299,8 +301,24 @@ class VllmServer(EngineProcess):
                     raise
                 self.stop()
                 continue  # the port was taken between choosing and binding: choose again
+            self._pin_compute()
             return self
         raise RuntimeError(f"vLLM did not start; log:\n{self.log()}")
+
+    def _pin_compute(self) -> None:
+        """Move the process that runs the model (vLLM's ``VLLM::Worker`` on CPU) to
+        :attr:`compute_cpus`, the rest staying on :attr:`cpus`: the model's steps get a core of
+        their own, as a GPU's are the GPU's, and the API server's work per streamed token is
+        not taken from them."""
+        if self.compute_cpus is None or self.process is None:
+            return
+        for pid in _descendants(self.process.pid):
+            try:
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+                if name.startswith("VLLM::Worker"):
+                    os.sched_setaffinity(pid, self.compute_cpus)
+            except OSError:
+                continue
 
     def _pin(self) -> Callable[[], None] | None:
         """A ``preexec_fn`` keeping the server (and the engine process it forks) on
@@ -327,6 +345,22 @@ class VllmServer(EngineProcess):
 
     def __enter__(self) -> VllmServer:
         return self.start() if self.process is None else self
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (Linux: ``/proc/PID/task/*/children``)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
