@@ -19,8 +19,10 @@ __all__ = [
 #: progress from them; other engines' holders count at their whole caps.
 PROGRESS_ENGINES = frozenset({"vllm", "kvclient"})
 
-#: Engines whose sequences of one request share the prompt's KV blocks (vLLM and SGLang fork
-#: them); elsewhere (llama.cpp runs each in a slot of its own) each holds its own prompt.
+#: Engines whose sequences of one request share the prompt's full KV blocks through their
+#: prefix cache, when it is on (vLLM V1 runs ``n`` as ``n`` child requests that each keep their
+#: own partial last block; SGLang's radix cache); elsewhere, or with the prefix cache off
+#: (llama.cpp runs each in a slot of its own), each sequence holds its own prompt.
 PROMPT_SHARING_ENGINES = frozenset({"vllm", "sglang"})
 
 

@@ -41,7 +41,7 @@ class _Seat(Waiter):
     """A waiter with what its reservation is made of, the event it waits on, and its handle
     once admitted."""
 
-    __slots__ = ("event", "handle", "output_cap", "prefix", "prompt_tokens")
+    __slots__ = ("event", "handle", "output_cap", "prefix", "prompt_tokens", "sequences")
 
     def __init__(
         self,
@@ -52,11 +52,13 @@ class _Seat(Waiter):
         prompt_tokens: int,
         output_cap: int,
         prefix: tuple[Hashable, ...],
+        sequences: int = 1,
     ) -> None:
         super().__init__(tenant=tenant, need=need, priority=priority)
         self.prompt_tokens = prompt_tokens
         self.output_cap = output_cap
         self.prefix = prefix
+        self.sequences = sequences
         self.event = anyio.Event()
         self.handle: Handle | None = None
 
@@ -122,6 +124,7 @@ class FairQueue(AdmissionQueue):
                 count_rejection=False,
                 need=waiter.need,
                 prefix=waiter.prefix,
+                sequences=waiter.sequences,
             )
 
         for waiter, handle in self.fair.dispatch(now, attempt):
@@ -165,6 +168,7 @@ class FairQueue(AdmissionQueue):
         client: Hashable | None = None,
         max_wait: float | None = None,
         prefix: tuple[Hashable, ...] = (),
+        sequences: int = 1,
         tenant: str | None = None,
         priority: int = 0,
     ) -> Handle:
@@ -181,6 +185,7 @@ class FairQueue(AdmissionQueue):
             prompt_tokens=prompt_tokens,
             output_cap=output_cap,
             prefix=prefix,
+            sequences=sequences,
         )
         for refused in self.fair.enqueue(seat, self._clock()):
             assert isinstance(refused, _Seat)

@@ -158,6 +158,8 @@ class KVAdmissionController:
         self._ids = itertools.count(1)
         self._live: dict[int, Handle] = {}
         self._reserved = 0
+        #: Sequences the live handles run (a request of ``n`` sequences counts ``n``).
+        self._running = 0
         self._admitted_total = 0
         self._rejected_total = 0
         self._released_total = 0
@@ -317,8 +319,11 @@ class KVAdmissionController:
 
     # --- admission ---------------------------------------------------------------------------
 
-    def _fits(self, need: int, now: float, prefix: tuple[Hashable, ...] = ()) -> bool:
-        if self.max_concurrency is not None and len(self._live) >= self.max_concurrency:
+    def _fits(
+        self, need: int, now: float, prefix: tuple[Hashable, ...] = (), sequences: int = 1
+    ) -> bool:
+        # Each of a request's sequences runs in a place of its own (vLLM: ``n`` child requests).
+        if self.max_concurrency is not None and self._running + sequences > self.max_concurrency:
             return False
         # A newcomer whose prefix a holder is computing waits for that holder's first token,
         # then borrows its blocks: two copies would be counted twice, and once one of them is
@@ -342,6 +347,7 @@ class KVAdmissionController:
         count_rejection: bool = True,
         need: int | None = None,
         prefix: tuple[Hashable, ...] = (),
+        sequences: int = 1,
     ) -> Handle | None:
         """Reserve for a request, or return ``None`` when the budget is short now.
 
@@ -349,12 +355,13 @@ class KVAdmissionController:
         counts in ``rejected_total`` (see :meth:`record_rejection`). ``need``: what
         :meth:`need_tokens` gave for these sizes, when the caller has it already. ``prefix``:
         the keys of its shareable prompt blocks (:func:`.peak.prefix_blocks`), where the engine
-        shares them; only the ``peak`` rule counts them once.
+        shares them; only the ``peak`` rule counts them once. ``sequences``: how many sequences
+        it runs at once in the engine, each counted against ``max_concurrency``.
         """
         if need is None:
             need = self.need_tokens(prompt_tokens, output_cap)
         with self._lock:
-            if not self._fits(need, now, prefix):
+            if not self._fits(need, now, prefix, sequences):
                 if count_rejection:
                     self._rejected_total += 1
                 return None
@@ -368,7 +375,9 @@ class KVAdmissionController:
                 admitted_at=now,
                 due_at=now + output_cap / rate + self.release_margin,
                 progress_at_admit=self._decoding.progress,
+                sequences=sequences,
             )
+            self._running += sequences
             if prefix and self._peak_in_force():
                 handle.prefix, handle.borrowed = prefix, borrowable(prefix, self._live.values())
             self._live[handle.id] = handle
@@ -404,6 +413,7 @@ class KVAdmissionController:
             if now is not None:
                 self._advance(now)
             del self._live[handle.id]
+            self._running -= handle.sequences
             if handle.prefix:
                 self._tainted = tainted_after(handle, self._live.values(), self._tainted)
             self._in_force.gone(handle.id)

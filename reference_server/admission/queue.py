@@ -158,6 +158,7 @@ class AdmissionQueue:
         client: Hashable | None = None,
         max_wait: float | None = None,
         prefix: tuple[Hashable, ...] = (),
+        sequences: int = 1,
         tenant: str | None = None,
         priority: int = 0,
     ) -> Handle:
@@ -166,7 +167,8 @@ class AdmissionQueue:
         ``client`` identifies the caller for staggered advice (its connection's address).
         ``max_wait`` shortens the queue's own wait for this request (the client's ``Prefer:
         wait``); it never lengthens it. ``prefix``: the keys of the request's shareable prompt
-        blocks (see :meth:`KVAdmissionController.try_admit`). ``tenant`` and ``priority`` are
+        blocks and ``sequences`` how many it runs at once (see
+        :meth:`KVAdmissionController.try_admit`). ``tenant`` and ``priority`` are
         for a fair queue (:class:`~.fair_queue.FairQueue`); this one serves all in arrival order.
         """
         limit = wait_limit(self.max_wait, max_wait)
@@ -180,6 +182,7 @@ class AdmissionQueue:
                 count_rejection=False,
                 need=need,
                 prefix=prefix,
+                sequences=sequences,
             )
 
         if not self._waiters and (handle := attempt()) is not None:

@@ -30,7 +30,7 @@ from starlette.responses import Response
 from starlette.types import Scope, Send
 
 from kvclient import parse_retry_after
-from kvclient.engines.behaviour import PROGRESS_ENGINES, PROMPT_SHARING_ENGINES, runs_on_after_reset
+from kvclient.engines.behaviour import PROGRESS_ENGINES, runs_on_after_reset
 from kvclient.engines.tokenize import RENDER_FIELDS, Tokenized, countable_render_fields
 from kvclient.routing import pick
 
@@ -153,6 +153,34 @@ def _refuse_uncounted(field: str | None) -> None:
         )
 
 
+def _refuse_never_fitting(plan: Plan, known: list[Known]) -> None:
+    """A 400 for a request of several sequences that no upstream could ever admit: more KV
+    than its whole usable budget, or more sequences than it runs at once (each runs in a
+    place of its own)."""
+    running = [k.ledger.max_concurrency for k in known]
+    if all(most is not None and plan.sequences > most for most in running):
+        most = max(m for m in running if m is not None)
+        raise APIError(
+            400,
+            f"This request can never be admitted: its {plan.sequences} sequences each run in a "
+            f"place of their own, and no upstream runs more than {most} at once; ask for "
+            "fewer sequences.",
+            code="too_many_sequences",
+            param="n",
+        )
+    needs = [(k.ledger.need_tokens(*plan.held(k)), k.ledger.usable_tokens) for k in known]
+    if all(need > usable for need, usable in needs):
+        need, usable = min(needs, key=lambda pair: pair[0] - pair[1])
+        raise APIError(
+            400,
+            f"This request can never be admitted: {plan.sequences} sequences of up to "
+            f"{plan.cap} tokens need {need} KV tokens, more than the usable budget ({usable}); "
+            "ask for fewer or shorter sequences.",
+            code="kv_budget_exceeded",
+            param="n",
+        )
+
+
 #: The paths whose plain answers can be assembled from a stream, and whether they chat.
 _ASSEMBLED = {"/v1/chat/completions": True, "/v1/completions": False}
 
@@ -222,8 +250,6 @@ class UpstreamBackend:
             prompt_tokens=prompt_tokens,
             cap=cap,
             sequences=request.sequences,
-            # Sequences share the prompt's blocks only where every upstream forks them.
-            shared_prompt=all(k.upstream.engine in PROMPT_SHARING_ENGINES for k in known),
             token_ids=counted.ids,
             model=model if isinstance(model, str) else None,
             extra=_Forward(
@@ -233,18 +259,11 @@ class UpstreamBackend:
                 ),
             ),
         )
-        need = roomiest.ledger.need_tokens(plan.reserved_prompt, plan.reserved_output)
+        need = roomiest.ledger.need_tokens(*plan.held(roomiest))
         if state.config.fairness is not None:
             plan = self._tenant(scope, plan, known, need)
-        if plan.sequences > 1 and roomiest.ledger.never_fits(need):
-            raise APIError(
-                400,
-                f"This request can never be admitted: {plan.sequences} sequences of up to "
-                f"{cap} tokens need {need} KV tokens, more than the largest usable budget "
-                f"({roomiest.ledger.usable_tokens}); ask for fewer or shorter sequences.",
-                code="kv_budget_exceeded",
-                param="n",
-            )
+        if plan.sequences > 1:
+            _refuse_never_fitting(plan, known)
         return plan
 
     def _tenant(self, scope: Scope, plan: Plan, known: list[Known], need: int) -> Plan:
@@ -304,7 +323,7 @@ class UpstreamBackend:
         candidates = [k for k in self.state.known if id(k) not in tried]
         if not candidates:
             raise unavailable("every upstream failed this request")
-        need = candidates[0].ledger.need_tokens(plan.reserved_prompt, plan.reserved_output)
+        need = candidates[0].ledger.need_tokens(*plan.held(candidates[0]))
         chosen = pick([k.upstream.endpoint(now) for k in candidates], need)
         if chosen is None:
             raise unavailable("no upstream is in service")

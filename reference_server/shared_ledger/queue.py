@@ -155,6 +155,9 @@ class SharedQueue(AdmissionQueue):
         prefix: tuple[Hashable, ...] = (),  # the shared ledger counts whole caps: unused
         tenant: str | None = None,  # no fair shares on the shared ledger (the gateway refuses)
         priority: int = 0,
+        # The shared ledger counts a request once against the running cap: it counts whole
+        # caps, so sequences waiting in the engine hold no KV it has not reserved.
+        sequences: int = 1,
     ) -> Handle:
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
         ticket = self.shared.ticket(need)

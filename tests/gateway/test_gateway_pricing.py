@@ -4,13 +4,16 @@ and the prompt as the engine renders it (or the request is refused)."""
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anyio
 import httpx
 import llama_engine
 import pytest
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvclient import TiktokenCounter
@@ -168,3 +171,128 @@ def test_a_minimum_length_above_the_cap_is_lowered_to_it() -> None:
     body = {"prompt": "x", "max_tokens": 500, "min_tokens": 20}
     raw = json.dumps(body).encode()
     assert with_cap(raw, body, 500) == raw  # already within: the client's bytes unchanged
+
+
+# --- several sequences, as vLLM runs them -------------------------------------------------------
+
+
+def _vllm_sequences(
+    prefix_caching: bool,
+    release: threading.Event | None = None,
+    forwarded: list[dict[str, Any]] | None = None,
+) -> Any:
+    """An upstream that says it is vLLM (blocks of 16, its prefix cache on or off) and counts
+    every prompt as 1,000 tokens; its answers (plain or streamed, completions or chats) wait
+    for ``release`` when given; what it was sent goes to ``forwarded``."""
+    caching = "True" if prefix_caching else "False"
+
+    async def models(request: Request) -> Response:
+        entry = {"id": "m", "object": "model", "owned_by": "vllm", "max_model_len": 4096}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def metrics(request: Request) -> Response:
+        return Response(
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="1024",'
+            f'enable_prefix_caching="{caching}"}} 1.0\n'
+        )
+
+    async def tokenize(request: Request) -> Response:
+        return JSONResponse({"count": 1000, "tokens": list(range(1000))})
+
+    async def generate(request: Request) -> Response:
+        body = await request.json()
+        if forwarded is not None:
+            forwarded.append(body)
+        n = body.get("n", 1)
+        usage = {"prompt_tokens": 1000, "completion_tokens": 1, "total_tokens": 1001}
+        if request.url.path.endswith("/chat/completions"):
+            piece: dict[str, Any] = {"delta": {"role": "assistant", "content": "x"}}
+            whole: dict[str, Any] = {"message": {"role": "assistant", "content": "x"}}
+        else:
+            piece = whole = {"text": "x"}
+        if body.get("stream"):
+            chunk = {"id": "c", "choices": [{"index": 0, **piece, "finish_reason": "stop"}]}
+            events = [{**chunk, "usage": usage}, {"id": "c", "choices": [], "usage": usage}]
+
+            async def stream() -> Any:  # the first token, then the rest once released
+                yield f"data: {json.dumps(events[0])}\n\n"
+                if release is not None:
+                    await anyio.to_thread.run_sync(release.wait)
+                yield f"data: {json.dumps(events[1])}\n\ndata: [DONE]\n\n"
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+        if release is not None:
+            await anyio.to_thread.run_sync(release.wait)
+        choices = [{"index": i, **whole, "finish_reason": "stop"} for i in range(n)]
+        return JSONResponse({"id": "c", "choices": choices, "usage": usage})
+
+    app = discoverable(
+        [
+            Route("/v1/completions", generate, methods=["POST"]),
+            Route("/v1/chat/completions", generate, methods=["POST"]),
+        ]
+    )
+    app.router.routes[:3] = [
+        Route("/v1/models", models),
+        Route("/metrics", metrics),
+        Route("/tokenize", tokenize, methods=["POST"]),
+    ]
+    return app
+
+
+@pytest.mark.parametrize(("prefix_caching", "reserved"), [(True, 1888), (False, 8832)])
+def test_n_sequences_are_reserved_as_vllm_holds_its_children(
+    prefix_caching: bool, reserved: int
+) -> None:
+    """vLLM runs ``n`` as ``n`` child requests: with its prefix cache on they share the prompt's
+    full blocks (62 of 16 tokens) and each keeps its partial last block with its cap (7
+    blocks); without it, each holds all of its 1,000 + 100 tokens (69 blocks). Counted once and
+    rounded once it would be 1,808 either way."""
+    body = {"prompt": "a long prompt", "max_tokens": 100, "n": 8}
+    with (
+        scripted_upstream(_vllm_sequences(prefix_caching)) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,), max_running=(8,))) as gw,
+    ):
+        answer = httpx.post(gw.base_url + "/v1/completions", json=body, timeout=30)
+        wait_for(lambda: _at_zero(gw))
+        peak = _peak(gw)
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"]) == 8
+    assert peak == reserved
+
+
+def test_each_of_n_sequences_takes_a_running_place() -> None:
+    """``n: 6`` takes six of the eight places the engine runs (``--max-running``): a request of
+    three more waits, one of two is admitted beside it; more sequences than the engine ever
+    runs at once is a 400 naming ``n``."""
+    release = threading.Event()
+    with scripted_upstream(_vllm_sequences(True, release)) as up:
+        config = GatewayConfig(upstreams=(up.base_url,), max_running=(8,), max_queue_wait=0.0)
+        with running_gateway(config) as gw, httpx.Client(base_url=gw.base_url, timeout=30) as http:
+
+            def send(n: int) -> httpx.Response:
+                body = {"prompt": "p", "max_tokens": 10, "n": n}
+                return http.post("/v1/completions", json=body)
+
+            try:
+                with ThreadPoolExecutor(2) as pool:
+                    six = pool.submit(send, 6)
+                    wait_for(lambda: bool(gw.gateway.known) and _running(gw) == 6)
+                    assert send(3).status_code == 429  # 6 + 3 > 8: no room, no wait
+                    two = pool.submit(send, 2)
+                    wait_for(lambda: _running(gw) == 8)
+                    release.set()
+                    assert six.result().status_code == 200
+                    assert two.result().status_code == 200
+            finally:
+                release.set()
+            never = send(9)
+    assert never.status_code == 400, never.text
+    error = never.json()["error"]
+    assert (error["code"], error["param"]) == ("too_many_sequences", "n")
+
+
+def _running(gateway: Any) -> int:
+    """Sequences the gateway's holders run (a request of ``n`` counts ``n``)."""
+    known = gateway.gateway.known
+    return sum(h.sequences for k in known for h in k.ledger.live_handles())
