@@ -1,16 +1,20 @@
 """What engines do, as measured: which report progress in their streams, which share a request's
-prompt among its sequences, what makes them run to the cap, what they do when a connection is
-reset (pure)."""
+prompt among its sequences, what keys their prefix caches, what makes them run to the cap, what
+they do when a connection is reset (pure)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "PREFIX_SALT_FIELD",
     "PROGRESS_ENGINES",
     "PROMPT_SHARING_ENGINES",
+    "prefix_salt",
     "run_to_cap_fields",
     "runs_on_after_reset",
+    "text_only",
 ]
 
 #: Engines whose streams report, in every chunk, how many tokens the request has generated so
@@ -59,3 +63,47 @@ def runs_on_after_reset(engine: str | None, *, stream: bool) -> bool:
     """Whether ``engine`` keeps generating a request (streamed or not) after its connection is
     reset: then the KV it holds is freed only when it finishes."""
     return stream in _RUNS_ON_AFTER_RESET.get(engine or "", frozenset())
+
+
+#: The request field that salts an engine's prefix-cache keys (vLLM's ``cache_salt``): requests
+#: with different salts, or one with a salt and one without, never share a block.
+PREFIX_SALT_FIELD = "cache_salt"
+
+#: Fields of a completion request that put something other than text in the prompt (vLLM's
+#: ``prompt_embeds`` and ``multi_modal_data``).
+_NON_TEXT_FIELDS = ("prompt_embeds", "multi_modal_data")
+
+
+def prefix_salt(body: Mapping[str, Any]) -> str | None:
+    """The salt an engine mixes into the prefix-cache keys of ``body``'s prompt, or None.
+
+    >>> prefix_salt({"cache_salt": "tenant-a"}), prefix_salt({})
+    ('tenant-a', None)
+    """
+    salt = body.get(PREFIX_SALT_FIELD)
+    return None if salt is None else str(salt)
+
+
+def text_only(body: Mapping[str, Any]) -> bool:
+    """Whether the prompt of ``body`` is text alone (messages whose parts are all ``text``, no
+    embeddings or multimodal data). Only then do equal token ids mean equal KV: an engine's
+    token ids stand for an image, audio, a video or a file by placeholder tokens that are the
+    same for different contents (vLLM keys those blocks by the part's own hash as well).
+
+    >>> text_only({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    True
+    >>> text_only({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    False
+    """
+    if any(body.get(name) is not None for name in _NON_TEXT_FIELDS):
+        return False
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return True
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list) and not all(
+            isinstance(part, Mapping) and part.get("type") == "text" for part in content
+        ):
+            return False
+    return True

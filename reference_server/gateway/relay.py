@@ -30,7 +30,12 @@ from starlette.responses import Response
 from starlette.types import Scope, Send
 
 from kvclient import parse_retry_after
-from kvclient.engines.behaviour import PROGRESS_ENGINES, runs_on_after_reset
+from kvclient.engines.behaviour import (
+    PROGRESS_ENGINES,
+    prefix_salt,
+    runs_on_after_reset,
+    text_only,
+)
 from kvclient.engines.tokenize import RENDER_FIELDS, Tokenized, countable_render_fields
 from kvclient.routing import pick
 
@@ -250,8 +255,11 @@ class UpstreamBackend:
             prompt_tokens=prompt_tokens,
             cap=cap,
             sequences=request.sequences,
-            token_ids=counted.ids,
+            # Token ids key shared prefix blocks only for a prompt of text alone: an image's
+            # placeholder tokens are the same whatever the image.
+            token_ids=counted.ids if text_only(payload) else None,
             model=model if isinstance(model, str) else None,
+            cache_salt=prefix_salt(payload),
             extra=_Forward(
                 content=with_cap(raw, payload, cap),
                 headers=request_headers(

@@ -2,9 +2,10 @@
 
 The body goes upstream with its output cap made explicit and clamped to what was reserved (and,
 for an engine that only stops a stream when its client leaves, a plain request asked as a
-stream); of the client's headers only a stated few go on (:data:`FORWARDED_HEADERS`), within
-bounds; an answer's headers lose what belongs to one hop, what the HTTP client sets itself, and
-the upstream's RateLimit fields (the gateway's ledger says what the gateway will admit).
+stream), without a field that would set the engine's scheduling order; of the client's headers
+only a stated few go on (:data:`FORWARDED_HEADERS`), within bounds; an answer's headers lose
+what belongs to one hop, what the HTTP client sets itself, and the upstream's RateLimit fields
+(the gateway's ledger says what the gateway will admit).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from kvclient.engines.spend import LENGTH_FIELDS, MIN_LENGTH_FIELDS
+from kvclient.engines.spend import LENGTH_FIELDS, MIN_LENGTH_FIELDS, SCHEDULING_FIELDS
 
 from ..http.errors import APIError
 
@@ -102,30 +103,36 @@ def with_cap(raw: bytes, body: dict[str, Any], cap: int) -> bytes:
       another parser);
     - anything else: the parsed body re-encoded with each length field given set to the cap
       (and a minimum length above the cap, :data:`~kvclient.engines.spend.MIN_LENGTH_FIELDS`,
-      lowered to it).
+      lowered to it), and without the fields that would set the engine's scheduling order
+      (:data:`~kvclient.engines.spend.SCHEDULING_FIELDS`: vLLM's ``priority``).
     """
     given = [name for name in LENGTH_FIELDS if name in body]
+    dropped = [name for name in SCHEDULING_FIELDS if name in body]
     # A minimum length above the cap: the engine would refuse the request; it is the cap.
     floors = [
         name
         for name in MIN_LENGTH_FIELDS
         if isinstance(body.get(name), int) and not isinstance(body[name], bool) and body[name] > cap
     ]
-    if not given and not floors:
+    if not given and not floors and not dropped:
         end = raw.rstrip()
         if end.endswith(b"}"):
             inner = end[:-1].rstrip()
             comma = b"" if inner.endswith(b"{") else b","
             return b'%s%s"max_tokens":%d}' % (inner, comma, cap)
-    elif not floors and (
-        given == ["max_tokens"]
-        and body["max_tokens"] == cap
-        and type(body["max_tokens"]) is int
-        and b"\\u" not in raw
-        and raw.count(b'"max_tokens"') == 1
+    elif (
+        not floors
+        and not dropped
+        and (
+            given == ["max_tokens"]
+            and body["max_tokens"] == cap
+            and type(body["max_tokens"]) is int
+            and b"\\u" not in raw
+            and raw.count(b'"max_tokens"') == 1
+        )
     ):
         return raw
-    capped = dict(body)
+    capped = {name: value for name, value in body.items() if name not in dropped}
     for name in [*(given or ["max_tokens"]), *floors]:
         capped[name] = cap
     return json.dumps(capped).encode()

@@ -103,6 +103,9 @@ class Plan:
     #: and what keeps prompts of different models apart.
     token_ids: tuple[int, ...] | None = None
     model: str | None = None
+    #: The request's own salt of the engine's prefix-cache keys (vLLM's ``cache_salt``): only
+    #: prompts with the same model and salt share blocks.
+    cache_salt: str | None = None
     #: Whose request it is and its priority class (lower first), for a fair queue; a FIFO
     #: queue serves all alike.
     tenant: str | None = None
@@ -261,7 +264,7 @@ class GenerationEndpoint:
                     # One sequence, its progress followed: it lends its prefix once past its
                     # prefill (several sequences count whole, sharing nothing).
                     prefix=(
-                        ledger.prefix_keys(plan.token_ids, plan.model)
+                        ledger.prefix_keys(plan.token_ids, (plan.model, plan.cache_salt))
                         if plan.sequences == 1
                         else ()
                     ),

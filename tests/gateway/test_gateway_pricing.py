@@ -296,3 +296,102 @@ def _running(gateway: Any) -> int:
     """Sequences the gateway's holders run (a request of ``n`` counts ``n``)."""
     known = gateway.gateway.known
     return sum(h.sequences for k in known for h in k.ledger.live_handles())
+
+
+# --- what keys and what steers the engine's prefix cache and its scheduling ------------------
+
+_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+
+
+def _held_prefixes(bodies: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """The prefix keys the gateway gave each of ``bodies``, all held at once (the engine
+    answers once every one is in)."""
+    release = threading.Event()
+    with scripted_upstream(_vllm_sequences(True, release)) as up:
+        config = GatewayConfig(upstreams=(up.base_url,), max_running=(8,))
+        with running_gateway(config) as gw, ThreadPoolExecutor(len(bodies)) as pool:
+            try:
+                answers = []
+                for body in bodies:  # one after another: the handles in the bodies' order
+                    answers.append(
+                        pool.submit(
+                            httpx.post, gw.base_url + "/v1/chat/completions", json=body, timeout=30
+                        )
+                    )
+                    count = len(answers)
+                    wait_for(lambda: _live(gw) == count)  # noqa: B023
+                [known] = gw.gateway.known
+                prefixes = [h.prefix for h in known.ledger.live_handles()]
+            finally:
+                release.set()
+            assert [a.result().status_code for a in answers] == [200] * len(bodies)
+    return prefixes
+
+
+def _live(gateway: Any) -> int:
+    return sum(len(k.ledger.live_handles()) for k in gateway.gateway.known)
+
+
+def _chat(content: Any, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 10, **extra}
+
+
+def test_prefix_keys_are_salted_with_the_requests_cache_salt() -> None:
+    """vLLM mixes ``cache_salt`` into its prefix-cache keys: equal text with different salts,
+    or one salted and one not, shares no block; the same salt does."""
+    plain, a, again, b = _held_prefixes(
+        [
+            _chat("the same text"),
+            _chat("the same text", cache_salt="a"),
+            _chat("the same text", cache_salt="a"),
+            _chat("the same text", cache_salt="b"),
+        ]
+    )
+    assert len(plain) == 62  # 1,000 tokens in blocks of 16, the last one the engine's own
+    assert a == again
+    assert not set(plain) & set(a)
+    assert not set(a) & set(b)
+
+
+def test_a_prompt_with_an_image_lends_and_borrows_no_prefix_blocks() -> None:
+    """The engine's token ids stand for an image by placeholders that are the same for any
+    image: requests with equal text and different images must not look shared."""
+    text = {"type": "text", "text": "describe it"}
+    plain, first, second = _held_prefixes(
+        [_chat([text]), _chat([text, _IMAGE]), _chat([text, {**_IMAGE, "image_url": {"url": "x"}}])]
+    )
+    assert len(plain) == 62
+    assert (first, second) == ((), ())
+
+
+def test_the_engines_scheduling_priority_is_taken_out() -> None:
+    """vLLM's ``priority`` field would let any client make the engine preempt the requests
+    admitted before it: it does not reach the engine."""
+    forwarded: list[dict[str, Any]] = []
+    with (
+        scripted_upstream(_vllm_sequences(True, forwarded=forwarded)) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,), max_running=(8,))) as gw,
+    ):
+        answer = httpx.post(
+            gw.base_url + "/v1/completions",
+            json={"prompt": "p", "max_tokens": 5, "priority": -100},
+            timeout=30,
+        )
+    assert answer.status_code == 200, answer.text
+    assert "priority" not in forwarded[-1]
+    assert forwarded[-1]["max_tokens"] == 5
+
+
+def test_kv_transfer_params_are_refused_by_name() -> None:
+    """Disaggregated prefill's ``kv_transfer_params`` has the engine take KV from elsewhere or
+    keep a request's blocks after it ends: KV no reservation holds."""
+    forwarded: list[dict[str, Any]] = []
+    body = {"prompt": "p", "max_tokens": 5, "kv_transfer_params": {"do_remote_decode": True}}
+    with (
+        scripted_upstream(_vllm_sequences(True, forwarded=forwarded)) as up,
+        running_gateway(GatewayConfig(upstreams=(up.base_url,), max_running=(8,))) as gw,
+    ):
+        answer = httpx.post(gw.base_url + "/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "kv_transfer_params"
+    assert forwarded == []
