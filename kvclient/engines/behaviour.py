@@ -14,6 +14,7 @@ __all__ = [
     "prefix_salt",
     "run_to_cap_fields",
     "runs_on_after_reset",
+    "streams_as_asked",
     "text_only",
 ]
 
@@ -107,3 +108,18 @@ def text_only(body: Mapping[str, Any]) -> bool:
         ):
             return False
     return True
+
+
+#: Fields an engine refuses in a stream request when set (vLLM: "prompt_logprobs are not
+#: available when stream is enabled", for any value but 0 and null).
+_PLAIN_ONLY_FIELDS = ("prompt_logprobs",)
+
+
+def streams_as_asked(body: Mapping[str, Any]) -> bool:
+    """Whether a plain request may go to the engine as a stream (its plain answer assembled
+    from it): not when it sets a field engines take only in a plain request.
+
+    >>> streams_as_asked({"prompt": "x"}), streams_as_asked({"prompt_logprobs": 1})
+    (True, False)
+    """
+    return all(body.get(name) in (None, 0) for name in _PLAIN_ONLY_FIELDS)

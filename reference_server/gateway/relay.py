@@ -34,6 +34,7 @@ from kvclient.engines.behaviour import (
     PROGRESS_ENGINES,
     prefix_salt,
     runs_on_after_reset,
+    streams_as_asked,
     text_only,
 )
 from kvclient.engines.tokenize import RENDER_FIELDS, Tokenized, countable_render_fields
@@ -359,11 +360,14 @@ class UpstreamBackend:
         # Under the peak rule the holder's progress is followed from the engine's stream (a
         # plain request goes as a stream, its answer assembled): see ``progress.py``.
         reader: ProgressReader | None = None
+        # A plain request the engine would refuse as a stream stays plain, counted whole.
+        streamable = stream or streams_as_asked(plan.payload)
         if (
             chat is not None
             and plan.sequences == 1
             and engine in PROGRESS_ENGINES
             and target.ledger.tracks_progress
+            and streamable
         ):
             content, asked = with_progress(content)
             reader = ProgressReader(drop_usage_only=stream and not asked)
@@ -374,7 +378,8 @@ class UpstreamBackend:
             and (
                 reader is not None
                 or (
-                    runs_on_after_reset(engine, stream=False)
+                    streamable
+                    and runs_on_after_reset(engine, stream=False)
                     and not runs_on_after_reset(engine, stream=True)
                 )
             )

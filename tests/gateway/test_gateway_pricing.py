@@ -203,6 +203,9 @@ def _vllm_sequences(
         body = await request.json()
         if forwarded is not None:
             forwarded.append(body)
+        if body.get("stream") and body.get("prompt_logprobs"):
+            message = "prompt_logprobs are not available when stream is enabled"
+            return JSONResponse({"error": {"message": message, "code": 400}}, status_code=400)
         n = body.get("n", 1)
         usage = {"prompt_tokens": 1000, "completion_tokens": 1, "total_tokens": 1001}
         if request.url.path.endswith("/chat/completions"):
@@ -395,3 +398,27 @@ def test_kv_transfer_params_are_refused_by_name() -> None:
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "kv_transfer_params"
     assert forwarded == []
+
+
+def test_a_plain_request_vllm_refuses_as_a_stream_stays_plain_and_counts_whole() -> None:
+    """vLLM refuses ``prompt_logprobs`` in a stream: such a plain request is not turned into a
+    stream to follow its progress; it goes as asked and counts at its whole reservation."""
+    release = threading.Event()
+    forwarded: list[dict[str, Any]] = []
+    body = _chat("hi", prompt_logprobs=1)
+    with scripted_upstream(_vllm_sequences(True, release, forwarded)) as up:
+        config = GatewayConfig(upstreams=(up.base_url,), max_running=(8,))
+        with running_gateway(config) as gw, ThreadPoolExecutor(1) as pool:
+            try:
+                url = gw.base_url + "/v1/chat/completions"
+                answer = pool.submit(httpx.post, url, json=body, timeout=30)
+                wait_for(lambda: _live(gw) == 1)
+                [handle] = gw.gateway.known[0].ledger.live_handles()
+                tracked = handle.tracked
+            finally:
+                release.set()
+            result = answer.result()
+    assert result.status_code == 200, result.text
+    assert result.json()["choices"][0]["message"]["content"] == "x"
+    assert "stream" not in forwarded[-1]
+    assert not tracked
