@@ -46,15 +46,8 @@ from ..http.errors import APIError
 from ..http.generation import Plan, Target
 from ..http.requests import THREAD_TOKENIZE_CHARS, GenerationRequest, count_prompt
 from .assemble import Assembler, BrokenStream, EngineError
-from .progress import ProgressReader, with_progress
-from .rewrite import (
-    as_stream,
-    assembled_headers,
-    completion_tokens,
-    request_headers,
-    response_headers,
-    with_cap,
-)
+from .progress import ProgressReader, completion_tokens
+from .rewrite import as_stream, assembled_headers, request_headers, response_headers, with_cap
 from .state import GatewayState
 from .tenants import priority_of, tenant_of
 from .upstream import (
@@ -185,6 +178,17 @@ def _refuse_never_fitting(plan: Plan, known: list[Known]) -> None:
             code="kv_budget_exceeded",
             param="n",
         )
+
+
+def _followed(piece: bytes, reader: ProgressReader | None, known: Known, handle: Handle) -> bytes:
+    """A piece of a stream as it goes on (with a ``reader``: the whole events it completes,
+    what the client did not ask for taken out), the holder's progress followed on the way."""
+    if reader is None:
+        return piece
+    events = reader.feed(piece)
+    if reader.generated:
+        known.queue.progress(handle, reader.generated)
+    return events
 
 
 #: The paths whose plain answers can be assembled from a stream, and whether they chat.
@@ -369,7 +373,7 @@ class UpstreamBackend:
             and target.ledger.tracks_progress
             and streamable
         ):
-            content, asked = with_progress(content)
+            content, asked = as_stream(content, every_chunk=True)
             reader = ProgressReader(drop_usage_only=stream and not asked)
             handle.tracked = True
         assembled = (
@@ -385,7 +389,7 @@ class UpstreamBackend:
             )
         )
         if assembled and reader is None:
-            content = as_stream(content)
+            content, _ = as_stream(content)
         holds = not assembled and runs_on_after_reset(engine, stream=stream)
         data: bytes | _Assembled | BaseException | None
         with anyio.CancelScope(shield=holds):
@@ -444,11 +448,9 @@ class UpstreamBackend:
                 total += len(piece)
                 if total > limit:
                     return None
-                assembler.feed(piece)
-                if reader is not None:
-                    reader.feed(piece)
-                    if reader.generated:
-                        known.queue.progress(handle, reader.generated)
+                assembler.feed(_followed(piece, reader, known, handle))
+            if reader is not None:
+                assembler.feed(reader.end())
             answer = assembler.end()
         except EngineError as error:
             return _Assembled(error.status, json.dumps(error.body).encode())
@@ -556,13 +558,9 @@ class UpstreamBackend:
                     await send({"type": "http.response.body", "body": _LAPSED, "more_body": False})
                     return
                 before, last = last, piece
-                if reader is not None:
-                    piece = reader.feed(piece)
-                    if reader.generated:
-                        known.queue.progress(handle, reader.generated)
-                    if not piece:
-                        continue
-                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                events = _followed(piece, reader, known, handle)
+                if events:
+                    await send({"type": "http.response.body", "body": events, "more_body": True})
         except UPSTREAM_ERRORS:
             upstream.failure()
             error = {

@@ -157,7 +157,7 @@ def test_health_sets_aside_after_failures_and_probes_back_once() -> None:
 
 
 def test_completion_tokens_are_read_from_usage_not_from_the_generated_text() -> None:
-    from reference_server.gateway.rewrite import completion_tokens as _completion_tokens
+    from reference_server.gateway.progress import completion_tokens as _completion_tokens
 
     text = 'say "completion_tokens": 999 and {"completion_tokens": 7}'
     answer = {"choices": [{"text": text}], "usage": {"prompt_tokens": 3, "completion_tokens": 12}}

@@ -241,13 +241,13 @@ def test_a_chat_delta_that_is_not_an_object_is_broken() -> None:
 
 def test_a_plain_body_is_asked_as_a_stream_with_usage_and_nothing_else_changed() -> None:
     body = {"prompt": "x", "max_tokens": 5, "n_predict": 5, "stream": False, "seed": 1}
-    streamed = json.loads(as_stream(json.dumps(body).encode()))
+    streamed = json.loads(as_stream(json.dumps(body).encode())[0])
     assert streamed == {**body, "stream": True, "stream_options": {"include_usage": True}}
 
 
 def test_the_clients_own_stream_options_are_kept() -> None:
     body = {"prompt": "x", "stream_options": {"include_usage": False, "other": 1}}
-    streamed = json.loads(as_stream(json.dumps(body).encode()))
+    streamed = json.loads(as_stream(json.dumps(body).encode())[0])
     assert streamed["stream_options"] == {"include_usage": True, "other": 1}
 
 
