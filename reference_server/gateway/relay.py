@@ -219,10 +219,9 @@ class UpstreamBackend:
         self.path = path
         self.max_body_bytes = state.config.max_body_bytes
         self.send_timeout = state.config.send_timeout
-        self.cut = 0
 
     def answer_cut(self) -> None:
-        self.cut += 1
+        self.state.counters.send_timeouts += 1
 
     # --- plan --------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from ..admission.queue import AdmissionQueue, LedgerUnavailable
 from ..http.requests import GenerationRequest
 from .config import GatewayConfig, public_url
 from .errors import UpstreamUnavailable
-from .sharing import SharedLedgers
+from .redis_ledgers import SharedLedgers
 from .speed import Speed, SpeedEstimator
 
 __all__ = [

@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from reference_server import Handle
-from reference_server.admission.interface import AsyncLedger, LocalLedger
 from reference_server.admission.queue import LedgerUnavailable, Rejected
 from reference_server.shared_ledger import queue as shared_queue
 from reference_server.shared_ledger.connection import connect
@@ -32,6 +31,7 @@ from reference_server.shared_ledger.ledger import (
     fingerprint,
 )
 from reference_server.shared_ledger.queue import SharedQueue
+from tests.helpers.async_ledgers import AsyncLedger, LocalLedger
 from tests.helpers.redis_server import RedisSentinel, RedisServer, TLSFiles
 from tests.unit.test_server_ledger import make
 

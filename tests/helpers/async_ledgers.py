@@ -1,9 +1,9 @@
-"""The one interface both ledgers keep: the in-process :class:`~.ledger.KVAdmissionController`
-(wrapped by :class:`LocalLedger`) and the shared :class:`~.shared.RedisLedger`.
+"""One async interface over both ledgers, for the tests that run the same rules against each:
+the in-process :class:`~reference_server.admission.ledger.KVAdmissionController` (wrapped by
+:class:`LocalLedger`) and the shared :class:`~reference_server.shared_ledger.ledger.RedisLedger`.
 
 Async, because the shared one speaks to Redis; the in-process one answers at once. Both price
-requests with the same ``pricing`` (a :class:`~.ledger.KVAdmissionController`), so what a
-request needs and what never fits are decided in one place.
+requests with the same ``pricing`` (a ``KVAdmissionController``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from .ledger import Handle, KVAdmissionController
+from reference_server.admission.ledger import Handle, KVAdmissionController
 
 __all__ = ["AsyncLedger", "LocalLedger"]
 
