@@ -3,7 +3,7 @@ no other), and a real browser renders its pages.
 
 The build runs as ``.ci/run`` runs it (strict: a broken link, anchor or image fails it). The
 screenshot test runs Debian's headless Chromium; locally, without it, the test skips and says
-why; in CI (``CI=true``) a missing Chromium fails the test: ``scripts/ci-setup-chromium.sh``
+why; in CI (``CI=true``) a missing Chromium fails the test: ``scripts/test_setup.py``
 installs it. So does a missing mkdocs, which the ``dev`` extra installs.
 """
 
