@@ -13,6 +13,8 @@ from ._accounting import (
     reservation_bytes,
     reservation_tokens,
     round_up_to_blocks,
+    sequences_reservation_tokens,
+    shared_prompt_tokens,
 )
 from ._async_client import AsyncClient, AsyncStream
 from ._budget import RetryBudget
@@ -95,4 +97,6 @@ __all__ = [
     "reservation_bytes",
     "reservation_tokens",
     "round_up_to_blocks",
+    "sequences_reservation_tokens",
+    "shared_prompt_tokens",
 ]

@@ -10,6 +10,8 @@ clamp ``max_tokens`` and the reference server's ledger uses them to reserve memo
 7992
 >>> reservation_tokens(200, 4000)
 4200
+>>> sequences_reservation_tokens(1000, 100, sequences=8, block_size=16, shared_prompt=True)
+1888
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ __all__ = [
     "reservation_bytes",
     "reservation_tokens",
     "round_up_to_blocks",
+    "sequences_reservation_tokens",
+    "shared_prompt_tokens",
 ]
 
 #: vLLM and TGI page the KV cache in blocks of 16 tokens.
@@ -100,6 +104,46 @@ def reservation_tokens(
     output_cap = _check_int("output_cap", output_cap, minimum=0)
     tokens = prompt_tokens + output_cap
     return tokens if block_size is None else round_up_to_blocks(tokens, block_size)
+
+
+def shared_prompt_tokens(prompt_tokens: int, block_size: int) -> int:
+    """The prompt tokens that sequences of one request can share through a prefix cache: the
+    full blocks before its last token (an engine computes at least that token itself, so a
+    prompt of exactly whole blocks shares one block less).
+
+    >>> shared_prompt_tokens(1000, 16), shared_prompt_tokens(1024, 16), shared_prompt_tokens(16, 16)
+    (992, 1008, 0)
+    """
+    prompt_tokens = _check_int("prompt_tokens", prompt_tokens, minimum=0)
+    block_size = _check_int("block_size", block_size, minimum=1)
+    return max(0, prompt_tokens - 1) // block_size * block_size
+
+
+def sequences_reservation_tokens(
+    prompt_tokens: int,
+    output_cap: int,
+    *,
+    sequences: int = 1,
+    block_size: int = 1,
+    shared_prompt: bool = False,
+) -> int:
+    """The worst case of a request generating ``sequences`` sequences, in whole blocks, as an
+    engine that runs each as a request of its own holds it (vLLM V1: ``n`` child requests).
+
+    Each sequence holds its prompt and output cap in blocks of its own; with ``shared_prompt``
+    (the engine's prefix cache is on) the prompt's full blocks before its last token
+    (:func:`shared_prompt_tokens`) are held once for all, and each sequence keeps its own
+    partial last block. One sequence is :func:`reservation_tokens` in whole blocks.
+
+    >>> sequences_reservation_tokens(1000, 100, sequences=8, block_size=16)   # no prefix cache
+    8832
+    """
+    prompt_tokens = _check_int("prompt_tokens", prompt_tokens, minimum=0)
+    output_cap = _check_int("output_cap", output_cap, minimum=0)
+    sequences = _check_int("sequences", sequences, minimum=1)
+    shared = shared_prompt_tokens(prompt_tokens, block_size) if shared_prompt else 0
+    own = round_up_to_blocks(prompt_tokens - shared + output_cap, block_size)
+    return shared + sequences * own
 
 
 def reservation_bytes(

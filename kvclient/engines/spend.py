@@ -10,6 +10,7 @@ from typing import Any
 __all__ = [
     "LENGTH_FIELDS",
     "MIN_LENGTH_FIELDS",
+    "SCHEDULING_FIELDS",
     "SEQUENCE_FIELDS",
     "UNLIMITED_WHEN_NOT_POSITIVE",
     "UNPRICED_FIELDS",
@@ -32,9 +33,22 @@ UNLIMITED_WHEN_NOT_POSITIVE = frozenset({"n_predict"})
 #: Fields that set how many sequences one request generates: ``n`` (OpenAI, vLLM, llama.cpp),
 #: llama.cpp's alias ``n_cmpl``, vLLM's ``best_of`` (it generates that many, returns ``n``).
 SEQUENCE_FIELDS = ("n", "n_cmpl", "best_of")
-#: Fields that spend KV in ways the reservation cannot price: beam search holds a changing set
-#: of beams whose count the request does not bound.
-UNPRICED_FIELDS = ("use_beam_search", "beam_width")
+#: Fields that spend KV in ways the reservation cannot price, each with why: beam search holds
+#: a changing set of beams whose count the request does not bound; vLLM's
+#: ``kv_transfer_params`` (disaggregated prefill) has the engine load KV computed elsewhere or
+#: keep the request's blocks after it ends for another engine to fetch, KV no request holds.
+UNPRICED_FIELDS: dict[str, str] = {
+    "use_beam_search": "beam search holds a set of beams the request does not bound",
+    "beam_width": "beam search holds a set of beams the request does not bound",
+    "kv_transfer_params": (
+        "it has the engine take KV from elsewhere or keep the request's blocks after it ends"
+    ),
+}
+#: Fields by which a client would set the engine's own scheduling order: vLLM's ``priority``
+#: (under ``--scheduling-policy priority`` a request of a higher one preempts those running,
+#: which no admission can allow for). Taken out of what goes to the engine: the order is the
+#: admission's (a gateway's priority classes, granted per tenant).
+SCHEDULING_FIELDS = ("priority",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +87,11 @@ def request_spend(body: Mapping[str, Any]) -> Spend:
     """The largest output any of the request's length fields allows, and its number of
     sequences, in every engine's dialect at once (an engine obeys one of them: the reservation
     covers whichever). Raises :class:`SpendError` naming the field."""
-    for name in UNPRICED_FIELDS:
+    for name, why in UNPRICED_FIELDS.items():
         value = body.get(name)
         off = value is None or value is False or (type(value) is int and value <= 1)
         if not off:
-            raise SpendError(f"{name} cannot be priced by a KV reservation", name)
+            raise SpendError(f"{name} cannot be priced by a KV reservation: {why}", name)
     caps: list[int] = []
     unlimited = False
     for name in LENGTH_FIELDS:

@@ -41,7 +41,16 @@ class _Seat(Waiter):
     """A waiter with what its reservation is made of, the event it waits on, and its handle
     once admitted."""
 
-    __slots__ = ("event", "follow", "handle", "kind", "output_cap", "prefix", "prompt_tokens")
+    __slots__ = (
+        "event",
+        "follow",
+        "handle",
+        "kind",
+        "output_cap",
+        "prefix",
+        "prompt_tokens",
+        "sequences",
+    )
 
     def __init__(
         self,
@@ -54,6 +63,7 @@ class _Seat(Waiter):
         prefix: tuple[Hashable, ...],
         kind: Hashable = None,
         follow: bool = False,
+        sequences: int = 1,
     ) -> None:
         super().__init__(tenant=tenant, need=need, priority=priority)
         self.prompt_tokens = prompt_tokens
@@ -61,6 +71,7 @@ class _Seat(Waiter):
         self.prefix = prefix
         self.kind = kind
         self.follow = follow
+        self.sequences = sequences
         self.event = anyio.Event()
         self.handle: Handle | None = None
 
@@ -128,6 +139,7 @@ class FairQueue(AdmissionQueue):
                 prefix=waiter.prefix,
                 kind=waiter.kind,
                 follow=waiter.follow,
+                sequences=waiter.sequences,
             )
 
         for waiter, handle in self.fair.dispatch(now, attempt):
@@ -171,6 +183,7 @@ class FairQueue(AdmissionQueue):
         client: Hashable | None = None,
         max_wait: float | None = None,
         prefix: tuple[Hashable, ...] = (),
+        sequences: int = 1,
         tenant: str | None = None,
         priority: int = 0,
         model: str | None = None,
@@ -191,6 +204,7 @@ class FairQueue(AdmissionQueue):
             prefix=prefix,
             kind=(model, name),
             follow=follow,
+            sequences=sequences,
         )
         for refused in self.fair.enqueue(seat, self._clock()):
             assert isinstance(refused, _Seat)

@@ -165,6 +165,8 @@ class KVAdmissionController:
         self._ids = itertools.count(1)
         self._live: dict[int, Handle] = {}
         self._reserved = 0
+        #: Sequences the live handles run (a request of ``n`` sequences counts ``n``).
+        self._running = 0
         self._admitted_total = 0
         self._rejected_total = 0
         self._released_total = 0
@@ -363,7 +365,9 @@ class KVAdmissionController:
     # --- admission ---------------------------------------------------------------------------
 
     def _fits(self, newcomer: Handle, now: float) -> bool:
-        if self.max_concurrency is not None and len(self._live) >= self.max_concurrency:
+        # Each of a request's sequences runs in a place of its own (vLLM: ``n`` child requests).
+        running = self._running + newcomer.sequences
+        if self.max_concurrency is not None and running > self.max_concurrency:
             return False
         # A newcomer whose prefix a holder is computing waits for that holder's first token,
         # then borrows its blocks: two copies would be counted twice, and once one of them is
@@ -390,6 +394,7 @@ class KVAdmissionController:
         prefix: tuple[Hashable, ...] = (),
         kind: Hashable = None,
         follow: bool = False,
+        sequences: int = 1,
     ) -> Handle | None:
         """Reserve for a request, or return ``None`` when the budget is short now.
 
@@ -400,7 +405,8 @@ class KVAdmissionController:
         shares them; only the ``peak`` rule counts them once. ``follow``: the caller will relay
         its progress (:meth:`progress`; one sequence, counted from the engine's own stream),
         which the peak rule may count (:attr:`Handle.tracked`); ``kind``: whose outputs its
-        forecast learns from (its model, and its tenant).
+        forecast learns from (its model, and its tenant). ``sequences``: how many sequences it
+        runs at once in the engine, each counted against ``max_concurrency``.
         """
         if need is None:
             need = self.need_tokens(prompt_tokens, output_cap)
@@ -415,6 +421,7 @@ class KVAdmissionController:
                 admitted_at=now,
                 due_at=now + output_cap / rate + self.release_margin,
                 progress_at_admit=self._decoding.progress,
+                sequences=sequences,
             )
             if self._in_force.tracks_progress:
                 self._outlook.expire(self._live.values(), now)
@@ -434,6 +441,7 @@ class KVAdmissionController:
                     self._rejected_total += 1
                 return None
             handle.id = next(self._ids)
+            self._running += sequences
             self._live[handle.id] = handle
             self._advice.keep_promise(need, now, self.release_margin)
             self._reserved += need
@@ -467,6 +475,7 @@ class KVAdmissionController:
             if now is not None:
                 self._advance(now)
             del self._live[handle.id]
+            self._running -= handle.sequences
             if handle.prefix:
                 self._tainted = tainted_after(handle, self._live.values(), self._tainted)
             self._in_force.gone(handle.id)

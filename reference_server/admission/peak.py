@@ -1,7 +1,7 @@
 """The peak of the sum: the most KV cache a set of running sequences can ever hold at once.
 
 Pure arithmetic, no I/O, no clock. The ledger's ``peak`` rule admits a request when this peak,
-with the request added, fits the usable budget (see ``docs/admission.md``).
+with the request added, fits the usable budget (see ``docs/peak.md``).
 
 **The argument.** A sequence that has produced its first token holds its prompt and what it
 has generated so far, and grows by one token per decode step until its output cap, when it

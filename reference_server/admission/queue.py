@@ -158,6 +158,7 @@ class AdmissionQueue:
         client: Hashable | None = None,
         max_wait: float | None = None,
         prefix: tuple[Hashable, ...] = (),
+        sequences: int = 1,
         tenant: str | None = None,
         priority: int = 0,
         model: str | None = None,
@@ -168,7 +169,8 @@ class AdmissionQueue:
         ``client`` identifies the caller for staggered advice (its connection's address).
         ``max_wait`` shortens the queue's own wait for this request (the client's ``Prefer:
         wait``); it never lengthens it. ``prefix``: the keys of the request's shareable prompt
-        blocks (see :meth:`KVAdmissionController.try_admit`). ``tenant`` and ``priority`` are
+        blocks and ``sequences`` how many it runs at once (see
+        :meth:`KVAdmissionController.try_admit`). ``tenant`` and ``priority`` are
         for a fair queue (:class:`~.fair_queue.FairQueue`); this one serves all in arrival order.
         ``model`` and ``follow``: whose outputs its forecast learns from, and whether its
         progress will be relayed (see :meth:`KVAdmissionController.try_admit`).
@@ -186,6 +188,7 @@ class AdmissionQueue:
                 prefix=prefix,
                 kind=(model, None),
                 follow=follow,
+                sequences=sequences,
             )
 
         if not self._waiters and (handle := attempt()) is not None:

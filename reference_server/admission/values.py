@@ -46,7 +46,8 @@ class Handle:
     sequence has generated since the ledger began) when it was admitted.
     ``writing_since`` is set by the server while a write of the answer waits on the client (the
     ledger's clock), None otherwise: one waiting longer than the release margin is a client
-    that stopped reading, and the holder ends only when the server cuts it.
+    that stopped reading, and the holder ends only when the server cuts it. ``sequences`` is how
+    many sequences the request runs at once in the engine (``n``), each in a place of its own.
 
     For the ``peak`` rule (see :mod:`.peak`): ``tracked`` says the server relays the request's
     progress exactly (one sequence, its tokens counted from the engine's own stream);
@@ -81,6 +82,7 @@ class Handle:
         "released",
         "reserved_tokens",
         "seen_at",
+        "sequences",
         "start_by",
         "tracked",
         "writing_since",
@@ -96,6 +98,7 @@ class Handle:
         admitted_at: float,
         due_at: float,
         progress_at_admit: float = 0.0,
+        sequences: int = 1,
     ) -> None:
         self.id = id
         self.prompt_tokens = prompt_tokens
@@ -104,6 +107,7 @@ class Handle:
         self.admitted_at = admitted_at
         self.due_at = due_at
         self.progress_at_admit = progress_at_admit
+        self.sequences = sequences
         self.released = False
         self.writing_since: float | None = None
         self.tracked = False

@@ -5,7 +5,9 @@
 - :mod:`.rewrite`: what changes on the way (the cap, the headers), pure;
 - :mod:`.assemble`: a plain answer assembled from the stream it was asked upstream as, pure;
 - :mod:`.relay`: the backend of the generation endpoint: count, route, forward, relay;
-- :mod:`.state`: what one gateway owns, and the discovery of its upstreams;
+- :mod:`.progress`: a holder's progress read from its stream, pure;
+- :mod:`.state`: what one gateway owns, its counters, and the discovery of its upstreams;
+- :mod:`.redis_ledgers`: the gateway's side of a shared ledger in Redis (``--ledger``);
 - :mod:`.metrics`, :mod:`.app`, :mod:`.cli`.
 
 It never imports the simulated engine.

@@ -27,6 +27,7 @@ from ..http.generation import GenerationEndpoint
 from ..http.middleware import build_app
 from ..http.requests import ClientGone, read_body
 from .config import GatewayConfig
+from .metrics import registry_for
 from .relay import UpstreamBackend, unavailable
 from .state import GatewayState
 from .upstream import UPSTREAM_ERRORS, Known, Upstream, parse_json
@@ -170,7 +171,8 @@ async def _metrics(request: Request) -> Response:
     state = _gateway(request)
     if state.shared is not None:
         await state.shared.refresh()  # the shared totals, as Redis has them now
-    return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+    registry = request.app.state.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 
 def create_gateway_app(config: GatewayConfig) -> Starlette:
@@ -178,7 +180,6 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
     state = GatewayState(config)
     completions = UpstreamBackend(state, "/v1/completions")
     chat = UpstreamBackend(state, "/v1/chat/completions")
-    state.backends = [completions, chat]
     routes = [
         Route("/v1/completions", GenerationEndpoint("completions", completions), methods=["POST"]),
         Route("/v1/chat/completions", GenerationEndpoint("chat", chat), methods=["POST"]),
@@ -205,4 +206,5 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
 
     app = build_app(routes, api_key=config.api_key, lifespan=lifespan)
     app.state.gateway = state
+    app.state.registry = registry_for(state)  # its own: several gateways live in one process
     return app

@@ -13,7 +13,11 @@ client's plain request as a stream; the client gets the plain answer that stream
   ``logprobs`` when the stream carried the field, each list in it concatenated;
 - ``usage``, and llama.cpp's ``timings`` beside it, from the chunk that carries them. With
   several choices llama.cpp sends one per choice (a chat's right after that choice's finish)
-  and its plain answer gives choice 0's: so does this.
+  and its plain answer gives choice 0's: so does this;
+- every other field the engine sent, where it sent it: at the top (vLLM's
+  ``kv_transfer_params``, ``prompt_token_ids``, ``prompt_logprobs``) and in a choice (vLLM's
+  ``stop_reason``, ``token_ids``, a field no one here knows), a list's pieces concatenated
+  (``token_ids`` come a few per chunk), else the last value that is not ``null``.
 
 What llama.cpp's plain answer holds that its stream cannot give: nothing but what differs
 between any two answers anyway (``id``, ``created``, ``timings``, ``cached_tokens``) and
@@ -46,6 +50,11 @@ __all__ = ["Assembler", "BrokenStream", "EngineError", "assemble"]
 
 _OBJECTS = {True: "chat.completion", False: "text_completion"}
 _HEAD = ("id", "created", "model", "system_fingerprint")
+#: Top-level fields read apart from the others: a chunk's own (``object``), its choices, the
+#: usage and timings kept per choice, an error event's.
+_READ = frozenset({*_HEAD, "object", "choices", "usage", "timings", "error"})
+#: A choice's fields read apart from the others.
+_CHOICE_READ = frozenset({"index", "delta", "text", "logprobs", "finish_reason"})
 
 
 class BrokenStream(ValueError):
@@ -69,6 +78,8 @@ class _Choice:
     finish_reason: Any = None
     logprobs: Any = None
     has_logprobs: bool = False
+    #: Any other field the engine sent in the choice (``stop_reason``, ``token_ids``, ...).
+    other: dict[str, Any] = field(default_factory=dict)
 
 
 def _index(choice: dict[str, Any]) -> int:
@@ -95,6 +106,19 @@ def _join_logprobs(old: Any, new: Any) -> Any:
     return joined
 
 
+def _merge_other(into: dict[str, Any], piece: dict[str, Any], skip: frozenset[str]) -> None:
+    """The fields of ``piece`` not in ``skip`` merged into ``into``: lists concatenated, else
+    the last value that is not ``null`` (a ``null`` is kept until a value comes)."""
+    for key, value in piece.items():
+        if key in skip:
+            continue
+        before = into.get(key)
+        if isinstance(before, list) and isinstance(value, list):
+            into[key] = before + value
+        elif value is not None or key not in into:
+            into[key] = value
+
+
 def _error_status(error: Any) -> int:
     code = error.get("code") if isinstance(error, dict) else None
     if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
@@ -109,13 +133,17 @@ class Assembler:
     (text pieces).
     """
 
-    __slots__ = ("_choices", "_decoder", "_done", "_finished", "_head", "_lines", "_tails", "chat")
+    __slots__ = (
+        "_choices", "_decoder", "_done", "_finished", "_head", "_lines", "_other", "_tails", "chat",
+    )  # fmt: skip
 
     def __init__(self, *, chat: bool) -> None:
         self.chat = chat
         self._lines = LineSplitter()
         self._decoder = SSEDecoder()
         self._head: dict[str, Any] = {}
+        #: The top-level fields but those read apart (``_READ``), merged.
+        self._other: dict[str, Any] = {}
         self._choices: dict[int, _Choice] = {}
         # Usage and timings by the choice they belong to.
         self._tails: dict[int, dict[str, Any]] = {}
@@ -154,6 +182,7 @@ class Assembler:
         for key in _HEAD[1:]:
             if key in self._head:
                 answer[key] = self._head[key]
+        answer.update(self._other)
         answer["choices"] = [self._choice(i, choices[i]) for i in sorted(choices)]
         tails = self._tails
         tail = tails.get(0) or (tails[max(tails)] if tails else {})
@@ -179,6 +208,7 @@ class Assembler:
         for key in _HEAD:
             if key in payload and key not in self._head:
                 self._head[key] = payload[key]
+        _merge_other(self._other, payload, _READ)
         choices = payload.get("choices") or []
         if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
             raise BrokenStream(
@@ -214,6 +244,7 @@ class Assembler:
         if choice.get("finish_reason") is not None:
             into.finish_reason = choice["finish_reason"]
             self._finished = index
+        _merge_other(into.other, choice, _CHOICE_READ)
 
     def _choice(self, index: int, choice: _Choice) -> dict[str, Any]:
         text = "".join(choice.parts)
@@ -235,6 +266,7 @@ class Assembler:
         if choice.has_logprobs:
             out["logprobs"] = choice.logprobs
         out["finish_reason"] = choice.finish_reason
+        out.update(choice.other)
         return out
 
 

@@ -14,11 +14,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..admission.fairness import TenantStats
+from .state import GatewayState
 
 if TYPE_CHECKING:
     from ..admission.queue import AdmissionQueue
     from ..shared_ledger.ledger import SharedState
-    from .state import GatewayState
 
 __all__ = ["OTHER_TENANTS", "TOP_TENANTS", "GatewayCollector", "registry_for", "tenant_rows"]
 
@@ -126,7 +126,7 @@ class GatewayCollector:
         yield CounterMetricFamily(
             "kv_send_timeouts_total",
             "Answers cut for not being read within --send-timeout.",
-            value=self.state.send_timeouts(),
+            value=self.state.counters.send_timeouts,
         )
         yield CounterMetricFamily(
             "kv_rejected_total",

@@ -7,6 +7,8 @@ every chunk of a stream (``stream_options.continuous_usage_stats``), and follows
 usage in its chunks stays (a field OpenAI's chunks have), the last chunk that carries only the
 usage (no choice) goes, unless the client asked for ``include_usage`` itself.
 
+The usage of a whole answer (:func:`completion_tokens`) is read with the same pattern.
+
 Events are split at blank lines (``\\n\\n``, as vLLM and our server end them; a ``\\r\\n\\r\\n``
 ends one too) and passed on whole; an unfinished event waits for the rest of it.
 
@@ -21,10 +23,9 @@ b'data: [DONE]\\n\\n'
 
 from __future__ import annotations
 
-import json
 import re
 
-__all__ = ["ProgressReader", "with_progress"]
+__all__ = ["ProgressReader", "completion_tokens"]
 
 #: A complete ``completion_tokens`` figure: the digits must be followed by what ends a JSON
 #: number in an object, so a figure cut between two pieces is never read short.
@@ -84,15 +85,13 @@ class ProgressReader:
         return rest
 
 
-def with_progress(content: bytes) -> tuple[bytes, bool]:
-    """A stream's body asking for its usage in every chunk, and whether the client had asked
-    for the usage (``include_usage``) itself. Re-encoded, so the engine reads what was parsed
-    here (the body is :func:`~.rewrite.with_cap`'s, a JSON object)."""
-    body = json.loads(content)
-    options = body.get("stream_options")
-    options = dict(options) if isinstance(options, dict) else {}
-    asked = options.get("include_usage") is True
-    options.update(include_usage=True, continuous_usage_stats=True)
-    body["stream"] = True
-    body["stream_options"] = options
-    return json.dumps(body).encode(), asked
+def completion_tokens(content: bytes) -> int:
+    """``usage.completion_tokens`` of an answer, found without parsing the whole answer again
+    (in JSON text a key is always a quoted string; inside generated text its quotes are
+    escaped, so the pattern cannot match there). The last one counts: usage comes last. 0 when
+    absent or not a plain integer of at most 12 digits."""
+    at = content.rfind(b'"completion_tokens"')
+    if at < 0:
+        return 0
+    found = _FIGURE.match(content, at)
+    return int(found.group(1)) if found else 0

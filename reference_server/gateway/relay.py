@@ -30,7 +30,13 @@ from starlette.responses import Response
 from starlette.types import Scope, Send
 
 from kvclient import parse_retry_after
-from kvclient.engines.behaviour import PROGRESS_ENGINES, PROMPT_SHARING_ENGINES, runs_on_after_reset
+from kvclient.engines.behaviour import (
+    PROGRESS_ENGINES,
+    prefix_salt,
+    runs_on_after_reset,
+    streams_as_asked,
+    text_only,
+)
 from kvclient.engines.tokenize import RENDER_FIELDS, Tokenized, countable_render_fields
 from kvclient.routing import pick
 
@@ -40,15 +46,8 @@ from ..http.errors import APIError
 from ..http.generation import Plan, Target
 from ..http.requests import THREAD_TOKENIZE_CHARS, GenerationRequest, count_prompt
 from .assemble import Assembler, BrokenStream, EngineError
-from .progress import ProgressReader, with_progress
-from .rewrite import (
-    as_stream,
-    assembled_headers,
-    completion_tokens,
-    request_headers,
-    response_headers,
-    with_cap,
-)
+from .progress import ProgressReader, completion_tokens
+from .rewrite import as_stream, assembled_headers, request_headers, response_headers, with_cap
 from .state import GatewayState
 from .tenants import priority_of, tenant_of
 from .upstream import (
@@ -153,6 +152,45 @@ def _refuse_uncounted(field: str | None) -> None:
         )
 
 
+def _refuse_never_fitting(plan: Plan, known: list[Known]) -> None:
+    """A 400 for a request of several sequences that no upstream could ever admit: more KV
+    than its whole usable budget, or more sequences than it runs at once (each runs in a
+    place of its own)."""
+    running = [k.ledger.max_concurrency for k in known]
+    if all(most is not None and plan.sequences > most for most in running):
+        most = max(m for m in running if m is not None)
+        raise APIError(
+            400,
+            f"This request can never be admitted: its {plan.sequences} sequences each run in a "
+            f"place of their own, and no upstream runs more than {most} at once; ask for "
+            "fewer sequences.",
+            code="too_many_sequences",
+            param="n",
+        )
+    needs = [(k.ledger.need_tokens(*plan.held(k)), k.ledger.usable_tokens) for k in known]
+    if all(need > usable for need, usable in needs):
+        need, usable = min(needs, key=lambda pair: pair[0] - pair[1])
+        raise APIError(
+            400,
+            f"This request can never be admitted: {plan.sequences} sequences of up to "
+            f"{plan.cap} tokens need {need} KV tokens, more than the usable budget ({usable}); "
+            "ask for fewer or shorter sequences.",
+            code="kv_budget_exceeded",
+            param="n",
+        )
+
+
+def _followed(piece: bytes, reader: ProgressReader | None, known: Known, handle: Handle) -> bytes:
+    """A piece of a stream as it goes on (with a ``reader``: the whole events it completes,
+    what the client did not ask for taken out), the holder's progress followed on the way."""
+    if reader is None:
+        return piece
+    events = reader.feed(piece)
+    if reader.generated:
+        known.queue.progress(handle, reader.generated)
+    return events
+
+
 #: The paths whose plain answers can be assembled from a stream, and whether they chat.
 _ASSEMBLED = {"/v1/chat/completions": True, "/v1/completions": False}
 
@@ -181,10 +219,9 @@ class UpstreamBackend:
         self.path = path
         self.max_body_bytes = state.config.max_body_bytes
         self.send_timeout = state.config.send_timeout
-        self.cut = 0
 
     def answer_cut(self) -> None:
-        self.cut += 1
+        self.state.counters.send_timeouts += 1
 
     # --- plan --------------------------------------------------------------------------------
 
@@ -222,10 +259,11 @@ class UpstreamBackend:
             prompt_tokens=prompt_tokens,
             cap=cap,
             sequences=request.sequences,
-            # Sequences share the prompt's blocks only where every upstream forks them.
-            shared_prompt=all(k.upstream.engine in PROMPT_SHARING_ENGINES for k in known),
-            token_ids=counted.ids,
+            # Token ids key shared prefix blocks only for a prompt of text alone: an image's
+            # placeholder tokens are the same whatever the image.
+            token_ids=counted.ids if text_only(payload) else None,
             model=model if isinstance(model, str) else None,
+            cache_salt=prefix_salt(payload),
             extra=_Forward(
                 content=with_cap(raw, payload, cap),
                 headers=request_headers(
@@ -233,18 +271,11 @@ class UpstreamBackend:
                 ),
             ),
         )
-        need = roomiest.ledger.need_tokens(plan.reserved_prompt, plan.reserved_output)
+        need = roomiest.ledger.need_tokens(*plan.held(roomiest))
         if state.config.fairness is not None:
             plan = self._tenant(scope, plan, known, need)
-        if plan.sequences > 1 and roomiest.ledger.never_fits(need):
-            raise APIError(
-                400,
-                f"This request can never be admitted: {plan.sequences} sequences of up to "
-                f"{cap} tokens need {need} KV tokens, more than the largest usable budget "
-                f"({roomiest.ledger.usable_tokens}); ask for fewer or shorter sequences.",
-                code="kv_budget_exceeded",
-                param="n",
-            )
+        if plan.sequences > 1:
+            _refuse_never_fitting(plan, known)
         return plan
 
     def _tenant(self, scope: Scope, plan: Plan, known: list[Known], need: int) -> Plan:
@@ -304,7 +335,7 @@ class UpstreamBackend:
         candidates = [k for k in self.state.known if id(k) not in tried]
         if not candidates:
             raise unavailable("every upstream failed this request")
-        need = candidates[0].ledger.need_tokens(plan.reserved_prompt, plan.reserved_output)
+        need = candidates[0].ledger.need_tokens(*plan.held(candidates[0]))
         chosen = pick([k.upstream.endpoint(now) for k in candidates], need)
         if chosen is None:
             raise unavailable("no upstream is in service")
@@ -332,8 +363,10 @@ class UpstreamBackend:
         # Under the peak rule the holder's progress is followed from the engine's stream (a
         # plain request goes as a stream, its answer assembled): see ``progress.py``.
         reader: ProgressReader | None = None
-        if handle.tracked and chat is not None and engine in PROGRESS_ENGINES:
-            content, asked = with_progress(content)
+        # A plain request the engine would refuse as a stream stays plain, counted whole.
+        streamable = stream or streams_as_asked(plan.payload)
+        if handle.tracked and chat is not None and engine in PROGRESS_ENGINES and streamable:
+            content, asked = as_stream(content, every_chunk=True)
             reader = ProgressReader(drop_usage_only=stream and not asked)
         elif handle.tracked:
             target.ledger.unfollow(handle)
@@ -343,13 +376,14 @@ class UpstreamBackend:
             and (
                 reader is not None
                 or (
-                    runs_on_after_reset(engine, stream=False)
+                    streamable
+                    and runs_on_after_reset(engine, stream=False)
                     and not runs_on_after_reset(engine, stream=True)
                 )
             )
         )
         if assembled and reader is None:
-            content = as_stream(content)
+            content, _ = as_stream(content)
         holds = not assembled and runs_on_after_reset(engine, stream=stream)
         data: bytes | _Assembled | BaseException | None
         with anyio.CancelScope(shield=holds):
@@ -408,11 +442,9 @@ class UpstreamBackend:
                 total += len(piece)
                 if total > limit:
                     return None
-                assembler.feed(piece)
-                if reader is not None:
-                    reader.feed(piece)
-                    if reader.generated:
-                        known.queue.progress(handle, reader.generated)
+                assembler.feed(_followed(piece, reader, known, handle))
+            if reader is not None:
+                assembler.feed(reader.end())
             answer = assembler.end()
             if reader is not None:
                 known.ledger.ended(handle, by_itself=reader.finish_reason == "stop")
@@ -522,13 +554,9 @@ class UpstreamBackend:
                     await send({"type": "http.response.body", "body": _LAPSED, "more_body": False})
                     return
                 before, last = last, piece
-                if reader is not None:
-                    piece = reader.feed(piece)
-                    if reader.generated:
-                        known.queue.progress(handle, reader.generated)
-                    if not piece:
-                        continue
-                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                events = _followed(piece, reader, known, handle)
+                if events:
+                    await send({"type": "http.response.body", "body": events, "more_body": True})
         except UPSTREAM_ERRORS:
             upstream.failure()
             error = {

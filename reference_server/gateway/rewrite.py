@@ -2,19 +2,19 @@
 
 The body goes upstream with its output cap made explicit and clamped to what was reserved (and,
 for an engine that only stops a stream when its client leaves, a plain request asked as a
-stream); of the client's headers only a stated few go on (:data:`FORWARDED_HEADERS`), within
-bounds; an answer's headers lose what belongs to one hop, what the HTTP client sets itself, and
-the upstream's RateLimit fields (the gateway's ledger says what the gateway will admit).
+stream), without a field that would set the engine's scheduling order; of the client's headers
+only a stated few go on (:data:`FORWARDED_HEADERS`), within bounds; an answer's headers lose
+what belongs to one hop, what the HTTP client sets itself, and the upstream's RateLimit fields
+(the gateway's ledger says what the gateway will admit).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from typing import Any
 
-from kvclient.engines.spend import LENGTH_FIELDS, MIN_LENGTH_FIELDS
+from kvclient.engines.spend import LENGTH_FIELDS, MIN_LENGTH_FIELDS, SCHEDULING_FIELDS
 
 from ..http.errors import APIError
 
@@ -24,7 +24,6 @@ __all__ = [
     "MAX_FORWARDED_FIELDS",
     "as_stream",
     "assembled_headers",
-    "completion_tokens",
     "request_headers",
     "response_headers",
     "with_cap",
@@ -102,47 +101,57 @@ def with_cap(raw: bytes, body: dict[str, Any], cap: int) -> bytes:
       another parser);
     - anything else: the parsed body re-encoded with each length field given set to the cap
       (and a minimum length above the cap, :data:`~kvclient.engines.spend.MIN_LENGTH_FIELDS`,
-      lowered to it).
+      lowered to it), and without the fields that would set the engine's scheduling order
+      (:data:`~kvclient.engines.spend.SCHEDULING_FIELDS`: vLLM's ``priority``).
     """
     given = [name for name in LENGTH_FIELDS if name in body]
+    dropped = [name for name in SCHEDULING_FIELDS if name in body]
     # A minimum length above the cap: the engine would refuse the request; it is the cap.
     floors = [
         name
         for name in MIN_LENGTH_FIELDS
         if isinstance(body.get(name), int) and not isinstance(body[name], bool) and body[name] > cap
     ]
-    if not given and not floors:
+    if not given and not floors and not dropped:
         end = raw.rstrip()
         if end.endswith(b"}"):
             inner = end[:-1].rstrip()
             comma = b"" if inner.endswith(b"{") else b","
             return b'%s%s"max_tokens":%d}' % (inner, comma, cap)
-    elif not floors and (
-        given == ["max_tokens"]
-        and body["max_tokens"] == cap
-        and type(body["max_tokens"]) is int
-        and b"\\u" not in raw
-        and raw.count(b'"max_tokens"') == 1
+    elif (
+        not floors
+        and not dropped
+        and (
+            given == ["max_tokens"]
+            and body["max_tokens"] == cap
+            and type(body["max_tokens"]) is int
+            and b"\\u" not in raw
+            and raw.count(b'"max_tokens"') == 1
+        )
     ):
         return raw
-    capped = dict(body)
+    capped = {name: value for name, value in body.items() if name not in dropped}
     for name in [*(given or ["max_tokens"]), *floors]:
         capped[name] = cap
     return json.dumps(capped).encode()
 
 
-def as_stream(content: bytes) -> bytes:
-    """A plain request's body (as :func:`with_cap` made it) asked as a stream, with its usage
-    in the last chunk: ``"stream": true``, ``"stream_options": {"include_usage": true}`` (the
-    client's other stream options kept). Re-encoded, so the engine reads what was parsed here."""
+def as_stream(content: bytes, *, every_chunk: bool = False) -> tuple[bytes, bool]:
+    """A body (as :func:`with_cap` made it) asked as a stream, with its usage in the last chunk
+    (``"stream_options": {"include_usage": true}``) and, ``every_chunk``, in every chunk too
+    (``continuous_usage_stats``: how the peak rule follows a holder's progress); the client's
+    other stream options kept. Also whether the client had asked for the usage itself.
+    Re-encoded, so the engine reads what was parsed here."""
     body = json.loads(content)
     options = body.get("stream_options")
+    options = dict(options) if isinstance(options, dict) else {}
+    asked = options.get("include_usage") is True
+    options["include_usage"] = True
+    if every_chunk:
+        options["continuous_usage_stats"] = True
     body["stream"] = True
-    body["stream_options"] = {
-        **(options if isinstance(options, dict) else {}),
-        "include_usage": True,
-    }
-    return json.dumps(body).encode()
+    body["stream_options"] = options
+    return json.dumps(body).encode(), asked
 
 
 #: A stream's headers that do not describe the plain answer assembled from it.
@@ -154,18 +163,3 @@ def assembled_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[byte
     JSON instead of the event stream."""
     kept = [(name, value) for name, value in headers if name not in _STREAM_ONLY]
     return [*kept, (b"content-type", b"application/json")]
-
-
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,12})\b')
-
-
-def completion_tokens(content: bytes) -> int:
-    """``usage.completion_tokens`` of an answer, found without parsing the whole answer again
-    (in JSON text a key is always a quoted string; inside generated text its quotes are
-    escaped, so the pattern cannot match there). The last one counts: usage comes last. 0 when
-    absent or not a plain integer of at most 12 digits."""
-    at = content.rfind(b'"completion_tokens"')
-    if at < 0:
-        return 0
-    found = _COMPLETION_TOKENS.match(content, at)
-    return int(found.group(1)) if found else 0

@@ -1,4 +1,4 @@
-"""What one gateway owns (its upstreams, their ledgers, the shared ledger, its metrics) and how
+"""What one gateway owns (its upstreams, their ledgers, the shared ledger, its counters) and how
 it discovers its upstreams; ``app.state.gateway``."""
 
 from __future__ import annotations
@@ -6,25 +6,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import anyio
 
 from kvclient import TiktokenCounter, TokenCounter
 
 from .config import GatewayConfig
-from .metrics import registry_for
-from .sharing import SharedLedgers
+from .redis_ledgers import SharedLedgers
 from .upstream import Known, Upstream, UpstreamUnavailable
 
-if TYPE_CHECKING:
-    # Only the annotation of ``backends``: the relay is built over this state (it imports it),
-    # and handed back to it by ``create_gateway_app``.
-    from .relay import UpstreamBackend
-
-__all__ = ["GatewayState"]
+__all__ = ["GatewayCounters", "GatewayState"]
 
 logger = logging.getLogger("kvclient.gateway")
+
+
+@dataclass(slots=True)
+class GatewayCounters:
+    """What the gateway counts of its own (the upstreams count theirs): written by the relay,
+    read by ``/metrics``."""
+
+    #: Answers cut for not being read within ``--send-timeout``.
+    send_timeouts: int = 0
 
 
 class GatewayState:
@@ -43,7 +46,7 @@ class GatewayState:
             )
         ]
         self.fallback_counter: TokenCounter = config.counter or TiktokenCounter()
-        self.backends: list[UpstreamBackend] = []
+        self.counters = GatewayCounters()
         self._discovery_lock: anyio.Lock | None = None
         #: The shared ledger (``--ledger``), or None: each upstream's ledger is this process's.
         self.shared: SharedLedgers | None = None
@@ -57,15 +60,11 @@ class GatewayState:
             )
             for upstream in self.upstreams:
                 upstream.shared = self.shared
-        self.registry = registry_for(self)
 
     @property
     def known(self) -> list[Known]:
         """The upstreams discovered so far."""
         return [u.known for u in self.upstreams if u.known is not None]
-
-    def send_timeouts(self) -> int:
-        return sum(backend.cut for backend in self.backends)
 
     async def admission(self) -> list[Known]:
         """The upstreams known to the gateway, discovering (again) those not yet known."""

@@ -30,7 +30,7 @@ import aiohttp
 import anyio
 import yarl
 
-from kvclient.engines.behaviour import PROGRESS_ENGINES
+from kvclient.engines.behaviour import PROGRESS_ENGINES, PROMPT_SHARING_ENGINES
 from kvclient.engines.budget import Budget, discover_budget
 from kvclient.engines.discovery import Answer, Discovery, Probe, discover_context
 from kvclient.engines.metrics import decode_counters, lockstep_from_metrics
@@ -43,7 +43,7 @@ from ..admission.queue import AdmissionQueue, LedgerUnavailable
 from ..http.requests import GenerationRequest
 from .config import DEFAULT_PREEMPTION_BUDGET, GatewayConfig, public_url
 from .errors import UpstreamUnavailable
-from .sharing import SharedLedgers
+from .redis_ledgers import SharedLedgers
 from .speed import Speed, SpeedEstimator
 
 __all__ = [
@@ -229,6 +229,13 @@ class Known:
     upstream: Upstream
     ledger: KVAdmissionController
     queue: AdmissionQueue
+
+    @property
+    def shares_prompt(self) -> bool:
+        """Whether the sequences of one request share the prompt's full blocks: an engine that
+        forks them from one prompt, with its prefix cache on (vLLM's ``n`` children share
+        nothing without it)."""
+        return self.upstream.engine in PROMPT_SHARING_ENGINES and self.ledger.shares_prefixes
 
 
 class Upstream:

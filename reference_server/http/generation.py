@@ -28,6 +28,8 @@ import anyio
 from starlette.responses import JSONResponse
 from starlette.types import Message, Receive, Scope, Send
 
+from kvclient import sequences_reservation_tokens, shared_prompt_tokens
+
 from ..admission.ledger import Handle, KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable, Rejected
 from .answers import too_busy
@@ -62,6 +64,12 @@ class Target(Protocol):
     @property
     def queue(self) -> AdmissionQueue: ...
 
+    @property
+    def shares_prompt(self) -> bool:
+        """Whether the sequences of one request share the prompt's full blocks there (the
+        engine's prefix cache is on), or each holds the whole prompt."""
+        ...
+
 
 def ledger_away(away: LedgerUnavailable) -> JSONResponse:
     """503 with Retry-After: the shared ledger cannot be reached, so nothing new is admitted."""
@@ -87,30 +95,40 @@ class Plan:
     prompt_tokens: int
     #: The output cap admitted: the reservation is prompt_tokens + cap, in whole blocks.
     cap: int
-    #: Sequences generated, each up to ``cap``.
+    #: Sequences generated, each up to ``cap`` and each in blocks of its own (see :meth:`held`).
     sequences: int = 1
-    #: Whether the sequences share the prompt's KV (vLLM, SGLang) or each holds its own.
-    shared_prompt: bool = True
     #: Anything else the backend decided while planning (the gateway: the body it forwards).
     extra: Any = None
     #: The prompt's token ids as the engine counted them, when it said (for shared prefixes),
     #: and what keeps prompts of different models apart.
     token_ids: tuple[int, ...] | None = None
     model: str | None = None
+    #: The request's own salt of the engine's prefix-cache keys (vLLM's ``cache_salt``): only
+    #: prompts with the same model and salt share blocks.
+    cache_salt: str | None = None
     #: Whose request it is and its priority class (lower first), for a fair queue; a FIFO
     #: queue serves all alike.
     tenant: str | None = None
     priority: int = 0
 
-    @property
-    def reserved_prompt(self) -> int:
-        """The prompt tokens the reservation holds: once, or once per sequence."""
-        return self.prompt_tokens if self.shared_prompt else self.prompt_tokens * self.sequences
-
-    @property
-    def reserved_output(self) -> int:
-        """The output tokens the reservation holds: every sequence's cap."""
-        return self.cap * self.sequences
+    def held(self, target: Target) -> tuple[int, int]:
+        """(prompt, output) tokens the reservation holds at ``target``: their sum, in whole
+        blocks, is :func:`kvclient.sequences_reservation_tokens`. Each sequence holds its own
+        blocks (vLLM runs ``n`` as ``n`` requests); where the engine's prefix cache is on
+        (``target.shares_prompt``) the prompt's full blocks are held once for all, each
+        sequence keeping its own partial last block. The output part of each sequence is its
+        cap and the rest of its last block.
+        """
+        prompt, n = self.prompt_tokens, self.sequences
+        if n == 1:
+            return prompt, self.cap
+        block, shares = target.ledger.block_size, target.shares_prompt
+        total = sequences_reservation_tokens(
+            prompt, self.cap, sequences=n, block_size=block, shared_prompt=shares
+        )
+        shared = shared_prompt_tokens(prompt, block) if shares else 0
+        held_prompt = shared + n * (prompt - shared)
+        return held_prompt, total - held_prompt
 
 
 class Backend(Protocol):
@@ -235,16 +253,18 @@ class GenerationEndpoint:
                 await error.response()(scope, receive, send)
                 return
             ledger, queue = target.ledger, target.queue
+            prompt_held, output_held = plan.held(target)
             try:
                 handle = await queue.acquire(
-                    plan.reserved_prompt,
-                    plan.reserved_output,
+                    prompt_held,
+                    output_held,
+                    sequences=plan.sequences,
                     client=client,
                     max_wait=wait,
                     # One sequence, its progress followed: it lends its prefix once past its
                     # prefill (several sequences count whole, sharing nothing).
                     prefix=(
-                        ledger.prefix_keys(plan.token_ids, plan.model)
+                        ledger.prefix_keys(plan.token_ids, (plan.model, plan.cache_salt))
                         if plan.sequences == 1
                         else ()
                     ),
@@ -255,7 +275,7 @@ class GenerationEndpoint:
                     follow=plan.sequences == 1,
                 )
             except Rejected as rejected:
-                busy = too_busy(ledger, rejected, plan.reserved_prompt, plan.reserved_output, queue)
+                busy = too_busy(ledger, rejected, prompt_held, output_held, queue)
                 await busy(scope, receive, send)
                 return
             except LedgerUnavailable as away:

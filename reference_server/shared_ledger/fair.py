@@ -414,6 +414,9 @@ class SharedFairQueue(SharedQueue):
         priority: int = 0,
         model: str | None = None,  # the shared ledger counts whole caps: no forecast
         follow: bool = False,
+        # The shared ledger counts a request once against the running cap: it counts whole
+        # caps, so sequences waiting in the engine hold no KV it has not reserved.
+        sequences: int = 1,
     ) -> Handle:
         """A handle for the request, or :class:`Rejected`: after its tenant's longest wait (else
         the queue's), shortened by ``max_wait``; at once when the shared queue is full and it is

@@ -157,6 +157,9 @@ class SharedQueue(AdmissionQueue):
         priority: int = 0,
         model: str | None = None,  # the shared ledger counts whole caps: no forecast
         follow: bool = False,
+        # The shared ledger counts a request once against the running cap: it counts whole
+        # caps, so sequences waiting in the engine hold no KV it has not reserved.
+        sequences: int = 1,
     ) -> Handle:
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
         ticket = self.shared.ticket(need)

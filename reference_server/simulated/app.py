@@ -22,6 +22,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvclient import Tokenizer
+from kvclient.engines.behaviour import prefix_salt
 
 from ..admission.ledger import Handle
 from ..http.answers import admissible_cap, room, send_whole
@@ -121,10 +122,12 @@ def _stopping(payload: dict[str, Any], cap: int) -> Stopping:
 @dataclass(frozen=True, slots=True)
 class EngineInput:
     """What the engine needs of a planned request beyond its sizes: its :class:`Stopping`, and
-    its prompt's token ids (for prefix sharing; None when prefix caching is off)."""
+    its prompt's token ids and ``cache_salt`` (for prefix sharing; no ids when prefix caching
+    is off)."""
 
     stopping: Stopping
     prompt_ids: list[int] | None = None
+    cache_salt: str | None = None
 
 
 def _engine_options(plan: Plan) -> dict[str, Any]:
@@ -133,6 +136,7 @@ def _engine_options(plan: Plan) -> dict[str, Any]:
         "min_tokens": given.stopping.min_tokens,
         "ignore_eos": given.stopping.ignore_eos,
         "prompt_ids": given.prompt_ids,
+        "cache_salt": given.cache_salt,
     }
 
 
@@ -209,7 +213,7 @@ class SimulatedBackend:
             raw=raw,
             prompt_tokens=prompt_tokens,
             cap=cap,
-            extra=EngineInput(stopping, ids),
+            extra=EngineInput(stopping, ids, prefix_salt(payload)),
         )
 
     def route(self, plan: Plan, tried: Set[int]) -> Target:

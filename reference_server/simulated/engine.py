@@ -246,13 +246,15 @@ class SimulatedEngine:
         on_text: OnText | None = None,
         *,
         prompt_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
         min_tokens: int = 0,
         ignore_eos: bool = False,
     ) -> Generated:
         """Decode up to ``max_tokens`` tokens after a prompt of ``prompt_tokens`` tokens.
 
         ``prompt_ids`` are the prompt's token ids: with prefix caching on, its full blocks are
-        shared with running sequences that hold the same prefix (without ids, nothing is).
+        shared with running sequences that hold the same prefix and ``cache_salt`` (without
+        ids, nothing is).
 
         A sequence stops by itself at its natural length, as vLLM's does at its end-of-sequence
         token, unless ``ignore_eos`` (it runs to ``max_tokens``, finish reason ``length``) or
@@ -268,7 +270,7 @@ class SimulatedEngine:
         vocab = self.vocabulary
         keys: list[bytes] = []
         if self.prefix_caching and prompt_ids is not None:
-            keys = prefix_keys(prompt_tokens, prompt_ids, self.block_size)
+            keys = prefix_keys(prompt_tokens, prompt_ids, self.block_size, cache_salt)
         with self._lock:
             natural = max(1, math.ceil(self._rng.expovariate(1.0 / self.mean_output_tokens)))
             words = _WordStream(self._rng.getrandbits(64), vocab)

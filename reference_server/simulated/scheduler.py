@@ -58,14 +58,17 @@ class EngineOOMError(Exception):
         self.capacity_tokens = capacity_tokens
 
 
-def prefix_keys(prompt_tokens: int, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def prefix_keys(
+    prompt_tokens: int, token_ids: Sequence[int], block_size: int, salt: str | None = None
+) -> list[bytes]:
     """The chained hashes of a prompt's shareable blocks: its full blocks strictly before its
     last token, ``floor((prompt_tokens - 1) / block_size)`` of them (fewer if ``token_ids``
     is shorter). Each covers its block's ids and the previous block's hash, so two equal keys
-    mean two equal prefixes up to that block's end."""
+    mean two equal prefixes up to that block's end; a ``salt`` (vLLM's ``cache_salt``) goes
+    into the first, so prompts salted differently, or one salted and one not, share nothing."""
     shareable = min(max(0, prompt_tokens - 1) // block_size, len(token_ids) // block_size)
     keys: list[bytes] = []
-    previous = b""
+    previous = b"" if salt is None else hashlib.sha256(b"salt:" + salt.encode()).digest()
     for i in range(shareable):
         block = token_ids[i * block_size : (i + 1) * block_size]
         previous = hashlib.sha256(previous + ",".join(map(str, block)).encode()).digest()

@@ -34,6 +34,9 @@ _ROUTES = (
 class ServerState:
     """Everything one server instance owns; ``app.state.server``."""
 
+    #: A request generates one sequence here (``n`` must be 1): nothing to share among them.
+    shares_prompt = False
+
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.admission_log = (

@@ -3,7 +3,7 @@ no other), and a real browser renders its pages.
 
 The build runs as ``.ci/run`` runs it (strict: a broken link, anchor or image fails it). The
 screenshot test runs Debian's headless Chromium; locally, without it, the test skips and says
-why; in CI (``CI=true``) a missing Chromium fails the test: ``scripts/ci-setup-chromium.sh``
+why; in CI (``CI=true``) a missing Chromium fails the test: ``scripts/test_setup.py``
 installs it. So does a missing mkdocs, which the ``dev`` extra installs.
 """
 
@@ -101,3 +101,16 @@ def test_chromium_renders_the_page(site: Path, tmp_path: Path, page: str, headin
     # Material's stylesheet applied (its header), and text drawn (many antialiased shades).
     assert colors[HEADER_COLOR] >= MIN_HEADER_PIXELS, colors.most_common(5)
     assert len(colors) >= MIN_DISTINCT_COLORS, len(colors)
+
+
+def test_every_doc_the_source_names_exists() -> None:
+    """A docstring or comment that sends the reader to ``docs/NAME.md`` names a page that is
+    there (pages move; their references in the code are not checked by the build)."""
+    named = re.compile(r"docs/[\w/.-]+\.md")
+    missing = []
+    for package in ("kvclient", "reference_server", "scripts", "bench"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for found in named.findall(path.read_text(encoding="utf-8")):
+                if not (ROOT / found).is_file():
+                    missing.append(f"{path.relative_to(ROOT)}: {found}")
+    assert missing == []

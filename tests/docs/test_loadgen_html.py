@@ -1,7 +1,7 @@
 """``kvclient bench --html``: one self-contained page whose plots a real browser draws.
 
 The screenshot test runs Debian's headless Chromium. Locally, without it, the test skips and
-says why; in CI (``CI=true``) a missing Chromium fails the test: ``scripts/ci-setup-chromium.sh``
+says why; in CI (``CI=true``) a missing Chromium fails the test: ``scripts/test_setup.py``
 installs it.
 """
 

@@ -528,3 +528,38 @@ async def test_without_usage_or_tokenize_counts_are_estimated() -> None:
     assert capacity.status is CheckStatus.PASS
     assert "prompt (estimate)" in capacity.evidence
     assert report.ok
+
+
+@pytest.mark.anyio
+async def test_a_request_on_a_connection_the_server_closed_idle_is_sent_again() -> None:
+    """A pooled connection the server closed as it went idle, reused in that instant, fails
+    before any answer: nothing reached the server, so the request goes again at once (as
+    kvclient's client sends it), instead of a check failing on "no answer"."""
+    healthy = fake_server()
+    stale = {"left": 1}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        posted = request.method == "POST" and request.url.path.endswith("completions")
+        if posted and json.loads(request.content).get("stream") and stale["left"] > 0:
+            stale["left"] -= 1
+            raise httpx.RemoteProtocolError(
+                "Server disconnected without sending a response.", request=request
+            )
+        return healthy(request)
+
+    report = await _run(handler, only=("capacity_returns",))
+    assert stale["left"] == 0
+    assert report["capacity_returns"].status is CheckStatus.PASS, report.to_dict()
+
+
+@pytest.mark.anyio
+async def test_no_answer_names_the_transport_error() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.url.path.endswith("completions"):
+            raise httpx.ReadError("connection reset by peer", request=request)
+        return fake_server()(request)
+
+    report = await _run(handler, only=("capacity_returns",))
+    result = report["capacity_returns"]
+    assert result.status is CheckStatus.FAIL
+    assert "no answer (ReadError)" in result.evidence

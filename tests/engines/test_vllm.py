@@ -9,13 +9,20 @@ conftest's ``ONE_WORKER_MODULES``: one xdist worker runs it all and starts vLLM 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 import vllm_engine
 
-from kvclient import Client, HuggingFaceCounter, PromptTooLongError, RetryPolicy
+from kvclient import (
+    Client,
+    HuggingFaceCounter,
+    PromptTooLongError,
+    RetryPolicy,
+    sequences_reservation_tokens,
+)
 from kvclient.contract import CheckStatus, run_contract
 from kvclient.engines.errors import classify_error
 from kvclient.engines.metrics import preemptions_from_vllm_metrics
@@ -230,6 +237,73 @@ def test_contract_passes_through_the_gateway_in_front_of_vllm(
         }
         assert judged == {}
         assert report["saturation"].status == CheckStatus.PASS
+
+
+def _burst_through(gateway_url: str, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    """``bodies`` sent to the gateway's ``/v1/completions`` at once; their answers, in order."""
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        sent = [
+            pool.submit(httpx.post, gateway_url + "/v1/completions", json=body, timeout=300)
+            for body in bodies
+        ]
+        return [answer.result() for answer in sent]
+
+
+def test_n_sequences_in_a_burst_through_the_gateway_are_never_preempted(
+    vllm: vllm_engine.VllmServer, counter: HuggingFaceCounter
+) -> None:
+    """Requests of ``n: 4``, each child run to its 250-token cap after a 200-token prompt: vLLM
+    holds each as four child requests with blocks of their own (the prompt's one full block of
+    128 shared where its prefix cache is on), 13 of its 24 blocks a request. Priced as the
+    prompt once and the caps rounded once (10 blocks), two ran at once and outgrew its pool."""
+    prompt = _prompt_of(counter, 200)
+    body = {
+        "model": str(vllm.model), "prompt": prompt, "n": 4, "max_tokens": 250,
+        "ignore_eos": True, "min_tokens": 250,
+    }  # fmt: skip
+    before = _preemptions(vllm)
+    config = GatewayConfig(upstreams=(vllm.url,), max_running=(vllm.max_num_seqs,))
+    with running_gateway(config) as gateway:
+        answers = _burst_through(gateway.base_url, [body] * 3)
+        state: GatewayState = gateway.app.state.gateway
+        known = state.known[0]
+        wait_for(lambda: known.ledger.stats().reserved_tokens == 0)
+        stats = known.ledger.stats()
+        shared = known.shares_prompt
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    for answer in answers:
+        assert len(answer.json()["choices"]) == 4
+        assert answer.json()["usage"]["completion_tokens"] == 4 * 250
+    assert _preemptions(vllm) == before
+    need = sequences_reservation_tokens(200, 250, sequences=4, block_size=128, shared_prompt=shared)
+    assert need == (13 if shared else 16) * 128
+    assert stats.peak_reserved_tokens == need  # one at a time: two would outgrow the budget
+
+
+def test_prompts_salted_apart_share_no_block_through_the_gateway(
+    vllm: vllm_engine.VllmServer, counter: HuggingFaceCounter
+) -> None:
+    """One 1,100-token text in three requests, each with its own ``cache_salt``: vLLM computes
+    and holds each prompt's blocks apart (14 of its 24 blocks a request at its 600-token cap).
+    Counted as sharing eight full blocks, two ran at once and outgrew its pool."""
+    prompt = _prompt_of(counter, 1100)
+    bodies = [
+        {
+            "model": str(vllm.model), "prompt": prompt, "max_tokens": 600, "ignore_eos": True,
+            "min_tokens": 600, "cache_salt": f"tenant-{i}",
+        }
+        for i in range(3)
+    ]  # fmt: skip
+    before = _preemptions(vllm)
+    config = GatewayConfig(upstreams=(vllm.url,), max_running=(vllm.max_num_seqs,))
+    with running_gateway(config) as gateway:
+        answers = _burst_through(gateway.base_url, bodies)
+        state: GatewayState = gateway.app.state.gateway
+        known = state.known[0]
+        wait_for(lambda: known.ledger.stats().reserved_tokens == 0)
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    assert all(a.json()["usage"]["completion_tokens"] == 600 for a in answers)
+    assert _preemptions(vllm) == before
 
 
 def test_contract_fails_vllm_alone_for_preempting_what_it_admitted(

@@ -317,3 +317,30 @@ def test_shared_prefixes_count_once_where_the_engine_shares_them() -> None:
         assert metrics["kv_oom_events_total"] == 0
         most[sharing] = stats.peak_inflight
     assert most[True] > most[False]
+
+
+@pytest.mark.slow
+def test_prompts_salted_apart_share_nothing_and_never_overflow() -> None:
+    """The same prompts as above, each with its own ``cache_salt``: the engine (ours keys its
+    prefix cache by the salt, as vLLM does) shares none of their blocks, so neither may the
+    gateway. Counted as shared, they overflow its pool."""
+    from reference_server import running_server
+
+    prefix = " ".join(["river"] * 400)
+    bodies = [
+        {"prompt": f"{prefix} {i}", "max_tokens": 100, "ignore_eos": True, "cache_salt": f"t{i}"}
+        for i in range(16)
+    ]
+    engine = {
+        **_ENGINE, "kv_tokens": 2400, "prefix_caching": True,
+        "admission": "concurrency", "max_concurrency": 64,
+    }  # fmt: skip
+    with running_server(**engine) as upstream:
+        config = GatewayConfig(
+            upstreams=(upstream.base_url,), decode_rate=400.0, max_queue_wait=120.0
+        )
+        with running_gateway(config) as gw:
+            answers = _burst(gw.base_url, bodies)
+        metrics = upstream.metrics()
+    assert [a.status_code for a in answers] == [200] * 16
+    assert metrics["kv_oom_events_total"] == 0

@@ -1,6 +1,6 @@
 """Headless Chromium for the tests that look at a rendered page: find it, screenshot a page,
 count the screenshot's colours. In CI (``CI=true``) a missing Chromium fails the test
-(``scripts/ci-setup-chromium.sh`` installs it); elsewhere it skips, saying why."""
+(``scripts/test_setup.py`` installs it); elsewhere it skips, saying why."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ FLAGS = (
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:
-        reason = "headless Chromium is not installed (scripts/ci-setup-chromium.sh installs it)"
+        reason = "headless Chromium is not installed (python scripts/test_setup.py installs it)"
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
         pytest.skip(reason)

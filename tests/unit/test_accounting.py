@@ -11,6 +11,8 @@ from kvclient import (
     reservation_bytes,
     reservation_tokens,
     round_up_to_blocks,
+    sequences_reservation_tokens,
+    shared_prompt_tokens,
 )
 
 
@@ -118,6 +120,27 @@ def test_round_up_to_blocks() -> None:
     assert round_up_to_blocks(1, 16) == 16
     assert round_up_to_blocks(16, 16) == 16
     assert round_up_to_blocks(4200, 16) == 4208
+
+
+def test_sequences_are_priced_each_in_blocks_of_its_own() -> None:
+    # vLLM V1 runs n as n child requests: with its prefix cache on they share the prompt's full
+    # blocks and each keeps its partial last block; without it, n whole copies.
+    def price(prompt: int, shared: bool) -> int:
+        return sequences_reservation_tokens(
+            prompt, 100, sequences=8, block_size=16, shared_prompt=shared
+        )
+
+    assert price(1000, True) == 62 * 16 + 8 * 7 * 16 == 1888
+    assert price(1000, False) == 8 * 69 * 16 == 8832
+    # A prompt of whole blocks: its last block is computed by each child (the engine computes
+    # at least the last prompt token itself).
+    assert shared_prompt_tokens(1024, 16) == 1008
+    assert price(1024, True) == 1008 + 8 * round_up_to_blocks(16 + 100, 16)
+    # One sequence: the plain reservation in whole blocks, whatever the sharing.
+    for shared in (True, False):
+        assert sequences_reservation_tokens(
+            1000, 100, block_size=16, shared_prompt=shared
+        ) == reservation_tokens(1000, 100, block_size=16)
 
 
 def test_reservation_bytes_in_blocks() -> None:

@@ -241,13 +241,13 @@ def test_a_chat_delta_that_is_not_an_object_is_broken() -> None:
 
 def test_a_plain_body_is_asked_as_a_stream_with_usage_and_nothing_else_changed() -> None:
     body = {"prompt": "x", "max_tokens": 5, "n_predict": 5, "stream": False, "seed": 1}
-    streamed = json.loads(as_stream(json.dumps(body).encode()))
+    streamed = json.loads(as_stream(json.dumps(body).encode())[0])
     assert streamed == {**body, "stream": True, "stream_options": {"include_usage": True}}
 
 
 def test_the_clients_own_stream_options_are_kept() -> None:
     body = {"prompt": "x", "stream_options": {"include_usage": False, "other": 1}}
-    streamed = json.loads(as_stream(json.dumps(body).encode()))
+    streamed = json.loads(as_stream(json.dumps(body).encode())[0])
     assert streamed["stream_options"] == {"include_usage": True, "other": 1}
 
 
@@ -272,3 +272,30 @@ def _chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> byte
 def _usage(completion: int) -> bytes:
     usage = {"prompt_tokens": 2, "completion_tokens": completion, "total_tokens": 2 + completion}
     return b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"
+
+
+def test_every_field_the_engine_sent_is_kept_where_it_was_sent() -> None:
+    """vLLM's chunks carry fields of their own: ``stop_reason`` and ``token_ids`` in a choice
+    (a few ids per chunk), ``prompt_token_ids`` and ``kv_transfer_params`` at the top; the plain
+    answer keeps them all, and a field no one here knows, where the engine put it."""
+    events = [
+        {"id": "c", "object": "chat.completion.chunk", "prompt_token_ids": [1, 2, 3],
+         "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"},
+                      "token_ids": [10], "finish_reason": None, "stop_reason": None}]},
+        {"id": "c", "choices": [{"index": 0, "delta": {"content": "!"}, "token_ids": [11, 12],
+                                 "finish_reason": "stop", "stop_reason": 128009,
+                                 "novel": {"kept": True}}],
+         "kv_transfer_params": {"remote_block_ids": [4]}},
+        {"id": "c", "choices": [], "usage": {"completion_tokens": 3}, "kv_transfer_params": None},
+    ]  # fmt: skip
+    stream = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    answer = assemble(stream.encode(), chat=True)
+    assert answer["object"] == "chat.completion"
+    assert answer["prompt_token_ids"] == [1, 2, 3]
+    assert answer["kv_transfer_params"] == {"remote_block_ids": [4]}
+    assert answer["usage"] == {"completion_tokens": 3}
+    [choice] = answer["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "Hi!"}
+    assert choice["token_ids"] == [10, 11, 12]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", 128009)
+    assert choice["novel"] == {"kept": True}

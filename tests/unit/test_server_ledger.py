@@ -112,6 +112,18 @@ def test_max_concurrency_also_caps_reserve_mode() -> None:
     assert ledger.try_admit(1, 1, now=0.0) is None
 
 
+def test_each_sequence_of_a_request_counts_against_the_running_cap() -> None:
+    ledger = make(max_concurrency=8)
+    four = ledger.try_admit(1, 1, now=0.0, sequences=4)
+    assert four is not None
+    assert four.sequences == 4
+    assert ledger.try_admit(1, 1, now=0.0, sequences=5) is None  # 4 + 5 > 8
+    assert ledger.try_admit(1, 1, now=0.0, sequences=4) is not None
+    assert ledger.try_admit(1, 1, now=0.0) is None  # 8 running
+    ledger.release(four)
+    assert ledger.try_admit(1, 1, now=0.0, sequences=4) is not None
+
+
 def test_never_fits() -> None:
     ledger = make()
     assert not ledger.never_fits(9000)

@@ -11,7 +11,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Protocol
 
 import anyio
 import pytest
@@ -20,7 +19,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from reference_server import Handle
-from reference_server.admission.ledger import KVAdmissionController
 from reference_server.admission.queue import LedgerUnavailable, Rejected
 from reference_server.shared_ledger import queue as shared_queue
 from reference_server.shared_ledger.connection import connect
@@ -33,6 +31,7 @@ from reference_server.shared_ledger.ledger import (
     fingerprint,
 )
 from reference_server.shared_ledger.queue import SharedQueue
+from tests.helpers.async_ledgers import AsyncLedger, LocalLedger
 from tests.helpers.redis_server import RedisSentinel, RedisServer, TLSFiles
 from tests.unit.test_server_ledger import make
 
@@ -497,44 +496,6 @@ def test_the_password_comes_from_the_url_or_else_the_environment() -> None:
 
 
 # --- the property tests, against both ledgers ---------------------------------------------------
-
-
-class AsyncLedger(Protocol):
-    """What both ledgers do, async (the shared one speaks to Redis)."""
-
-    @property
-    def pricing(self) -> KVAdmissionController: ...
-
-    async def try_admit(
-        self, prompt_tokens: int, output_cap: int, *, need: int | None = None
-    ) -> Handle | None: ...
-
-    async def release(self, handle: Handle) -> None: ...
-
-    async def retry_after(self, need: int, *, duration: float = 0.0) -> tuple[float, int]: ...
-
-    async def load(self) -> tuple[int, int]: ...
-
-
-class LocalLedger:
-    """:class:`AsyncLedger` over an in-process ledger."""
-
-    def __init__(self, ledger: KVAdmissionController) -> None:
-        self.pricing = ledger
-
-    async def try_admit(
-        self, prompt_tokens: int, output_cap: int, *, need: int | None = None
-    ) -> Handle | None:
-        return self.pricing.try_admit(prompt_tokens, output_cap, now=time.monotonic(), need=need)
-
-    async def release(self, handle: Handle) -> None:
-        self.pricing.release(handle, time.monotonic())
-
-    async def retry_after(self, need: int, *, duration: float = 0.0) -> tuple[float, int]:
-        return self.pricing.retry_after(need, time.monotonic(), duration=duration), 0
-
-    async def load(self) -> tuple[int, int]:
-        return self.pricing.load()
 
 
 class _Bridge:
