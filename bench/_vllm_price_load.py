@@ -33,6 +33,7 @@ from kvclient.loadgen import percentile
 __all__ = [
     "GOODPUT_TPOT",
     "GOODPUT_TTFT",
+    "SEED",
     "Item",
     "burst",
     "caps_workload",
@@ -104,11 +105,13 @@ def prefix_workload(requests: int) -> list[Item]:
     ]
 
 
-def realistic_workload(requests: int, rate: float, low: int = 400, high: int = 800) -> list[Item]:
+def realistic_workload(
+    requests: int, rate: float, low: int = 400, high: int = 800, *, seed: int = SEED
+) -> list[Item]:
     """Poisson arrivals at ``rate`` a second, prompts of 100-300 words (one token each), caps
     from ``low``-``high``, at temperature 1 with stop ids that end each at its own chance a step
     (see the module)."""
-    rng = random.Random(SEED)
+    rng = random.Random(seed)
     pool = _stop_pool()
     items, at = [], 0.0
     for _ in range(requests):

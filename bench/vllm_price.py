@@ -53,6 +53,7 @@ from _vllm_price_load import (
     PREFIX_CAP,
     PREFIX_TOKENS,
     PREFIXES,
+    SEED,
     Item,
     burst,
     caps_workload,
@@ -161,12 +162,18 @@ def gateway_args(name: str, engine: vllm_engine.VllmServer) -> list[str]:
 
 
 def run(
-    name: str, engine: vllm_engine.VllmServer, items: list[Item], cpu: int | None, tester: str
+    name: str,
+    engine: vllm_engine.VllmServer,
+    items: list[Item],
+    cpu: int | None,
+    tester: str,
+    warmup: list[Item] | None = None,
 ) -> dict[str, Any]:
     """One run of ``name``: the load played by our client (``tester`` "ours") or vLLM's own
-    (``tester`` "vllm"), vLLM's gauges watched meanwhile, its preemptions counted."""
+    (``tester`` "vllm"), vLLM's gauges watched meanwhile, its preemptions counted. ``warmup``
+    is played first by our client, through the same gateway, and not measured: a gateway that
+    has been serving has learnt what outputs do."""
     counter = HuggingFaceCounter.from_pretrained(str(engine.model))
-    before = preemptions(engine.url)
     realistic = any(item.at for item in items)
 
     def play(url: str) -> dict[str, Any]:
@@ -187,21 +194,27 @@ def run(
         limit = int(name.partition("@")[2]) if name.startswith("direct@") else None
         return anyio.run(burst, url, items, counter, limit)
 
-    with EngineWatch(engine.url) as watch:
-        if name.startswith("direct"):
-            result = play(engine.url)
-        else:
-            # The gateway in a process of its own, as it is deployed (on the client's core when
-            # pinned: the CPU it spends is not taken from the engine's).
-            with gateway_process(engine.url, *gateway_args(name, engine), cpu=cpu) as url:
-                result = play(url)
-                metrics = httpx.get(url + "/metrics", timeout=30).text
-                health = httpx.get(url + "/health", timeout=30).json()["upstreams"][0]
-                breaks = prometheus_samples(metrics, "kv_upstream_lockstep_breaks")
-                result["lockstep_breaks"] = sum(value for _, value in breaks)
-                result["forecast"] = health.get("forecast")
-                result["late_starts"] = health.get("late_starts")
-                result["usable_tokens"] = health.get("usable_tokens")
+    def measured(url: str) -> tuple[dict[str, Any], EngineWatch, float]:
+        if warmup:
+            anyio.run(poisson, url, warmup, counter)
+        before = preemptions(engine.url)
+        with EngineWatch(engine.url) as watch:
+            return play(url), watch, before
+
+    if name.startswith("direct"):
+        result, watch, before = measured(engine.url)
+    else:
+        # The gateway in a process of its own, as it is deployed (on the client's core when
+        # pinned: the CPU it spends is not taken from the engine's).
+        with gateway_process(engine.url, *gateway_args(name, engine), cpu=cpu) as url:
+            result, watch, before = measured(url)
+            metrics = httpx.get(url + "/metrics", timeout=30).text
+            health = httpx.get(url + "/health", timeout=30).json()["upstreams"][0]
+            breaks = prometheus_samples(metrics, "kv_upstream_lockstep_breaks")
+            result["lockstep_breaks"] = sum(value for _, value in breaks)
+            result["forecast"] = health.get("forecast")
+            result["late_starts"] = health.get("late_starts")
+            result["usable_tokens"] = health.get("usable_tokens")
     result.update(watch.summary())
     result["preemptions"] = preemptions(engine.url) - before
     result["run"] = name
@@ -303,6 +316,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--rate", type=float, default=1.5, help="realistic: requests a second")
     parser.add_argument(
+        "--warmup", type=int, default=48,
+        help="realistic: requests of the same mix played before each measured run, unmeasured, "
+        "through the same gateway (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
         "--engine", choices=sorted(ENGINES), default="small",
         help="small: 3,072 KV tokens, 8 sequences (the tests'); large: 16,384 KV tokens, 64",
     )  # fmt: skip
@@ -330,6 +348,10 @@ def main() -> None:
         items = realistic_workload(args.requests or 150, args.rate, args.low, args.high)
     else:
         items = caps_workload(args.requests or 32, args.low, args.high)
+    warmup = None
+    if args.mix == "realistic" and args.warmup:
+        # The same mix, other draws, at the same rate: what the gateway has learnt before.
+        warmup = realistic_workload(args.warmup, args.rate, args.low, args.high, seed=SEED + 1)
     testers = ["ours", "vllm"] if args.tester == "both" else [args.tester]
     if args.mix != "realistic":
         testers = ["ours"]
@@ -347,7 +369,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name, tester in keys:
                 print(f"… round {round_ + 1}: {label(name)} ({tester})", flush=True)
-                result = run(name, engine, items, 0 if pinned else None, tester)
+                result = run(name, engine, items, 0 if pinned else None, tester, warmup)
                 rounds[name, tester].append(result)
                 print(f"  {result}", flush=True)
         counter = HuggingFaceCounter.from_pretrained(str(engine.model))

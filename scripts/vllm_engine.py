@@ -22,6 +22,7 @@ Cache: ``$KVCLIENT_CACHE`` or ``~/.cache/kvclient``. Needs pip and npm (for the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -309,14 +310,21 @@ class VllmServer(EngineProcess):
         """Move the process that runs the model (vLLM's ``VLLM::Worker`` on CPU) to
         :attr:`compute_cpus`, the rest staying on :attr:`cpus`: the model's steps get a core of
         their own, as a GPU's are the GPU's, and the API server's work per streamed token is
-        not taken from them."""
+        not taken from them. The worker and the scheduler that drives its steps
+        (``VLLM::EngineCore``) go first on their cores, and the API server is not held back (a
+        GPU host gives each its own cores)."""
         if self.compute_cpus is None or self.process is None:
             return
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, self.process.pid, 0)
         for pid in _descendants(self.process.pid):
             try:
                 name = Path(f"/proc/{pid}/comm").read_text().strip()
                 if name.startswith("VLLM::Worker"):
                     os.sched_setaffinity(pid, self.compute_cpus)
+                if name.startswith(("VLLM::Worker", "VLLM::EngineCore")):
+                    with contextlib.suppress(OSError):  # root only
+                        os.setpriority(os.PRIO_PROCESS, pid, -10)
             except OSError:
                 continue
 

@@ -33,8 +33,9 @@ __all__ = ["DEFAULT_START_QUANTILE", "LADDER", "PreemptionBudget"]
 #: The quantiles of the remaining output the forecast counts, from the boldest to the most
 #: careful; beyond the last, caps.
 LADDER = (0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995)
-#: Where the forecast starts: nine holders in ten end before they are counted to.
-DEFAULT_START_QUANTILE = 0.9
+#: Where the forecast starts: three holders in four end before they are counted to (traffic
+#: whose tail runs to its caps gets no forecast at 0.9: its quantile lies past the caps).
+DEFAULT_START_QUANTILE = 0.75
 #: The fewest requests a window of the rate spans, whatever the budget.
 _MIN_WINDOW = 50
 #: Samples kept of (requests finished, preemptions): enough to span any window.

@@ -258,16 +258,16 @@ def test_a_holder_is_counted_to_its_forecast_and_again_when_it_outlives_it() -> 
     _learnt(ledger, [n % 100 + 1 for n in range(400)], cap=1000)  # lengths 1..100, evenly
     handle = ledger.try_admit(10, 1000, now=0.0, follow=True, kind="m")
     assert handle is not None
-    assert handle.counted_output == 90  # the 0.9 quantile of 1..100
-    ledger.progress(handle, 89, 0.0)
-    assert handle.counted_output == 90
-    ledger.progress(handle, 90, 0.0)  # outlived it: the next level, from what it made
+    assert handle.counted_output == 75  # the 0.75 quantile of 1..100
+    ledger.progress(handle, 74, 0.0)
+    assert handle.counted_output == 75
+    ledger.progress(handle, 75, 0.0)  # outlived it: the next level, from what it made
     assert handle.level == 1
-    assert handle.counted_output == 100
-    ledger.progress(handle, 100, 0.0)  # nothing seen this long: its cap
+    assert handle.counted_output == 98  # 0.9 of 76..100
+    ledger.progress(handle, 98, 0.0)  # too few seen longer (8 of 400): its cap
     assert handle.counted_output == 1000
     stats = ledger.stats()
-    assert stats.forecast_quantile == 0.9
+    assert stats.forecast_quantile == 0.75
     assert stats.preemption_budget == 5
 
 
@@ -289,12 +289,12 @@ def test_preemptions_over_the_budget_raise_every_live_holder_at_once() -> None:
     _learnt(ledger, [n % 100 + 1 for n in range(400)], cap=1000)
     handle = ledger.try_admit(10, 1000, now=0.0, follow=True, kind="m")
     assert handle is not None
-    assert handle.counted_output == 90
+    assert handle.counted_output == 75
     assert ledger.engine_seen(waiting=0, preemptions=0) is None
     said = ledger.engine_seen(waiting=1, preemptions=3)
     assert said is not None
-    assert "0.9 -> 0.95" in said
-    assert handle.counted_output == 95
+    assert "0.75 -> 0.9" in said
+    assert handle.counted_output == 90
     assert ledger.forecasting
 
 
