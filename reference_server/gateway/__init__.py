@@ -6,6 +6,8 @@
 - :mod:`.assemble`: a plain answer assembled from the stream it was asked upstream as, pure;
 - :mod:`.relay`: the backend of the generation endpoint: count, route, forward, relay;
 - :mod:`.state`: what one gateway owns, and the discovery of its upstreams;
+- :mod:`.tenants`: the tenants file and who a request is, pure; :mod:`.tenancy`, the
+  middleware that verifies it and the class a request is granted;
 - :mod:`.metrics`, :mod:`.app`, :mod:`.cli`.
 
 It never imports the simulated engine.

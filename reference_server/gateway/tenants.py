@@ -395,4 +395,7 @@ def parse_priority(value: str | None) -> int | None:
 if __name__ == "__main__":  # pragma: no cover - a helper for operators
     import getpass
 
-    print(hash_key(getpass.getpass("API key (not echoed): ")))
+    given = getpass.getpass("API key (not echoed): ").strip()
+    if not given:
+        sys.exit("no key given")
+    print(hash_key(given))
