@@ -327,7 +327,8 @@ class TenantResolver:
         scheme, _, token = (bearer[0] if bearer else "").strip().partition(" ")
         if scheme.lower() != "bearer":
             token = next(iter(_values(headers, b"api-key")), "")
-        return token.strip() or None
+        # The header's bytes (ASGI's latin-1) as the UTF-8 text a key is written in.
+        return token.strip().encode("latin-1").decode("utf-8", "replace") or None
 
     def resolve(self, headers: Sequence[tuple[bytes, bytes]]) -> str:
         """The tenant of a request with ``headers`` (ASGI's: lower-case names, bytes), or the

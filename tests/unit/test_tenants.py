@@ -184,6 +184,15 @@ def test_an_unlisted_key_is_refused_or_default_as_the_file_says(tmp_path: Path) 
     assert lenient.resolve([]) == "default"
 
 
+def test_a_key_is_read_as_the_utf8_text_it_was_written_in(tmp_path: Path) -> None:
+    resolver = _resolver(tmp_path, '[tenants.chat]\nkeys = ["sk-grüße"]\n', api_key="sésame")
+    raw = [(b"authorization", "Bearer sk-grüße".encode())]
+    assert resolver.resolve(raw) == "chat"
+    assert resolver.resolve([(b"api-key", "sésame".encode())]) == "default"
+    with pytest.raises(APIError):  # the same text sent as latin-1 is another key
+        resolver.resolve([(b"authorization", "Bearer sk-grüße".encode("latin-1"))])
+
+
 def test_the_gateways_own_key_is_the_default_tenants(tmp_path: Path) -> None:
     resolver = _resolver(tmp_path, api_key="sesame")
     assert resolver.resolve(_headers(("Authorization", "Bearer sesame"))) == "default"
