@@ -22,11 +22,13 @@ lowest key is served. Why a counter, not deficit round robin: a round robin spen
 each request's cost when it is dequeued, and a request's token-seconds are known only when it
 ends (most outputs stop before their caps). The projected part makes an admission count at once
 (else one tenant would take every place a release opens before its counter moved) and falls
-away when a holder ends early. The key of the tenant served last is the **system virtual time**;
-a tenant that becomes backlogged (it had nothing waiting) is lifted to it, whether or not anyone
-else is active: idle time is never banked for a later burst, and a newcomer after a lull starts
-level with the one that ran alone. Among equal keys, the tenant holding least per weight goes
-first, then arrival order.
+away when a holder ends early. The **system virtual time** is the start tag of the last waiter
+served: its tenant's counter then (what it had been charged, not what its holders were due to
+take, which falls away when they end early or hold less than their caps). A tenant that becomes
+backlogged (it had nothing waiting) is lifted to it, whether or not anyone else is active: idle
+time is never banked for a later burst, and a newcomer after a lull starts level with the one
+that ran alone. Among equal keys, the tenant holding least per weight goes first, then arrival
+order.
 
 **Work-conserving.** Nothing is held back for a tenant that is not waiting: a tenant alone may
 take the whole budget (up to its own ``max_share``).
@@ -277,7 +279,7 @@ class FairScheduler:
         self._seq = itertools.count(1)
         self._at = now
         self.waiting = 0
-        #: The system virtual time: the key (start tag) of the last waiter dispatched.
+        #: The system virtual time: the counter (start tag) of the tenant of the last waiter served.
         self.vtime = 0.0
 
     # --- tenants -------------------------------------------------------------------------------
@@ -381,13 +383,13 @@ class FairScheduler:
                 account.taken += spent
                 account.counter += spent / account.weight
 
-    def _lift(self, account: _Account, now: float) -> float:
+    def _lift(self, account: _Account) -> float:
         """What lifting ``account`` to the system virtual time would add to its counter: it is
-        becoming backlogged (nothing of its own waits), and its key must not be below the start
-        tag of the last waiter served, whoever else is active."""
+        becoming backlogged (nothing of its own waits), and its counter must not be below the
+        start tag of the last waiter served, whoever else is active."""
         if account.queues:
             return 0.0
-        return max(0.0, self.vtime - account.key(now))
+        return max(0.0, self.vtime - account.counter)
 
     # --- holders -------------------------------------------------------------------------------
 
@@ -441,7 +443,7 @@ class FairScheduler:
         if places is not None and account.waiting >= places:
             waiter.refused = True
             return [waiter]
-        account.counter += self._lift(account, now)
+        account.counter += self._lift(account)
         waiter.seq = next(self._seq)
         account.queues.setdefault(waiter.priority, deque()).append(waiter)
         self.waiting += 1
@@ -517,7 +519,7 @@ class FairScheduler:
     def tokens_ahead_of_newcomer(self, tenant: str, priority: int, now: float) -> int:
         """Tokens waiting ahead of a request ``tenant`` would send now (for its room)."""
         account = self._account(self.resolve(tenant))
-        key = account.key(now) + self._lift(account, now)
+        key = account.key(now) + self._lift(account)
         rank = (priority, key, account.held / account.weight, math.inf)
         return sum(w.need for w in self._all() if self._rank(w, now) < rank)
 
@@ -574,7 +576,7 @@ class FairScheduler:
                 else:
                     passed.bypassed += 1
             # Its start tag: the system virtual time a tenant becoming backlogged is lifted to.
-            self.vtime = max(self.vtime, self._account(waiter.tenant).key(now))
+            self.vtime = max(self.vtime, self._account(waiter.tenant).counter)
             self.hold(handle.id, waiter.tenant, handle.reserved_tokens, handle.due_at, now)
             self.remove(waiter)
             admitted.append(chosen)
