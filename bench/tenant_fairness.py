@@ -5,32 +5,33 @@ priority -1000 and opens 60 connections (FIFO against fair), and two saturating 
 
 The gateway is set up as its guide recommends: each tenant known by the API key the tenants
 file lists for it (``keys``), an unlisted key refused, no ``--tenant-header``, every tenant
-granted class 0 alone. One reference server (``kvclient serve``, 16,128 KV tokens) in its own
-process, a gateway in front in its own; the admission rule is the gateway's default, the peak
-rule (``/health`` says which ran; two gateways on a shared ledger count whole caps).
+granted class 0 alone. One reference server (``kvclient serve``, 16,128 KV tokens, admitting by
+the prompt as vLLM does, outputs that stop by themselves after 200 tokens on average, at
+``--decode-rate`` tokens/s per sequence) in its own process, and a gateway in front in its own,
+on its default rule, the peak rule (``/health`` says which ran; two gateways sharing a ledger
+count whole caps).
 
 Flood: tenant A (key ``sk-a``) keeps ``--flood`` requests with 1,000-token caps in flight, each
-sent with ``X-Tenant: b`` (B's name, as a header a careless gateway would read) and
-``X-Priority: -1000``; they run to their caps (the server's outputs have no end). Its first 16
-clients start over one holding so that its holdings end one after another (``--burst``: all at
-once). Tenant B (key ``sk-b``) sends one short request (``max_tokens`` 10) a second for
-``--seconds`` seconds, without waiting for the one before. B's latencies alone (before the
-flood), beside the flood through the FIFO gateway and through the fair one: p50, p99, and B's
-wait for the next release of one of A's holdings (from its send to the first of A's answers
-received more than a round trip later). Goal: fair p99 <= max(2 x B's p99 alone, B's p99 alone
-+ 1.5 s); under FIFO it waits behind A's whole queue.
+on a connection of its own and each sent with ``X-Tenant: b`` (B's name, in a header a careless
+gateway would read) and ``X-Priority: -1000``: more than fit, so the rest wait in the gateway.
+Tenant B (key ``sk-b``) sends one short request (``max_tokens`` 10) a second for ``--seconds``
+seconds, without waiting for the one before. B's latencies alone (before the flood), beside the
+flood through the FIFO gateway and through the fair one: p50, p99, and B's wait for the next
+release of one of A's holdings (from its send to the first of A's answers received more than a
+round trip later). Goal: fair p99 <= max(2 x B's p99 alone, B's p99 alone + 1.5 s); under FIFO
+it waits behind A's whole queue.
 
 Shares: tenants A (weight 3) and B (weight 1), each keeping 48 streamed requests with
-500-token caps in flight, against a server whose outputs stop by themselves (mean 150 tokens):
-more than fit, so both are backlogged. What each tenant got over ``--seconds`` seconds once
-both are backlogged, from the engine's own counts relayed in every chunk (``stream_options``
-``continuous_usage_stats``): the KV token-seconds its requests held in the engine (prompt plus
-the tokens generated so far, integrated over the time between chunks) and the tokens it
-received; beside them, the gateway's own counter (``kv_tenant_token_seconds_total``). Goal: A/B
-within 10 % of 3 in both.
+1,000-token caps in flight: more than fit, so both are backlogged (the share of once-a-second
+samples in which one had nothing waiting is reported: a tenant not backlogged takes no share).
+What each tenant got over ``--seconds`` seconds once both are backlogged, from the engine's own
+counts relayed in every chunk (``stream_options`` ``continuous_usage_stats``): the KV
+token-seconds its requests held in the engine (prompt plus the tokens generated so far,
+integrated over the time between chunks) and the tokens it received; beside them, the
+gateway's own counter (``kv_tenant_token_seconds_total``). Goal: A/B within 10 % of 3 in both.
 
-    python bench/tenant_fairness.py [--quick] [--seconds 60] [--flood 60] [--burst]
-                                    [--decode-rate 300] [--ledger]
+    python bench/tenant_fairness.py [--quick] [--seconds 60] [--flood 60] [--decode-rate 300]
+                                    [--ledger]
 
 ``--ledger``: the fair flood and the shares once more across two gateways sharing a local
 ``redis-server`` (one order across them), A through one and B through the other.
@@ -44,8 +45,10 @@ import contextlib
 import json
 import math
 import statistics
+import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +65,12 @@ from _common import (
 from kvclient._prometheus import parse_samples
 
 #: Sixteen of A's requests fit by their caps (1,008 tokens each: a 1-token prompt and its cap,
-#: in blocks of 16) and nothing more.
-FITS = 16
-KV_TOKENS = FITS * 1008
+#: in blocks of 16); the peak rule admits more, as their outputs stop sooner.
+KV_TOKENS = 16 * 1008
 FLOOD_CAP = 1000
-SHARE_CAP = 500
+SHARE_CAP = 1000
 SHARE_CLIENTS = 48
-SHARE_MEAN_OUTPUT = 150
+MEAN_OUTPUT = 200
 LIGHT_CAP = 10
 MAX_RUNNING = 256
 #: What the flood sends besides its own key: another tenant's name and the most urgent class.
@@ -84,8 +86,10 @@ def _tenants(path: Path, weights: dict[str, float]) -> str:
 
 
 def _headers(tenant: str) -> dict[str, str]:
+    """A's key and the forgery; B's key and its own name (as a header that names the tenant
+    would carry it: the forgery then lands in B's own queue where such a header is read)."""
     headers = {"Authorization": f"Bearer sk-{tenant}"}
-    return {**headers, **FORGED} if tenant == "a" else headers
+    return {**headers, **FORGED} if tenant == "a" else {**headers, "X-Tenant": tenant}
 
 
 async def _post(http: httpx.AsyncClient, tenant: str, cap: int) -> float:
@@ -104,20 +108,17 @@ async def _keep(
     cap: int,
     clients: int,
     until: float,
-    spread: float = 0.0,
     ends: list[float] | None = None,
 ) -> int:
     """``clients`` requests of ``tenant`` in flight until ``until``, each on a connection of
-    its own (each client sends its next when its last is answered; client i starts ``i /
-    clients`` of ``spread`` seconds late); the answers counted, the time each was received
-    added to ``ends``."""
+    its own (each client sends its next when its last is answered); the answers counted, the
+    time each was received added to ``ends``."""
     answered = 0
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
 
-        async def one(i: int) -> None:
+        async def one() -> None:
             nonlocal answered
-            await anyio.sleep(i * spread / clients)
             while time.monotonic() < until:
                 await _post(http, tenant, cap)
                 answered += 1
@@ -125,8 +126,8 @@ async def _keep(
                     ends.append(time.monotonic())
 
         async with anyio.create_task_group() as group:
-            for i in range(clients):
-                group.start_soon(one, i)
+            for _ in range(clients):
+                group.start_soon(one)
     return answered
 
 
@@ -170,7 +171,6 @@ async def _flood(
     flood: int,
     seconds: float,
     warmup: float,
-    spread: float,
     rate: float,
     flood_base: str | None = None,
 ) -> dict[str, Any]:
@@ -185,7 +185,7 @@ async def _flood(
         sends.extend(await _light(base, seconds))
 
     async with anyio.create_task_group() as group:
-        group.start_soon(_keep, flood_base or base, "a", FLOOD_CAP, flood, until, spread, ends)
+        group.start_soon(_keep, flood_base or base, "a", FLOOD_CAP, flood, until, ends)
         group.start_soon(light)
     beside = [latency for _, latency in sends]
     # Each of B's requests waits at least for a release of one of A's holdings (A fills the
@@ -252,14 +252,11 @@ async def _stream(
             prompt, made, since = int(usage["prompt_tokens"]), tokens, now
 
 
-async def _counters(base: str) -> dict[str, float]:
+async def _tenant_figures(base: str, name: str) -> dict[str, float]:
+    """The gateway's ``/metrics`` figure ``name`` by tenant."""
     async with httpx.AsyncClient(base_url=base, timeout=120) as http:
         text = (await http.get("/metrics")).text
-    return {
-        s.labels["tenant"]: s.value
-        for s in parse_samples(text)
-        if s.name == "kv_tenant_token_seconds_total"
-    }
+    return {s.labels["tenant"]: s.value for s in parse_samples(text) if s.name == name}
 
 
 async def _shares(
@@ -269,6 +266,8 @@ async def _shares(
     window = (start, start + seconds)
     got = {"a": _Got(), "b": _Got()}
     marks: list[dict[str, float]] = []
+    none_waiting = {"a": 0, "b": 0}  # samples, a second apart, with nothing of its waiting
+    samples = 0
 
     async def keep(url: str, tenant: str) -> None:
         limits = httpx.Limits(max_connections=SHARE_CLIENTS + 4)
@@ -286,10 +285,18 @@ async def _shares(
                     group.start_soon(one)
 
     async def mark() -> None:
+        nonlocal samples
+        counter = "kv_tenant_token_seconds_total"
         await anyio.sleep(max(0.0, window[0] - time.monotonic()))
-        marks.append(await _counters(base))
+        marks.append(await _tenant_figures(base, counter))
+        while time.monotonic() < window[1] - 1.0:  # is each tenant backlogged?
+            await anyio.sleep(1.0)
+            waiting = await _tenant_figures(base, "kv_tenant_waiting_requests")
+            samples += 1
+            for tenant in none_waiting:
+                none_waiting[tenant] += waiting.get(tenant, 0.0) == 0
         await anyio.sleep(max(0.0, window[1] - time.monotonic()))
-        marks.append(await _counters(base))
+        marks.append(await _tenant_figures(base, counter))
 
     async with anyio.create_task_group() as group:
         group.start_soon(keep, base, "a")
@@ -297,8 +304,12 @@ async def _shares(
         group.start_soon(mark)
     a, b = got["a"], got["b"]
     counted = {t: marks[1].get(t, 0.0) - marks[0].get(t, 0.0) for t in ("a", "b")}
+    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+        text = (await http.get("/metrics")).text
+    breaks = sum(s.value for s in parse_samples(text) if s.name.startswith("kv_upstream_lockstep"))
     return {
         "rule": await _rule(base),
+        "lockstep_breaks": breaks,  # spells on whole caps, the engine seen out of lockstep
         "a_token_seconds": a.token_seconds,
         "b_token_seconds": b.token_seconds,
         "token_seconds_ratio": a.token_seconds / b.token_seconds if b.token_seconds else math.inf,
@@ -307,7 +318,24 @@ async def _shares(
         "tokens_ratio": a.tokens / b.tokens if b.tokens else math.inf,
         "counter_ratio": counted["a"] / counted["b"] if counted["b"] else math.inf,
         "cut_streams": a.cut + b.cut,
+        "a_none_waiting": none_waiting["a"] / max(1, samples),
+        "b_none_waiting": none_waiting["b"] / max(1, samples),
     }
+
+
+@contextlib.contextmanager
+def _gateway(upstream: str, *args: str) -> Iterator[str]:
+    """A gateway in its own process on core 0, started again (up to twice) when it did not
+    come up in time: on a machine shared with other work, starting may take that long."""
+    with contextlib.ExitStack() as stack:
+        for attempt in range(3):
+            try:
+                url = stack.enter_context(gateway_process(upstream, *args, cpu=0))
+                break
+            except (RuntimeError, subprocess.TimeoutExpired):
+                if attempt == 2:
+                    raise
+        yield url
 
 
 def _within(ratio: float) -> bool:
@@ -319,12 +347,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 s windows, a smaller flood")
     parser.add_argument("--seconds", type=float, help="each window (default 60, --quick 8)")
     parser.add_argument("--flood", type=int, help="A's connections (default 60)")
-    parser.add_argument(
-        "--burst",
-        action="store_true",
-        help="A's clients start at once (its holdings then end in waves), not spread over one "
-        "holding",
-    )
     parser.add_argument(
         "--decode-rate", type=float, help="tokens/s per sequence (default 300, --quick 1000)"
     )
@@ -338,52 +360,48 @@ def main() -> None:
     seconds = args.seconds or (8.0 if args.quick else 60.0)
     flood = args.flood or (30 if args.quick else 60)
     rate = args.decode_rate or (1000.0 if args.quick else 300.0)
-    holding = FLOOD_CAP / rate
-    # The first FITS of A's clients start over one holding, so its holdings end one after
-    # another (B then waits for the next of them); the rest join the queue meanwhile.
-    spread = 0.0 if args.burst else holding * flood / FITS
-    warmup = spread + 2 * holding  # two of A's holdings: its queue is deep by then
+    warmup = 2 * FLOOD_CAP / rate  # two of A's longest holdings: its queue is deep by then
     share_warmup = 4 * SHARE_CAP / rate  # both tenants backlogged, their first holders gone
     server = ("--kv-tokens", str(KV_TOKENS), "--context-window", "4096", "--safety-fraction", "1")
     # The server admits by the prompt alone, as vLLM does (the gateway in front keeps it within
     # its KV), and runs every sequence it is sent at each step (up to 256, more than ever fit):
     # told so, the gateway runs the peak rule.
     server += ("--decode-rate", str(rate), "--max-running", str(MAX_RUNNING))
-    server += ("--admission", "prompt")
+    server += ("--admission", "prompt", "--mean-output-tokens", str(MEAN_OUTPUT))
     gateway = ("--safety-fraction", "1", "--decode-rate", str(rate))
     gateway += ("--max-running", str(MAX_RUNNING))
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "seconds": seconds, "flood": flood, "decode_rate": rate, "burst": args.burst,
+        "seconds": seconds, "flood": flood, "decode_rate": rate, "mean_output": MEAN_OUTPUT,
     }  # fmt: skip
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         even = ("--tenants", _tenants(tmp / "even.toml", {"a": 1.0, "b": 1.0}))
         weighted = ("--tenants", _tenants(tmp / "weighted.toml", {"a": 3.0, "b": 1.0}))
-        runs_to_cap = ("--mean-output-tokens", "1000000")
-        up = stack.enter_context(reference_server_process(*server, *runs_to_cap, cpu=1))
-        with gateway_process(up, *gateway, cpu=0) as url:
-            results["fifo"] = anyio.run(_flood, url, flood, seconds, warmup, spread, rate)
-        with gateway_process(up, *gateway, *even, cpu=0) as url:
-            results["fair"] = anyio.run(_flood, url, flood, seconds, warmup, spread, rate)
-        stops = ("--mean-output-tokens", str(SHARE_MEAN_OUTPUT))
-        early = stack.enter_context(reference_server_process(*server, *stops, cpu=1))
-        with gateway_process(early, *gateway, *weighted, cpu=0) as url:
+        up = stack.enter_context(reference_server_process(*server, cpu=1))
+        with _gateway(up, *gateway) as url:
+            results["fifo"] = anyio.run(_flood, url, flood, seconds, warmup, rate)
+        write_json("tenant_fairness", results)  # each part kept as it is measured
+        with _gateway(up, *gateway, *even) as url:
+            results["fair"] = anyio.run(_flood, url, flood, seconds, warmup, rate)
+        write_json("tenant_fairness", results)
+        with _gateway(up, *gateway, *weighted) as url:
             results["shares"] = anyio.run(_shares, url, seconds, share_warmup)
+        write_json("tenant_fairness", results)
         if args.ledger:
+            # Each run its own Redis: the two tenants files differ, and Redis keeps each
+            # upstream's terms (and its tenants' counters) for as long as a gateway has it.
             ledger = ("--ledger", stack.enter_context(redis_server()))
             with contextlib.ExitStack() as two:
                 one, other = (
-                    two.enter_context(gateway_process(up, *gateway, *even, *ledger, cpu=0))
-                    for _ in range(2)
+                    two.enter_context(_gateway(up, *gateway, *even, *ledger)) for _ in "12"
                 )
-                results["shared"] = anyio.run(
-                    _flood, other, flood, seconds, warmup, spread, rate, one
-                )
+                results["shared"] = anyio.run(_flood, other, flood, seconds, warmup, rate, one)
+            write_json("tenant_fairness", results)
+            ledger = ("--ledger", stack.enter_context(redis_server()))
             with contextlib.ExitStack() as two:
                 one, other = (
-                    two.enter_context(gateway_process(early, *gateway, *weighted, *ledger, cpu=0))
-                    for _ in range(2)
+                    two.enter_context(_gateway(up, *gateway, *weighted, *ledger)) for _ in "12"
                 )
                 results["shared_shares"] = anyio.run(_shares, one, seconds, share_warmup, other)
     _report(results, flood, rate, seconds)
@@ -408,10 +426,11 @@ def _report(results: dict[str, Any], flood: int, rate: float, seconds: float) ->
     print_table(
         f"what tenants weighted 3:1 got over {seconds:g} s",
         ["gateway", "rule", "KV token-s A", "KV token-s B", "A/B", "tokens A", "tokens B",
-         "A/B", "gateway's counter A/B"],
+         "A/B", "gateway's counter A/B", "none of A / B waiting"],
         [[name, r["rule"], f"{r['a_token_seconds']:.0f}", f"{r['b_token_seconds']:.0f}",
           f"{r['token_seconds_ratio']:.3f}", str(r["a_tokens"]), str(r["b_tokens"]),
-          f"{r['tokens_ratio']:.3f}", f"{r['counter_ratio']:.3f}"] for name, r in shares],
+          f"{r['tokens_ratio']:.3f}", f"{r['counter_ratio']:.3f}",
+          f"{r['a_none_waiting']:.0%} / {r['b_none_waiting']:.0%}"] for name, r in shares],
     )  # fmt: skip
     fair, fifo = results["fair"], results["fifo"]
     goals: dict[str, Any] = {
