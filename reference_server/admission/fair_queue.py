@@ -5,6 +5,9 @@ classes, bounded passes); this module only waits. A request joins, and whatever 
 is admitted at once, by whoever gives the occasion: the newcomer itself, a release, a holder's
 first token (under the peak rule), a waiter that leaves. The admitted waiter is handed its
 reservation and woken; one that went away meanwhile (timed out, its client gone) gives it back.
+A holder's relayed progress tells the scheduler what it counts for against its tenant's limit
+(the ledger's :meth:`~.ledger.KVAdmissionController.held_now`, by the rule in force) and what it
+really holds in the engine (its prompt and the tokens generated so far: what it is charged).
 anyio primitives are made per waiter inside the running loop, so it works under asyncio and trio.
 """
 
@@ -121,8 +124,22 @@ class FairQueue(AdmissionQueue):
     ) -> Headroom:
         budget = self.ledger.headroom(now, releasing=releasing, queued=queued)
         own = releasing is not None and self.fair.tenant_of(releasing.id) == tenant
-        released = releasing.reserved_tokens if own and releasing is not None else 0
+        released = self.fair.holding(releasing.id) if own and releasing is not None else 0
         return tenant_room(self.fair, tenant, budget, released=released)
+
+    def progress(self, handle: Handle, generated: int) -> None:
+        """``handle`` has had ``generated`` tokens relayed: its tenant now holds what the rule
+        in force counts it at, and is charged its prompt and those tokens; its first token may
+        make room (the peak rule), so whoever may go is admitted."""
+        now = self._clock()
+        first = self.ledger.progress(handle, generated, now)
+        if handle.generated is None:
+            return  # not followed (released, or its progress untracked)
+        held = self.ledger.held_now(handle, now)
+        rate = handle.prompt_tokens + handle.generated
+        self.fair.resize(handle.id, held=held, rate=rate, now=now)
+        if first:
+            self.notify()
 
     def notify(self) -> None:
         """Room may have appeared (a release, a holder's first token): admit who may go."""

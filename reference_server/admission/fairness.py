@@ -2,23 +2,33 @@
 I/O and no clock of its own (whatever depends on time takes ``now``), so it is driven the same
 way by the admission queue, by tests and by property tests.
 
-**What is shared** is KV token-seconds: the tokens a tenant's reservations hold in the budget,
-integrated over the time they hold them. A long request with a large cap takes more from the
-others than a short one, for as long as it runs; counting requests or tokens generated misses it.
+**What is shared** is KV token-seconds: the tokens a tenant's requests really hold in the
+engine, integrated over the time they hold them. A holder is charged its prompt and what it has
+generated so far, as its relayed progress says (:meth:`FairScheduler.resize`); until its first
+relayed token, or where its progress is not followed, what the budget counts it at (its whole
+reservation). A long request takes more from the others than a short one, for as long as it
+runs, and one that stops early stops being charged when it stops.
+
+**What a tenant holds** (against its limit) is what the admission rule counts its holders at:
+under the peak rule what each holds now from its progress (its whole reservation until its first
+token), under the caps rule their whole reservations. So a limit never undoes the peak rule's
+gain: a tenant allowed the whole budget is held back by nothing the budget itself does not.
 
 **Which waiter goes next.** Each tenant has a virtual counter, start-time fair queuing as the
 Virtual Token Counter does it (Sheng et al., OSDI'24), over token-seconds: its key is the
-token-seconds it has taken, plus what its live reservations are due to take at most (tokens x
-the time until their due end), over its weight. When room appears, the backlogged tenant with
-the lowest key is served. Why a counter, not deficit round robin: a round robin spends a
-quantum on each request's cost when it is dequeued, and a reservation's token-seconds are known
-only when it ends (most outputs stop before their caps). The counter is charged as the holding
-is held; the projected part makes an admission count at once (else one tenant would take every
-place a release opens before its counter moved) and falls away when a holder ends early, so a
-tenant is charged what it took. A tenant that becomes active (nothing held, nothing queued) is
-lifted to the lowest counter among the active ones (what they have taken), as VTC does: idle
-time is not banked for a later burst. Among equal keys, the tenant holding least per weight goes
-first, then arrival order.
+token-seconds it has been charged, plus what its live holders are due to take at their present
+size until their due ends, over its weight. When room appears, the backlogged tenant with the
+lowest key is served. Why a counter, not deficit round robin: a round robin spends a quantum on
+each request's cost when it is dequeued, and a request's token-seconds are known only when it
+ends (most outputs stop before their caps). The projected part makes an admission count at once
+(else one tenant would take every place a release opens before its counter moved) and falls
+away when a holder ends early. The **system virtual time** is the start tag of the last waiter
+served: its tenant's counter then (what it had been charged, not what its holders were due to
+take, which falls away when they end early or hold less than their caps). A tenant that becomes
+backlogged (it had nothing waiting) is lifted to it, whether or not anyone else is active: idle
+time is never banked for a later burst, and a newcomer after a lull starts level with the one
+that ran alone. Among equal keys, the tenant holding least per weight goes first, then arrival
+order.
 
 **Work-conserving.** Nothing is held back for a tenant that is not waiting: a tenant alone may
 take the whole budget (up to its own ``max_share``).
@@ -34,16 +44,24 @@ its class in time.
 **Limits.** A tenant never holds more than ``max_share`` of the budget: a waiter that would take
 it past is not a candidate (it holds nobody back) until its own tenant's holders release.
 
-**Priorities.** An integer class per request, lower served first (default 0): classes come
-before keys in the order, so a waiting request of a higher class is delayed by a lower one by at
-most one admission (a pass while it does not fit). Under overload (more than ``max_queued``
-waiting) the waiter of the lowest class is refused first; among those, the newest of the tenant
-furthest above its share.
+**Priorities.** An integer class per request, lower served first (default 0), within the classes
+the operator granted its tenant (:meth:`Tenant.grant`): classes come before keys in the order,
+so a waiting request of a higher class is delayed by a lower one by at most one admission (a
+pass while it does not fit).
+
+**Overload.** With ``max_queued``, a tenant may keep at most ``max_share`` of those places
+(at least one): its next request is refused at once. Past ``max_queued`` waiting in all, a
+waiter is refused: first one whose tenant is over its limit (what it holds and what it has
+queued up to that waiter exceed it: it could not be admitted before its own holders end), so a
+waiter within its limit is never refused for one over its limit; among those alike, the lowest
+class, then the newest of the tenant furthest above its share.
 
 >>> policy = FairPolicy(tenants={"a": Tenant(weight=3.0), "b": Tenant(weight=1.0)})
 >>> fair = FairScheduler(policy, usable=1000)
 >>> fair.resolve("someone"), fair.resolve("a")
 ('default', 'a')
+>>> Tenant(priorities=(-1, 0)).grant(-1000), Tenant().grant(5)
+(-1, 0)
 """
 
 from __future__ import annotations
@@ -59,6 +77,7 @@ __all__ = [
     "DEFAULT_MAX_BYPASS",
     "DEFAULT_TENANT",
     "LOWER_CLASS_PASSES",
+    "PRIORITY_RANGE",
     "FairPolicy",
     "FairScheduler",
     "Held",
@@ -68,7 +87,7 @@ __all__ = [
     "Waiter",
 ]
 
-#: The tenant every name the policy does not list is counted as: unknown tenants share it.
+#: The tenant every request without a listed identity is counted as: they share its terms.
 DEFAULT_TENANT = "default"
 #: Admissions of its own class a waiter that does not fit may be passed by before it holds back
 #: those behind it: enough to keep the budget busy while it waits for room, few enough that a
@@ -76,6 +95,8 @@ DEFAULT_TENANT = "default"
 DEFAULT_MAX_BYPASS = 4
 #: Admissions of a lower class a waiter of a higher class may be passed by (it does not fit now).
 LOWER_CLASS_PASSES = 1
+#: Priority classes that may be asked for or granted: a bound that keeps them small integers.
+PRIORITY_RANGE = range(-1000, 1001)
 
 
 def _finite(name: str, value: float, *, low: float, strict: bool) -> None:
@@ -88,12 +109,14 @@ def _finite(name: str, value: float, *, low: float, strict: bool) -> None:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Tenant:
     """One tenant's terms: its ``weight`` (its share against the others'), the most of the
-    budget it may hold at once (``max_share``, a fraction), and the longest its requests may wait
-    for room (``max_queue_wait`` seconds; None: the queue's own bound)."""
+    budget it may hold at once and of the queue's places it may keep (``max_share``, a
+    fraction), the longest its requests may wait for room (``max_queue_wait`` seconds; None:
+    the queue's own bound), and the priority classes it may ask for (``priorities``)."""
 
     weight: float = 1.0
     max_share: float = 1.0
     max_queue_wait: float | None = None
+    priorities: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
         _finite("weight", self.weight, low=0.0, strict=True)
@@ -102,6 +125,23 @@ class Tenant:
             raise ValueError(f"max_share must be at most 1, got {self.max_share!r}")
         if self.max_queue_wait is not None:
             _finite("max_queue_wait", self.max_queue_wait, low=0.0, strict=False)
+        if not self.priorities:
+            raise ValueError("priorities must list at least one class")
+        for p in self.priorities:
+            if isinstance(p, bool) or not isinstance(p, int) or p not in PRIORITY_RANGE:
+                raise ValueError(
+                    f"priorities must be integers from {PRIORITY_RANGE.start} to "
+                    f"{PRIORITY_RANGE.stop - 1}, got {p!r}"
+                )
+
+    def grant(self, asked: int) -> int:
+        """The class a request asking for ``asked`` is served in: ``asked`` when granted, else
+        the most urgent granted class that is no more urgent than ``asked`` (a class above the
+        grant gets the tenant's best; one below its worst, its worst)."""
+        if asked in self.priorities:
+            return asked
+        later = [p for p in self.priorities if p >= asked]
+        return min(later) if later else max(self.priorities)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,6 +166,12 @@ class FairPolicy:
 
     def terms(self, name: str) -> Tenant:
         return self.tenants.get(name, self.default)
+
+    def places(self, name: str) -> int | None:
+        """The most of ``max_queued`` places tenant ``name`` may keep (None: no bound)."""
+        if self.max_queued is None:
+            return None
+        return max(1, math.floor(self.terms(name).max_share * self.max_queued))
 
 
 class Waiter:
@@ -175,8 +221,9 @@ class Holding:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TenantStats:
-    """One tenant's figures: tokens held now, KV token-seconds taken since it was first seen,
-    requests waiting, admitted and refused (429)."""
+    """One tenant's figures: tokens it holds now (as the admission rule counts them), KV
+    token-seconds it has been charged since it was first seen, requests waiting, admitted and
+    refused (429)."""
 
     tenant: str
     weight: float
@@ -190,7 +237,8 @@ class TenantStats:
 @dataclass(slots=True)
 class _Hold:
     tenant: str
-    tokens: int
+    held: int  # what it counts for against its tenant's limit now
+    rate: int  # the KV it is charged for now, per second
     due: float
 
 
@@ -198,25 +246,22 @@ class _Hold:
 class _Account:
     weight: float
     limit: int
-    counter: float = 0.0  # token-seconds taken, over the weight (its virtual time)
-    taken: float = 0.0  # token-seconds taken
+    counter: float = 0.0  # token-seconds charged, over the weight, plus lifts (virtual time)
+    taken: float = 0.0  # token-seconds charged
     held: int = 0
+    rate: int = 0
     holds: dict[int, _Hold] = field(default_factory=dict)
     queues: dict[int, deque[Waiter]] = field(default_factory=dict)
     admitted: int = 0
     refused: int = 0
 
     def key(self, now: float) -> float:
-        due = sum(h.tokens * max(0.0, h.due - now) for h in self.holds.values())
+        due = sum(h.rate * max(0.0, h.due - now) for h in self.holds.values())
         return self.counter + due / self.weight
 
     @property
     def waiting(self) -> int:
         return sum(len(q) for q in self.queues.values())
-
-    @property
-    def active(self) -> bool:
-        return self.held > 0 or bool(self.queues)
 
 
 class FairScheduler:
@@ -234,6 +279,8 @@ class FairScheduler:
         self._seq = itertools.count(1)
         self._at = now
         self.waiting = 0
+        #: The system virtual time: the counter (start tag) of the tenant of the last waiter served.
+        self.vtime = 0.0
 
     # --- tenants -------------------------------------------------------------------------------
 
@@ -247,13 +294,19 @@ class FairScheduler:
     def held(self, tenant: str) -> int:
         return self._account(tenant).held
 
+    def holding(self, key: int) -> int:
+        """What the live reservation ``key`` counts for against its tenant's limit (0: none)."""
+        hold = self._holds.get(key)
+        return hold.held if hold is not None else 0
+
     def tenant_of(self, key: int) -> str | None:
         """The tenant of the live reservation ``key``, None when it is not held here."""
         hold = self._holds.get(key)
         return hold.tenant if hold is not None else None
 
     def never_within(self, tenant: str | None, need: int) -> bool:
-        """Whether ``need`` tokens exceed what ``tenant`` may ever hold: it would wait for ever."""
+        """Whether ``need`` tokens exceed what ``tenant`` may ever hold: it would wait for ever
+        (it counts whole until its first token, under either rule)."""
         return need > self.limit(self.resolve(tenant))
 
     def _account(self, tenant: str) -> _Account:
@@ -276,22 +329,28 @@ class FairScheduler:
         ended: Mapping[str, float] | None = None,
         offsets: Mapping[str, float] | None = None,
         counts: Mapping[str, tuple[int, int]] | None = None,
+        vtime: float = 0.0,
     ) -> FairScheduler:
         """A scheduler in the state a shared store keeps (a ledger other processes change too):
-        the live ``holdings``; the ``waiters`` in arrival order, their ``seq``, ``bypassed``
-        and ``lower_passes`` as kept; the token-seconds each tenant's ``ended`` holdings took;
-        each tenant's counter ``offsets`` (:meth:`offsets`: what lifts added); its (admitted,
-        refused) ``counts``. A tenant's token-seconds are its ended ones plus what its live
-        holdings have held since they began, so the counters need no clock of the store's."""
+        the live ``holdings`` (each charged and counted at its whole reservation: a shared
+        ledger follows no progress); the ``waiters`` in arrival order, their ``seq``,
+        ``bypassed`` and ``lower_passes`` as kept; the token-seconds each tenant's ``ended``
+        holdings took; each tenant's counter ``offsets`` (:meth:`offsets`: what lifts added);
+        its (admitted, refused) ``counts``; the system virtual time ``vtime``. A tenant's
+        token-seconds are its ended ones plus what its live holdings have held since they
+        began, so the counters need no clock of the store's."""
         fair = cls(policy, usable=usable, now=now)
+        fair.vtime = vtime
         for tenant in {*(ended or {}), *(offsets or {}), *(counts or {})}:
             fair._account(tenant)
         for holding in holdings:
             account = fair._account(holding.tenant)
-            hold = _Hold(tenant=holding.tenant, tokens=holding.tokens, due=holding.due)
+            tokens = holding.tokens
+            hold = _Hold(tenant=holding.tenant, held=tokens, rate=tokens, due=holding.due)
             fair._holds[holding.key] = account.holds[holding.key] = hold
-            account.held += holding.tokens
-            account.taken += holding.tokens * max(0.0, now - holding.since)
+            account.held += tokens
+            account.rate += tokens
+            account.taken += tokens * max(0.0, now - holding.since)
         last = 0
         for waiter in waiters:
             account = fair._account(waiter.tenant)
@@ -313,41 +372,52 @@ class FairScheduler:
     # --- time ----------------------------------------------------------------------------------
 
     def advance(self, now: float) -> None:
-        """Charge every tenant what it held since the last call."""
+        """Charge every tenant what its holders held since the last call."""
         elapsed = now - self._at
         if elapsed <= 0:
             return
         self._at = now
         for account in self._accounts.values():
-            if account.held:
-                spent = account.held * elapsed
+            if account.rate:
+                spent = account.rate * elapsed
                 account.taken += spent
                 account.counter += spent / account.weight
 
-    def _lifted(self, account: _Account) -> float:
-        """The counter of ``account`` once lifted to the lowest among the active tenants' (what
-        they have taken, not what their holders are due to take: a projection falls away when
-        a holder ends early, and the newcomer must not have been lifted past it)."""
-        if account.active:
-            return account.counter
-        counters = [a.counter for a in self._accounts.values() if a.active and a is not account]
-        return max(account.counter, min(counters, default=account.counter))
-
-    def _lift(self, account: _Account) -> None:
-        """A tenant becoming active starts at the lowest counter among the active ones."""
-        account.counter = self._lifted(account)
+    def _lift(self, account: _Account) -> float:
+        """What lifting ``account`` to the system virtual time would add to its counter: it is
+        becoming backlogged (nothing of its own waits), and its counter must not be below the
+        start tag of the last waiter served, whoever else is active."""
+        if account.queues:
+            return 0.0
+        return max(0.0, self.vtime - account.counter)
 
     # --- holders -------------------------------------------------------------------------------
 
     def hold(self, key: int, tenant: str, tokens: int, due: float, now: float) -> None:
-        """A reservation of ``tokens`` for ``tenant`` was admitted, due to end by ``due`` (its
-        tenant was lifted when it queued: waiting is not idling)."""
+        """A reservation of ``tokens`` for ``tenant`` was admitted, due to end by ``due``: it
+        counts and is charged at ``tokens`` until :meth:`resize` says otherwise."""
         self.advance(now)
-        account = self._account(self.resolve(tenant))
-        hold = _Hold(tenant=self.resolve(tenant), tokens=tokens, due=due)
+        name = self.resolve(tenant)
+        account = self._account(name)
+        hold = _Hold(tenant=name, held=tokens, rate=tokens, due=due)
         self._holds[key] = account.holds[key] = hold
         account.held += tokens
+        account.rate += tokens
         account.admitted += 1
+
+    def resize(self, key: int, *, held: int, rate: int, now: float) -> None:
+        """The live reservation ``key`` counts for ``held`` tokens against its tenant's limit
+        from ``now`` on (as the admission rule counts it), and holds ``rate`` tokens of KV in
+        the engine (what it is charged per second): its progress was relayed. No-op when it is
+        not held here."""
+        hold = self._holds.get(key)
+        if hold is None:
+            return
+        self.advance(now)
+        account = self._accounts[hold.tenant]
+        account.held += held - hold.held
+        account.rate += rate - hold.rate
+        hold.held, hold.rate = held, rate
 
     def release(self, key: int, now: float) -> None:
         """The reservation ``key`` was given back. Idempotent."""
@@ -357,28 +427,47 @@ class FairScheduler:
         self.advance(now)
         account = self._accounts[hold.tenant]
         del account.holds[key]
-        account.held -= hold.tokens
+        account.held -= hold.held
+        account.rate -= hold.rate
 
     # --- waiters -------------------------------------------------------------------------------
 
     def enqueue(self, waiter: Waiter, now: float) -> list[Waiter]:
-        """Queue ``waiter`` (its tenant resolved); returns those refused to keep the queue within
-        ``max_queued`` (``waiter`` itself, when it is the one to go)."""
+        """Queue ``waiter`` (its tenant resolved, lifted to the system virtual time when it had
+        nothing waiting); returns those refused to keep the queue within ``max_queued``
+        (``waiter`` itself, when it is the one to go, or its tenant keeps all its places)."""
         self.advance(now)
         waiter.tenant = self.resolve(waiter.tenant)
         account = self._account(waiter.tenant)
-        self._lift(account)
+        places = self.policy.places(waiter.tenant)
+        if places is not None and account.waiting >= places:
+            waiter.refused = True
+            return [waiter]
+        account.counter += self._lift(account)
         waiter.seq = next(self._seq)
         account.queues.setdefault(waiter.priority, deque()).append(waiter)
         self.waiting += 1
         bound = self.policy.max_queued
         refused: list[Waiter] = []
         while bound is not None and self.waiting > bound:
-            victim = max(self._all(), key=lambda w: self._victim_key(w, now))
+            over = self._over_limit()
+            victim = max(self._all(), key=lambda w: self._victim_key(w, over, now))
             self.remove(victim)
             victim.refused = True
             refused.append(victim)
         return refused
+
+    def _over_limit(self) -> set[int]:
+        """The waiters (by ``id``) whose tenant's holding and its waiters queued up to them, in
+        arrival order, exceed its limit: none of them can go before its own holders end."""
+        over: set[int] = set()
+        for account in self._accounts.values():
+            total = account.held
+            for waiter in sorted(itertools.chain(*account.queues.values()), key=lambda w: w.seq):
+                total += waiter.need
+                if total > account.limit:
+                    over.add(id(waiter))
+        return over
 
     def count_refusal(self, tenant: str) -> None:
         """One of ``tenant``'s requests was refused (a 429), for its figures."""
@@ -409,8 +498,11 @@ class FairScheduler:
         account = self._account(waiter.tenant)
         return (waiter.priority, account.key(now), account.held / account.weight, waiter.seq)
 
-    def _victim_key(self, waiter: Waiter, now: float) -> tuple[int, float, int]:
-        return (waiter.priority, self._account(waiter.tenant).key(now), waiter.seq)
+    def _victim_key(
+        self, waiter: Waiter, over: set[int], now: float
+    ) -> tuple[bool, int, float, int]:
+        key = self._account(waiter.tenant).key(now)
+        return (id(waiter) in over, waiter.priority, key, waiter.seq)
 
     def order(self, now: float) -> list[Waiter]:
         """The candidates (the head of each tenant's queue of each class), first served first."""
@@ -427,7 +519,7 @@ class FairScheduler:
     def tokens_ahead_of_newcomer(self, tenant: str, priority: int, now: float) -> int:
         """Tokens waiting ahead of a request ``tenant`` would send now (for its room)."""
         account = self._account(self.resolve(tenant))
-        key = account.key(now) - account.counter + self._lifted(account)
+        key = account.key(now) + self._lift(account)
         rank = (priority, key, account.held / account.weight, math.inf)
         return sum(w.need for w in self._all() if self._rank(w, now) < rank)
 
@@ -443,7 +535,7 @@ class FairScheduler:
         if held + need <= account.limit:
             return 0.0
         for hold in sorted(account.holds.values(), key=lambda h: h.due):
-            held -= hold.tokens
+            held -= hold.held
             if held + need <= account.limit:
                 return max(0.0, hold.due - now)
         return math.inf
@@ -483,6 +575,8 @@ class FairScheduler:
                     passed.lower_passes += 1
                 else:
                     passed.bypassed += 1
+            # Its start tag: the system virtual time a tenant becoming backlogged is lifted to.
+            self.vtime = max(self.vtime, self._account(waiter.tenant).counter)
             self.hold(handle.id, waiter.tenant, handle.reserved_tokens, handle.due_at, now)
             self.remove(waiter)
             admitted.append(chosen)

@@ -628,3 +628,15 @@ class KVAdmissionController:
                 committed_tokens=self._committed(self._decoding.at or 0.0),
                 **self._outlook.figures(peak=self._peak_in_force()),
             )
+
+    def held_now(self, handle: Handle, now: float) -> int:
+        """Tokens ``handle`` counts for now by the rule in force: under the peak rule what it
+        holds from its relayed progress (its whole reservation until its first token; the
+        relay's margin counted as of ``now``), under caps its whole reservation; 0 once it is
+        released (what a tenant's limit counts, see :mod:`.fairness`)."""
+        with self._lock:
+            if handle.released or self._live.get(handle.id) is not handle:
+                return 0
+            if not self._peak_in_force():
+                return handle.reserved_tokens
+            return min(handle.reserved_tokens, self._holder(handle, now).held)

@@ -8,6 +8,8 @@
 - :mod:`.progress`: a holder's progress read from its stream, pure;
 - :mod:`.state`: what one gateway owns, its counters, and the discovery of its upstreams;
 - :mod:`.redis_ledgers`: the gateway's side of a shared ledger in Redis (``--ledger``);
+- :mod:`.tenants`: the tenants file and who a request is, pure; :mod:`.tenancy`, the
+  middleware that verifies it and the class a request is granted;
 - :mod:`.metrics`, :mod:`.app`, :mod:`.cli`.
 
 It never imports the simulated engine.

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import anyio
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
@@ -30,6 +31,8 @@ from .config import GatewayConfig
 from .metrics import registry_for
 from .relay import UpstreamBackend, unavailable
 from .state import GatewayState
+from .tenancy import TenantMiddleware
+from .tenants import TenantResolver
 from .upstream import UPSTREAM_ERRORS, Known, Upstream, parse_json
 
 __all__ = ["create_gateway_app"]
@@ -149,22 +152,27 @@ async def _health(request: Request) -> Response:
             }
         )
     ok = any(entry["in_service"] for entry in upstreams)
-    policy = state.config.fairness
-    fairness = {
-        "enabled": policy is not None,
-        "tenants": len(policy.tenants) if policy is not None else 0,
-        "tenant_from": (
-            None
-            if policy is None
-            else f"header {state.config.tenant_header}"
-            if state.config.tenant_header
-            else "api key"
-        ),
-    }
+    fairness = _fairness(state.config)
     return JSONResponse(
         {"status": "ok" if ok else "unavailable", "upstreams": upstreams, "fairness": fairness},
         status_code=200 if ok else 503,
     )
+
+
+def _fairness(config: GatewayConfig) -> dict[str, Any]:
+    """``/health``'s ``fairness``: whether it is on, how many tenants the file lists, and what
+    a request's tenant is taken from (its listed key, then the trusted header)."""
+    policy = config.fairness
+    sources = []
+    if config.tenant_keys is not None and config.tenant_keys.listed:
+        sources.append("keys")
+    if config.tenant_header:
+        sources.append(f"header {config.tenant_header}")
+    return {
+        "enabled": policy is not None,
+        "tenants": len(policy.tenants) if policy is not None else 0,
+        "tenant_from": ", then ".join(sources) if policy is not None and sources else None,
+    }
 
 
 async def _metrics(request: Request) -> Response:
@@ -204,7 +212,17 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
         finally:
             await state.aclose()
 
-    app = build_app(routes, api_key=config.api_key, lifespan=lifespan)
+    if config.fairness is None:
+        app = build_app(routes, api_key=config.api_key, lifespan=lifespan)
+    else:  # the tenants' keys and --api-key are checked together, by tenant
+        app = build_app(routes, api_key=None, lifespan=lifespan)
+        resolver = TenantResolver(
+            config.fairness,
+            config.tenant_keys,
+            api_key=config.api_key,
+            header=config.tenant_header,
+        )
+        app.add_middleware(TenantMiddleware, resolver=resolver)
     app.state.gateway = state
     app.state.registry = registry_for(state)  # its own: several gateways live in one process
     return app

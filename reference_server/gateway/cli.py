@@ -24,7 +24,7 @@ from .config import (
     DEFAULT_SEND_TIMEOUT,
     GatewayConfig,
 )
-from .tenants import load_policy
+from .tenants import load_tenants
 
 __all__ = ["WorkerApp", "build_parser", "config_from_args", "main"]
 
@@ -105,14 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add(
         "--tenants", type=Path, metavar="FILE",
-        help="share each upstream's KV budget fairly between tenants, by the weights, limits "
-        "and queue waits in this TOML file (see the gateway guide); a request's priority "
-        "class is its X-Priority header, lower first (default: one FIFO queue for everyone)",
+        help="share each upstream's KV budget fairly between tenants, by the weights, limits, "
+        "queue waits and priority classes in this TOML file, each tenant known by the API keys "
+        "it lists (see the gateway guide); X-Priority is served within the classes a tenant is "
+        "granted (default: one FIFO queue for everyone, X-Priority ignored)",
     )  # fmt: skip
     add(
         "--tenant-header", metavar="NAME",
-        help="with --tenants: the header whose value names a request's tenant (default: its "
-        "API key, hashed)",
+        help="with --tenants: the header naming the tenant of a request no listed key names; "
+        "set by your proxy; never pass the client's (default: not read)",
     )  # fmt: skip
     add(
         "--decode-rate", type=float, default=DEFAULT_DECODE_RATE, metavar="TOKENS_PER_S",
@@ -212,7 +213,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             "would admit against every upstream's whole budget, N times what it holds"
         )
     counter = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
-    fairness = load_policy(args.tenants) if args.tenants is not None else None
+    tenants = load_tenants(args.tenants) if args.tenants is not None else None
     return GatewayConfig(
         upstreams=tuple(args.upstream),
         kv_tokens=tuple(args.kv_tokens),
@@ -222,7 +223,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         context_window=args.context_window,
         safety_fraction=args.safety_fraction,
         max_queue_wait=args.max_queue_wait,
-        fairness=fairness,
+        fairness=tenants.policy if tenants is not None else None,
+        tenant_keys=tenants.keys if tenants is not None else None,
         tenant_header=args.tenant_header,
         decode_rate=args.decode_rate,
         relay_lag=args.relay_lag,

@@ -16,6 +16,7 @@ from ..admission.ledger import RULES, Rule
 from ..http.generation import DEFAULT_SEND_TIMEOUT
 from ..http.requests import DEFAULT_MAX_BODY_BYTES
 from ..shared_ledger.scripts import DEFAULT_LEASE_SECONDS
+from .tenants import TenantKeys, check_tenant_header
 
 __all__ = [
     "DEFAULT_DECODE_RATE",
@@ -132,7 +133,10 @@ class GatewayConfig:
     #: Fair shares of each upstream's budget between tenants (``--tenants FILE``): None, one
     #: FIFO queue for everyone.
     fairness: FairPolicy | None = None
-    #: The header whose value names a request's tenant (``--tenant-header``); None: its API key.
+    #: The API keys the tenants file lists, and what an unlisted key gets (None: none listed).
+    tenant_keys: TenantKeys | None = None
+    #: The header a proxy the operator trusts sets to a request's tenant (``--tenant-header``),
+    #: read only for a request no listed key names; None: not read.
     tenant_header: str | None = None
 
     def __post_init__(self) -> None:
@@ -181,13 +185,7 @@ class GatewayConfig:
                 raise ValueError(f"{flag} needs a rediss:// --ledger (Redis over TLS)")
             if not os.path.isfile(path):
                 raise ValueError(f"{flag}: no such file: {path}")
-        if self.tenant_header is not None and self.fairness is None:
-            raise ValueError("--tenant-header needs --tenants FILE")
-        if self.fairness is not None and self.api_key is not None and self.tenant_header is None:
-            raise ValueError(
-                "--tenants with --api-key needs --tenant-header: every client sends the one key, "
-                "so the key cannot tell tenants apart"
-            )
+        self._check_tenants()
         if self.ledger_client_key is not None and self.ledger_client_cert is None:
             raise ValueError("--ledger-client-key needs --ledger-client-cert")
         if not 0 < self.lease_seconds < 3600:
@@ -203,3 +201,17 @@ class GatewayConfig:
         for name in ("max_body_bytes", "max_answer_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def _check_tenants(self) -> None:
+        if self.tenant_header is not None:
+            if self.fairness is None:
+                raise ValueError("--tenant-header needs --tenants FILE")
+            check_tenant_header(self.tenant_header)
+        if self.tenant_keys is not None and self.fairness is None:
+            raise ValueError("tenant keys need --tenants FILE")
+        keys = self.tenant_keys
+        if self.api_key is not None and keys is not None and keys.unlisted == "default":
+            raise ValueError(
+                '--api-key with a --tenants file whose unlisted = "default": the file lets any '
+                "key in as the default tenant, the option only its own; drop one of them"
+            )

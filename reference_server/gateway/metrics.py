@@ -64,17 +64,23 @@ def _plus(a: TenantStats, b: TenantStats) -> TenantStats:
 
 
 def _tenant_metrics(state: GatewayState) -> Iterable[Metric]:
+    """Per tenant, labelled by the names in the tenants file (a request no listed key or
+    trusted header names is ``default``'s): no key, nor any digest of one, is ever a label."""
     queues = [u.known.queue for u in state.upstreams if u.known is not None]
     stats = [s for q in queues for s in q.tenants()]
     rows = tenant_rows(stats)
     gauges: dict[str, tuple[str, Callable[[TenantStats], float]]] = {
-        "kv_tenant_reserved_tokens": ("KV tokens the tenant holds now.", lambda s: s.held),
+        "kv_tenant_reserved_tokens": (
+            "KV tokens the tenant holds now, as the admission rule counts them.",
+            lambda s: s.held,
+        ),
         "kv_tenant_waiting_requests": ("The tenant's requests waiting.", lambda s: s.waiting),
         "kv_tenant_weight": ("The tenant's weight (0 for other).", lambda s: s.weight),
     }
     counters: dict[str, tuple[str, Callable[[TenantStats], float]]] = {
         "kv_tenant_token_seconds": (
-            "Reserved KV token-seconds the tenant has taken.",
+            "KV token-seconds the tenant's requests held (prompt and tokens so far where their "
+            "progress is relayed, else their reservations).",
             lambda s: s.token_seconds,
         ),
         "kv_tenant_admitted": ("The tenant's requests admitted.", lambda s: s.admitted),

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Set
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -49,7 +49,7 @@ from .assemble import Assembler, BrokenStream, EngineError
 from .progress import ProgressReader, completion_tokens
 from .rewrite import as_stream, assembled_headers, request_headers, response_headers, with_cap
 from .state import GatewayState
-from .tenants import priority_of, tenant_of
+from .tenancy import with_tenant
 from .upstream import (
     UPSTREAM_ERRORS,
     Known,
@@ -279,20 +279,8 @@ class UpstreamBackend:
         return plan
 
     def _tenant(self, scope: Scope, plan: Plan, known: list[Known], need: int) -> Plan:
-        """``plan`` with its tenant and priority class; a 400 when it needs more than its
-        tenant may ever hold on any upstream (a 429 would send it round for ever)."""
-        tenant = tenant_of(scope, self.state.config.tenant_header)
-        fair = [k.queue.fair for k in known if k.queue.fair is not None]
-        if fair and all(f.never_within(tenant, need) for f in fair):
-            most = max(f.limit(f.resolve(tenant)) for f in fair)
-            raise APIError(
-                400,
-                f"This request can never be admitted: it needs {need} KV tokens and its tenant "
-                f"may hold at most {most} at once; ask for fewer output tokens.",
-                code="tenant_share_exceeded",
-                param="max_tokens",
-            )
-        return replace(plan, tenant=tenant, priority=priority_of(scope))
+        """``plan`` with its verified tenant and granted class (:func:`.tenancy.with_tenant`)."""
+        return with_tenant(scope, plan, [k.queue.fair for k in known if k.queue.fair], need)
 
     async def _count(
         self,

@@ -192,8 +192,10 @@ class _Decision:
             ended=ended,
             offsets=state.per_tenant("offset"),
             counts=counts,
+            vtime=state.fair.get("vtime", 0.0),
         )
         self._offsets = self.fair.offsets()
+        self._vtime = self.fair.vtime
         self._ids = itertools.count(len(keys) + 1)
 
     def decide(
@@ -251,7 +253,9 @@ class _Decision:
         ):
             args.append(len(rows))
             args += [x for row in rows for x in row]
-        changed = any(rows for rows in (joins, admitted, refused, passes, offsets))
+        moved = fair.vtime != self._vtime
+        args.append(repr(fair.vtime) if moved else "")
+        changed = moved or any(rows for rows in (joins, admitted, refused, passes, offsets))
         return (args if changed else None), admitted, refused
 
     @staticmethod

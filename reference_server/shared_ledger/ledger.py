@@ -91,7 +91,7 @@ def fingerprint(pricing: KVAdmissionController, fairness: FairPolicy | None = No
         f = fairness
         terms = [(name, f.tenants[name]) for name in sorted(f.tenants)]
         listed = ",".join(
-            f"{name}:{t.weight}:{t.max_share}:{t.max_queue_wait}"
+            f"{name}:{t.weight}:{t.max_share}:{t.max_queue_wait}:{','.join(map(str, t.priorities))}"
             for name, t in [*terms, ("*", f.default)]
         )
         text += f" fair={listed} max_queued={f.max_queued} max_bypass={f.max_bypass}"

@@ -301,7 +301,8 @@ return {tonumber(held or '0'), tonumber(busy or '0'), tonumber(admitted or '0')}
 # ``tickets`` (a hash: waiting ticket -> ``"W priority bypassed lower_passes cap tenant"``, or
 # ``"R 0 0 0 0 tenant"`` once refused to keep the queue within its bound, until its owner reads it),
 # ``fair`` (a hash: ``taken:<tenant>`` token-milliseconds its ended holdings took, ``offset:``
-# what lifts added to its counter, ``admitted:`` and ``refused:`` its counts) and ``version``
+# what lifts added to its counter, ``admitted:`` and ``refused:`` its counts, ``vtime`` the
+# system virtual time a tenant becoming backlogged is lifted to) and ``version``
 # (bumped by every change, in ``tell``). A fair holder's value ends with its tenant; releasing
 # or sweeping it charges the tenant what it held (``charge``). A gateway reads the
 # state (FAIR_SNAPSHOT), runs the fair scheduler on it, and writes what it decided (FAIR_COMMIT)
@@ -321,9 +322,10 @@ return {now, tonumber(redis.call('GET', KEYS[11]) or '0'),
 """
 )
 
-#: ARGV: version read, lease, usable, max_concurrency (0: none), then four counted lists:
+#: ARGV: version read, lease, usable, max_concurrency (0: none), then five counted lists:
 #: tickets joining the queue (ticket, meta), admitted (ticket, cap, tenant), refused (ticket,
-#: tenant), waiters passed (ticket, meta) and the counter offsets (tenant, offset).
+#: tenant), waiters passed (ticket, meta) and the counter offsets (tenant, offset); last, the
+#: system virtual time (the start tag of the last waiter admitted; '' when unchanged).
 #: Returns {1, now, state} written, {0, now, state} the state changed since it was read (read
 #: it again), {-1, now, state} the lease is gone.
 FAIR_COMMIT = (
@@ -350,6 +352,7 @@ local admit_a, admit_b = list(3)
 local refuse_a, refuse_b = list(2)
 local pass_a, pass_b = list(2)
 local offset_a, offset_b = list(2)
+local vtime = ARGV[i]
 -- the budget once more (the version says nothing changed; a wrong decision must not land)
 local reserved = tonumber(redis.call('GET', KEYS[2]) or '0')
 local holders = redis.call('HLEN', KEYS[1])
@@ -385,6 +388,9 @@ for j = pass_a, pass_b, 2 do
 end
 for j = offset_a, offset_b, 2 do
   redis.call('HSET', KEYS[12], 'offset:' .. ARGV[j], ARGV[j + 1])
+end
+if vtime and vtime ~= '' then
+  redis.call('HSET', KEYS[12], 'vtime', vtime)
 end
 tell((admit_b >= admit_a or refuse_b >= refuse_a) and 1 or 0)
 return {1, now, state()}

@@ -280,3 +280,102 @@ def test_the_ledger_returns_to_zero_and_no_tenant_exceeds_its_limit(
     assert fair.waiting == 0
     assert fair.waiting_tokens == 0
     assert all(math.isfinite(s.token_seconds) for s in fair.stats(now))
+
+
+# --- hostile and after-a-lull cases --------------------------------------------------------------
+
+
+def test_a_tenant_back_after_a_pause_is_level_with_a_newcomer() -> None:
+    """A ran alone for 100 s, then paused (nobody active); B arrives, then A is back: both are
+    lifted to the system virtual time (the last start tag served), so they share from there on
+    instead of B taking every admission until its counter has caught up with A's 100 s."""
+    sim = _Sim(FairPolicy(tenants={"a": Tenant(), "b": Tenant()}))
+    for _ in range(10):
+        sim.send("a", 100)
+    sim.dispatch()
+    for _ in range(1000):
+        sim.release_next()
+        sim.send("a", 100)
+        sim.dispatch()
+    while sim.ends:  # A pauses: every one of its holders ends, nothing waits
+        sim.release_next()
+    assert all(s.held == 0 and s.waiting == 0 for s in sim.fair.stats(sim.now))
+    sim.now += 50.0
+    start = len(sim.order)
+    for _ in range(10):
+        sim.send("b", 100)
+    sim.dispatch()
+    for _ in range(10):
+        sim.send("a", 100)
+    for _ in range(60):
+        sim.release_next()
+        sim.send(sim.order[-1], 100)
+        sim.send("a" if sim.order[-1] == "b" else "b", 100)
+        sim.dispatch()
+    recent = sim.order[start + 10 :]
+    assert 0.4 <= recent.count("a") / len(recent) <= 0.6, recent
+
+
+def test_a_newcomer_alone_starts_at_the_system_virtual_time() -> None:
+    fair = FairScheduler(FairPolicy(tenants={"a": Tenant(), "b": Tenant()}), usable=USABLE)
+    ledger = _ledger()
+    fair.enqueue(Waiter(tenant="a", need=100), 0.0)
+    [(_, handle)] = fair.dispatch(0.0, _admit(ledger, 0.0))
+    fair.release(handle.id, 100.0)  # A held 100 tokens for 100 s: 10,000 token-seconds
+    ledger.release(handle, 100.0)
+    fair.enqueue(Waiter(tenant="a", need=100), 200.0)
+    fair.dispatch(200.0, _admit(ledger, 200.0))
+    assert fair.vtime == pytest.approx(10_000)
+    newcomer = Waiter(tenant="b", need=100)
+    fair.enqueue(newcomer, 300.0)  # nobody waits: B is lifted all the same
+    assert fair.offsets()["b"] == pytest.approx(10_000)
+
+
+def test_a_waiter_within_its_limit_is_never_refused_for_one_over_its_limit() -> None:
+    """max_queued 2: chat's two waiters are within its limit; batch, at its limit and granted
+    the most urgent class there is, sends two more: they are refused, not chat's."""
+    policy = FairPolicy(
+        tenants={"chat": Tenant(), "batch": Tenant(max_share=0.5, priorities=(-1000, 0))},
+        max_queued=2,
+    )
+    sim = _Sim(policy)
+    for tenant in ("batch",) * 5 + ("chat",) * 5:
+        sim.send(tenant, 100)
+        sim.dispatch()  # the budget fills: batch holds its 500, chat 500
+    chat = [sim.send("chat", 100) for _ in range(2)]
+    flood = [Waiter(tenant="batch", need=100, priority=-1000) for _ in range(2)]
+    for waiter in flood:
+        assert sim.fair.enqueue(waiter, sim.now) == [waiter]
+    assert not any(w.refused for w in chat)
+    assert sim.fair.waiting == 2
+
+
+def test_a_tenant_keeps_at_most_its_share_of_the_places() -> None:
+    policy = FairPolicy(tenants={"chat": Tenant(), "flood": Tenant(max_share=0.3)}, max_queued=10)
+    sim = _Sim(policy)
+    for _ in range(10):
+        sim.send("chat", 100)
+    sim.dispatch()  # the budget is full
+    flood = [Waiter(tenant="flood", need=10) for _ in range(5)]
+    refused = [w for waiter in flood for w in sim.fair.enqueue(waiter, sim.now)]
+    assert refused == flood[3:]  # 3 places: 30 % of 10
+    assert [w for w in (sim.send("chat", 100) for _ in range(7)) if w.refused] == []
+
+
+def test_a_holder_is_charged_what_it_holds_and_counted_as_the_rule_counts_it() -> None:
+    """Admitted, it counts and is charged whole; its progress then says what it counts for
+    (``held``) and what it holds in the engine (``rate``); an early end stops its charge."""
+    fair = FairScheduler(FairPolicy(tenants={"a": Tenant(max_share=0.5)}), usable=USABLE)
+    fair.hold(1, "a", 400, due=10.0, now=0.0)
+    assert fair.held("a") == 400
+    fair.resize(1, held=120, rate=110, now=1.0)  # 1 s at 400, then prompt 100 + 10 made
+    assert fair.held("a") == fair.holding(1) == 120
+    assert not fair.never_within("a", 380)
+    assert fair.own_room_in("a", 380, 1.0) == 0.0
+    fair.resize(1, held=140, rate=130, now=3.0)  # 2 s at 110
+    fair.release(1, 4.0)  # stopped early: 1 s at 130, and nothing after
+    [stats] = fair.stats(100.0)
+    assert stats.token_seconds == pytest.approx(400 + 220 + 130)
+    assert stats.held == 0
+    fair.resize(1, held=1, rate=1, now=200.0)  # a late count of a holder gone: nothing
+    assert fair.stats(300.0)[0].token_seconds == pytest.approx(750)

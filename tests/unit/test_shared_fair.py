@@ -322,3 +322,26 @@ async def test_a_waiter_that_looks_again_and_still_does_not_fit_writes_nothing(
         group.cancel_scope.cancel()
     await one.release(held)
     await at_zero(one)
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_newcomer_after_a_lull_starts_at_the_system_virtual_time_across_gateways(
+    redis_server: RedisServer, closing: None
+) -> None:
+    """A holds most of the budget on one gateway, then again (its start tag is the system
+    virtual time, kept in Redis), then goes: nobody is active. B arrives on another gateway and
+    is lifted to that time all the same, so it cannot take every admission until its counter
+    has caught up with A's."""
+    one, two = await gateway(redis_server), await gateway(redis_server)
+    first = await one.acquire(0, 8000, tenant="a")
+    await anyio.sleep(0.3)  # A takes about 2,400 token-seconds
+    await one.release(first)
+    again = await one.acquire(0, 100, tenant="a")
+    await one.release(again)
+    vtime = (await state(one)).fair["vtime"]
+    assert vtime >= 8000 * 0.3
+    handle = await two.acquire(0, 100, tenant="b")
+    assert (await state(two)).per_tenant("offset")["b"] == pytest.approx(vtime)
+    await two.release(handle)
+    await at_zero(one)
