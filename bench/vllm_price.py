@@ -11,7 +11,7 @@ the model's steps are the GPU's and no CPU work per streamed token is taken from
   outgrows the pool (recomputing them later); ``direct@N``: the client sends at most N at once;
 - **gateway**: ``kvclient gateway --max-running N`` in front of the same vLLM, its defaults: the
   pool vLLM really has (less its null block), the peak rule with a newcomer's clock, and holders
-  counted by a forecast of their outputs within a preemption budget (5 per 1,000 requests); what
+  counted by a forecast of their outputs within a preemption budget (20 per 1,000 requests); what
   does not fit waits in its FIFO queue;
 - **exact**: the same with ``--preemption-budget 0`` (no forecast: every holder to its cap);
 - **caps**: ``--admission-rule caps``, every holder its whole reservation;

@@ -43,10 +43,12 @@ DEFAULT_MAX_ANSWER_BYTES = 16 * 1024 * 1024
 #: Connections to one upstream at once: every admitted request holds one for its whole life.
 DEFAULT_MAX_CONNECTIONS = 1024
 #: Preemptions per 1,000 requests the forecast of outputs may cost an engine that preempts and
-#: recomputes (vLLM, SGLang): fewer than one request in 200, so no latency a p99 reads is set
-#: by a recompute, while vLLM left alone preempted about 340 per 1,000 on the realistic mix the
-#: gateway is measured on. 0: the exact rule, no forecast.
-DEFAULT_PREEMPTION_BUDGET = 5.0
+#: recomputes (vLLM, SGLang): at most one request in 50 pays a recompute (one prefill of what it
+#: held) and a wait in the engine's queue, where vLLM left alone preempted about 400 per 1,000 on
+#: the realistic mix the gateway is measured on. Tighter budgets measured no better: one
+#: preemption early in a window tightens the quantile past what outputs that stop early leave
+#: to gain (docs/results.md). 0: the exact rule, no forecast.
+DEFAULT_PREEMPTION_BUDGET = 20.0
 
 
 def public_url(url: str) -> str:
