@@ -16,7 +16,7 @@ the model's steps are the GPU's and no CPU work per streamed token is taken from
 - **exact**: the same with ``--preemption-budget 0`` (no forecast: every holder to its cap);
 - **caps**: ``--admission-rule caps``, every holder its whole reservation;
 - **no-queue** (429 + Retry-After at once), ``lag@S`` (``--relay-lag S``), ``budget@N``
-  (``--preemption-budget N``).
+  (``--preemption-budget N``), ``start@Q`` (``--forecast-quantile Q``).
 
 Mixes (``--mix``):
 
@@ -144,6 +144,8 @@ def label(name: str) -> str:
         return f"through kvclient gateway --relay-lag {value}"
     if kind == "budget":
         return f"through kvclient gateway --preemption-budget {value}"
+    if kind == "start":
+        return f"through kvclient gateway --forecast-quantile {value}"
     return LABELS[name]
 
 
@@ -157,6 +159,7 @@ def gateway_args(name: str, engine: vllm_engine.VllmServer) -> list[str]:
         "no-queue": ["--max-queue-wait", "0"],
         "lag": ["--relay-lag", value],
         "budget": ["--preemption-budget", value],
+        "start": ["--forecast-quantile", value],
     }.get(kind, [])
     return args
 
@@ -307,7 +310,7 @@ def main() -> None:
     parser.add_argument(
         "--runs", default="direct,direct@4,gateway,exact,caps",
         help="comma-separated: direct, direct@N (at most N at once), gateway, exact, caps, "
-        "no-queue, lag@S, budget@N",
+        "no-queue, lag@S, budget@N, start@Q",
     )  # fmt: skip
     parser.add_argument(
         "--mix", choices=("caps", "prefix", "realistic"), default="caps",

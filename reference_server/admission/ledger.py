@@ -55,6 +55,7 @@ from .holders import (
 )
 from .outlook import Outlook
 from .peak import Holder, peak, prefix_blocks
+from .preemption import DEFAULT_START_QUANTILE
 from .values import Handle, Headroom, LedgerEvent, LedgerStats
 
 __all__ = [
@@ -110,6 +111,7 @@ class KVAdmissionController:
         rule: Rule = "caps",
         relay_lag: float = DEFAULT_RELAY_LAG,
         preemption_budget: float = 0.0,
+        forecast_quantile: float = DEFAULT_START_QUANTILE,
         start_clock: bool = False,
     ) -> None:
         for name, whole in (
@@ -159,7 +161,11 @@ class KVAdmissionController:
         #: Prefix blocks of which a copy was let go while another was held (see ``peak.py``).
         self._tainted: set[Hashable] = set()
         #: The newcomer's clock and the forecast of outputs (see ``outlook.py``).
-        self._outlook = Outlook(preemption_budget=preemption_budget, start_clock=start_clock)
+        self._outlook = Outlook(
+            preemption_budget=preemption_budget,
+            start_clock=start_clock,
+            start_quantile=forecast_quantile,
+        )
 
         self._lock = threading.Lock()
         self._ids = itertools.count(1)

@@ -8,17 +8,21 @@ latency, not in failed requests; the operator says how much of that it accepts, 
 per 1,000 requests. The forecast's quantile moves along :data:`LADDER`: a step up (more of the
 tail counted) when the engine's preemptions (``vllm:num_preemptions_total``) over the recent
 requests run over the budget, and a step down only after a whole window of requests stayed
-under it. Past the ladder's top the forecast is off and the exact rule counts caps. SGLang's
+well within it. Past the ladder's top the forecast is off and the exact rule counts caps. SGLang's
 scheduler moves its ``new_token_ratio`` the same way on its own retractions.
 
 A holder that outlives its forecast is counted again one step further up the ladder (its
 *level*), and past the top at its cap.
 
->>> budget = PreemptionBudget(per_1000=5, start=0.9)
+>>> budget = PreemptionBudget(per_1000=20, start=0.9)
+>>> budget.window, budget.allowed       # 4 preemptions in any 200 requests
+(200, 4.0)
 >>> budget.quantile, budget.observe(preemptions=0, finished=0)
 (0.9, None)
->>> budget.observe(preemptions=1, finished=40)    # 25 per 1,000: over the budget
-'preemptions 25.0 per 1,000 requests over a budget of 5: forecast quantile 0.9 -> 0.95'
+>>> budget.observe(preemptions=4, finished=40) is None    # 4 in 40 requests: within
+True
+>>> print(budget.observe(preemptions=5, finished=60))
+5 preemptions in the last 200 requests, over a budget of 20 per 1,000: forecast quantile 0.9 -> 0.95
 >>> budget.level_quantile(1), budget.level_quantile(9) is None
 (0.98, True)
 """
@@ -36,8 +40,12 @@ LADDER = (0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995)
 #: Where the forecast starts: three holders in four end before they are counted to (traffic
 #: whose tail runs to its caps gets no forecast at 0.9: its quantile lies past the caps).
 DEFAULT_START_QUANTILE = 0.75
-#: The fewest requests a window of the rate spans, whatever the budget.
-_MIN_WINDOW = 50
+#: The fewest requests a window spans, whatever the budget: over fewer, one preemption more or
+#: less swings the rate past any budget (measured: a window of 50 at a budget of 20 went from
+#: within to twice over on two preemptions, and the forecast lost what it had gained).
+_MIN_WINDOW = 200
+#: The fewest preemptions a window allows, whatever the budget.
+_MIN_ALLOWED = 4
 #: Samples kept of (requests finished, preemptions): enough to span any window.
 _SAMPLES = 4096
 
@@ -45,8 +53,13 @@ _SAMPLES = 4096
 class PreemptionBudget:
     """The forecast's quantile, held to ``per_1000`` preemptions per 1,000 requests.
 
-    ``observe`` is given the engine's preemption counter and the requests finished so far
-    (both cumulative); it returns a line saying what changed, or None.
+    The budget is counted over a window of requests: ``allowed`` preemptions in any ``window``
+    requests finished in a row (at least ``_MIN_WINDOW`` requests and ``_MIN_ALLOWED``
+    preemptions, so that one preemption does not swing it). ``observe`` is given the engine's
+    preemption counter and the requests finished so far (both cumulative); a scrape that shows
+    new preemptions, more than allowed in the last window, moves the quantile one step up; a
+    whole window with at most half the allowance moves it one step down. It returns a line
+    saying what changed, or None.
     """
 
     def __init__(self, *, per_1000: float, start: float = DEFAULT_START_QUANTILE) -> None:
@@ -55,8 +68,9 @@ class PreemptionBudget:
         if start not in LADDER:
             raise ValueError(f"the start quantile must be one of {LADDER}, got {start}")
         self.per_1000 = per_1000
-        #: Requests a rate is measured over: enough that one preemption in them is the budget.
-        self.window = max(_MIN_WINDOW, math.ceil(1000 / per_1000))
+        #: Requests the budget is counted over, and the preemptions it allows in them.
+        self.window = max(_MIN_WINDOW, math.ceil(1000 * _MIN_ALLOWED / per_1000))
+        self.allowed = per_1000 * self.window / 1000
         self._index: int | None = LADDER.index(start)
         self._samples: deque[tuple[int, float]] = deque(maxlen=_SAMPLES)
         self._changed_at = 0
@@ -75,20 +89,24 @@ class PreemptionBudget:
             return None
         return LADDER[self._index + level]
 
-    def rate(self) -> float | None:
-        """Preemptions per 1,000 requests over the last window (less at first); None before
-        any request finished."""
-        if not self._samples:
-            return None
+    def _in_window(self) -> tuple[float, int]:
+        """(preemptions, requests finished) over the last window (since the first reading
+        while there has not been a whole one)."""
         finished, preemptions = self._samples[-1]
         base_finished, base_preemptions = self._samples[0]
         for sample in reversed(self._samples):
             if finished - sample[0] >= self.window:
                 base_finished, base_preemptions = sample
                 break
-        if finished - base_finished <= 0:
-            return None if finished <= 0 else 1000 * preemptions / finished
-        return 1000 * (preemptions - base_preemptions) / (finished - base_finished)
+        return preemptions - base_preemptions, finished - base_finished
+
+    def rate(self) -> float | None:
+        """Preemptions per 1,000 requests over the last window; None before any request
+        finished."""
+        if not self._samples:
+            return None
+        preempted, finished = self._in_window()
+        return 1000 * preempted / finished if finished > 0 else None
 
     def observe(self, *, preemptions: float, finished: int) -> str | None:
         """A scrape of the engine's counter with the requests finished so far."""
@@ -96,24 +114,22 @@ class PreemptionBudget:
         if previous is not None and (preemptions < previous[1] or finished < previous[0]):
             self._samples.clear()  # the engine restarted: its counter began again
             previous = None
+        self._samples.append((finished, preemptions))
         if previous is None:
             # The first reading: what the engine counted before is no measure of ours, and a
-            # window under the budget is counted from here.
-            self._samples.append((finished, preemptions))
+            # window within the budget is counted from here.
             self._changed_at = finished
             return None
-        self._samples.append((finished, preemptions))
-        new = previous is not None and preemptions > previous[1]
-        rate = self.rate()
+        preempted, _ = self._in_window()
         before = self.quantile
-        if new and rate is not None and rate > self.per_1000 and self._index is not None:
+        if preemptions > previous[1] and preempted > self.allowed and self._index is not None:
             self._index = self._index + 1 if self._index + 1 < len(LADDER) else None
             self.tightened += 1
             side = "over"
         elif (
-            not new
+            preemptions == previous[1]
             and finished - self._changed_at >= self.window
-            and (rate is None or rate <= self.per_1000)
+            and preempted <= self.allowed / 2
             and self._index != 0
         ):
             self._index = len(LADDER) - 1 if self._index is None else self._index - 1
@@ -122,10 +138,10 @@ class PreemptionBudget:
         else:
             return None
         self._changed_at = finished
-        shown = "none" if rate is None else f"{rate:.1f}"
         return (
-            f"preemptions {shown} per 1,000 requests {side} a budget of {self.per_1000:g}: "
-            f"forecast quantile {_show(before)} -> {_show(self.quantile)}"
+            f"{preempted:.0f} preemptions in the last {self.window} requests, {side} a budget of "
+            f"{self.per_1000:g} per 1,000: forecast quantile {_show(before)} -> "
+            f"{_show(self.quantile)}"
         )
 
 

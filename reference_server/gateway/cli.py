@@ -15,6 +15,7 @@ from kvclient.cli_options import TOKENIZER_HELP, HelpFormatter, add_log_level, s
 
 from ..admission.holders import DEFAULT_RELAY_LAG
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION, RULES
+from ..admission.preemption import DEFAULT_START_QUANTILE, LADDER
 from ..http.serving import configure, load_tokenizer, serve, serve_workers
 from .config import (
     DEFAULT_DECODE_RATE,
@@ -95,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         "exact rule (default: "
         f"{DEFAULT_PREEMPTION_BUDGET:g} for an engine whose overflow preempts and recomputes, "
         "vLLM's and SGLang's; 0, always, for one whose overflow fails requests)",
+    )  # fmt: skip
+    add(
+        "--forecast-quantile", type=float, default=DEFAULT_START_QUANTILE, metavar="Q",
+        help="the quantile of a holder's remaining output the forecast starts at, before the "
+        f"preemption budget moves it ({', '.join(f'{q:g}' for q in LADDER)}; default: "
+        "%(default)s)",
     )  # fmt: skip
     add(
         "--max-queue-wait", type=float, default=DEFAULT_MAX_QUEUE_WAIT, metavar="S",
@@ -219,6 +226,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         kv_tokens=tuple(args.kv_tokens),
         max_running=tuple(args.max_running),
         preemption_budget=tuple(args.preemption_budget),
+        forecast_quantile=args.forecast_quantile,
         admission_rule=args.admission_rule,
         context_window=args.context_window,
         safety_fraction=args.safety_fraction,

@@ -13,6 +13,7 @@ from kvclient import TokenCounter
 from ..admission.fairness import FairPolicy
 from ..admission.holders import DEFAULT_RELAY_LAG
 from ..admission.ledger import RULES, Rule
+from ..admission.preemption import DEFAULT_START_QUANTILE, LADDER
 from ..http.generation import DEFAULT_SEND_TIMEOUT
 from ..http.requests import DEFAULT_MAX_BODY_BYTES
 from ..shared_ledger.scripts import DEFAULT_LEASE_SECONDS
@@ -132,6 +133,9 @@ class GatewayConfig:
     #: upstream ``i`` (``--preemption-budget``); 0: the exact rule; None:
     #: ``DEFAULT_PREEMPTION_BUDGET`` for an engine that preempts, 0 for one that fails requests.
     preemption_budget: tuple[float | None, ...] = ()
+    #: The quantile of a holder's remaining output the forecast starts at
+    #: (``--forecast-quantile``), one of :data:`~..admission.preemption.LADDER`.
+    forecast_quantile: float = DEFAULT_START_QUANTILE
     #: Fair shares of each upstream's budget between tenants (``--tenants FILE``): None, one
     #: FIFO queue for everyone.
     fairness: FairPolicy | None = None
@@ -162,6 +166,9 @@ class GatewayConfig:
         for budget in self.preemption_budget:
             if budget is not None and not (budget >= 0 and math.isfinite(budget)):
                 raise ValueError(f"--preemption-budget must be a finite number >= 0, got {budget}")
+        if self.forecast_quantile not in LADDER:
+            choices = ", ".join(f"{q:g}" for q in LADDER)
+            raise ValueError(f"--forecast-quantile must be one of {choices}")
         if self.admission_rule not in RULES:
             raise ValueError(f"--admission-rule must be one of {', '.join(RULES)}")
         if self.context_window is not None and self.context_window < 1:

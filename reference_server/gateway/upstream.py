@@ -415,6 +415,7 @@ class Upstream:
                 release_margin=0.05,
                 rule=self.config.admission_rule,
                 preemption_budget=self._preemption_budget(budget),
+                forecast_quantile=self.config.forecast_quantile,
                 start_clock=engine in PROGRESS_ENGINES,
             )
         except ValueError as exc:

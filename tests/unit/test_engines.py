@@ -317,6 +317,22 @@ def test_vllm_budget_from_cache_config_info() -> None:
     assert (budget.kv_tokens, budget.block_size, budget.engine) == (27709 * 16, 16, "vllm")
 
 
+def test_a_pool_counted_in_blocks_says_what_the_engine_keeps_and_that_it_preempts() -> None:
+    vllm = drive_budget({"GET /metrics": Answer(200, VLLM_METRICS)})
+    assert (vllm.kept_blocks, vllm.preempts) == (1, True)
+    assert vllm.exact_pool == (27709 - 1) * 16
+    ours = drive_budget(
+        {"GET /metrics": Answer(200, "kv_physical_capacity_tokens 4096\nkv_engine_preempts 1\n")}
+    )
+    assert (ours.kept_blocks, ours.preempts, ours.exact_pool) == (0, True, 4096)
+    failing = drive_budget(
+        {"GET /metrics": Answer(200, "kv_physical_capacity_tokens 4096\nkv_engine_preempts 0\n")}
+    )
+    assert not failing.preempts
+    tgi = drive_budget({"GET /metrics": Answer(200, TGI_METRICS)})
+    assert (tgi.kept_blocks, tgi.exact_pool, tgi.preempts) == (None, None, False)
+
+
 def test_tgi_budget_from_batch_max_total_tokens() -> None:
     budget = drive_budget({"GET /metrics": Answer(200, TGI_METRICS)})
     assert (budget.kv_tokens, budget.engine) == (163840, "tgi")
@@ -529,3 +545,13 @@ def test_a_metric_name_belongs_to_one_engine() -> None:
         for name in _names(row):
             owners.setdefault(name, set()).add(row.engine)
     assert all(len(engines) == 1 for engines in owners.values()), owners
+
+
+def test_our_servers_preemptions_and_waiting_line_are_read_as_vllms_are() -> None:
+    from kvclient.engines.metrics import lockstep_from_metrics
+
+    text = "kv_engine_requests_waiting 2\nkv_engine_preemptions_total 7\n"
+    assert lockstep_from_metrics(text) == lockstep_from_metrics(
+        'vllm:num_requests_waiting{engine="0"} 2\nvllm:num_preemptions_total{engine="0"} 7\n'
+    )
+    assert lockstep_from_metrics(text).preemptions == 7

@@ -91,12 +91,13 @@ def test_only_the_most_recent_outputs_are_kept() -> None:
 
 def test_preemptions_over_the_budget_tighten_the_quantile_until_the_forecast_is_off() -> None:
     budget = PreemptionBudget(per_1000=10, start=0.9)
-    assert budget.window == 100
+    assert (budget.window, budget.allowed) == (400, 4.0)  # 4 preemptions in any 400 requests
     budget.observe(preemptions=0, finished=0)
+    assert budget.observe(preemptions=4, finished=10) is None  # within: 4 allowed
     seen = []
-    for i in range(1, 10):
-        said = budget.observe(preemptions=i, finished=10 * i)  # 100 per 1,000
-        assert (said is not None and "over a budget of 10" in said) == (i <= 5)
+    for i in range(5, 14):
+        said = budget.observe(preemptions=i, finished=2 * i)
+        assert (said is not None and "over a budget of 10" in said) == (i <= 9)
         seen.append(budget.quantile)
     assert seen == [0.95, 0.98, 0.99, 0.995, None, None, None, None, None]
     assert budget.quantile is None
@@ -104,19 +105,32 @@ def test_preemptions_over_the_budget_tighten_the_quantile_until_the_forecast_is_
     assert budget.tightened == 5  # nothing past off
 
 
-def test_the_quantile_loosens_only_after_a_whole_window_under_the_budget() -> None:
-    budget = PreemptionBudget(per_1000=10, start=0.9)
+def test_one_preemption_more_or_less_does_not_swing_the_quantile() -> None:
+    # A budget of 20: a window of 200 requests, 4 preemptions allowed in it. Three preemptions
+    # in the first 50 requests are 60 per 1,000 of those, but within the window's allowance.
+    budget = PreemptionBudget(per_1000=20)
     budget.observe(preemptions=0, finished=0)
-    budget.observe(preemptions=1, finished=10)  # tightened to 0.95 at 10 requests
+    for finished, preemptions in ((10, 1), (30, 2), (50, 3)):
+        assert budget.observe(preemptions=preemptions, finished=finished) is None
+    assert budget.quantile == 0.75
+    assert budget.rate() == 60.0
+
+
+def test_the_quantile_loosens_only_after_a_whole_window_well_within_the_budget() -> None:
+    budget = PreemptionBudget(per_1000=20, start=0.9)
+    budget.observe(preemptions=0, finished=0)
+    assert budget.observe(preemptions=5, finished=10) is not None  # 5 > 4: tightened at 10
     assert budget.quantile == 0.95
-    for finished in range(20, 110, 10):
-        assert budget.observe(preemptions=1, finished=finished) is None  # within 100 of it
-    said = budget.observe(preemptions=1, finished=110)
+    for finished in range(20, 210, 10):
+        assert budget.observe(preemptions=5, finished=finished) is None  # within 200 of it
+    said = budget.observe(preemptions=5, finished=210)  # none in the last 200
     assert said is not None
-    assert "within a budget of 10" in said
+    assert "within a budget of 20" in said
     assert budget.quantile == 0.9
-    # A preemption within the budget (1 in the last 100) does not tighten it.
-    assert budget.observe(preemptions=2, finished=1500) is None
+    # Three in the next 200: within the allowance (4) but not well within it (2): it stays.
+    for finished, preemptions in ((300, 6), (350, 7), (400, 8)):
+        assert budget.observe(preemptions=preemptions, finished=finished) is None
+    assert budget.observe(preemptions=8, finished=420) is None
     assert budget.quantile == 0.9
 
 
