@@ -137,30 +137,31 @@ class EngineWatch:
 
 
 def label(name: str) -> str:
+    if "+" in name:
+        parts = [label(part).removeprefix("through kvclient gateway ") for part in name.split("+")]
+        return "through kvclient gateway " + " ".join(parts)
     kind, _, value = name.partition("@")
     if kind == "direct" and value:
         return f"direct to vLLM, at most {value} at once (the client waits)"
-    if kind == "lag":
-        return f"through kvclient gateway --relay-lag {value}"
-    if kind == "budget":
-        return f"through kvclient gateway --preemption-budget {value}"
-    if kind == "start":
-        return f"through kvclient gateway --forecast-quantile {value}"
+    option = {"lag": "--relay-lag", "budget": "--preemption-budget", "start": "--forecast-quantile"}
+    if kind in option:
+        return f"through kvclient gateway {option[kind]} {value}"
     return LABELS[name]
 
 
 def gateway_args(name: str, engine: vllm_engine.VllmServer) -> list[str]:
-    """The ``kvclient gateway`` options of run ``name``."""
+    """The ``kvclient gateway`` options of run ``name`` (several joined by ``+``)."""
     args = ["--max-running", str(engine.max_num_seqs)]
-    kind, _, value = name.partition("@")
-    args += {
-        "caps": ["--admission-rule", "caps"],
-        "exact": ["--preemption-budget", "0"],
-        "no-queue": ["--max-queue-wait", "0"],
-        "lag": ["--relay-lag", value],
-        "budget": ["--preemption-budget", value],
-        "start": ["--forecast-quantile", value],
-    }.get(kind, [])
+    for part in name.split("+"):
+        kind, _, value = part.partition("@")
+        args += {
+            "caps": ["--admission-rule", "caps"],
+            "exact": ["--preemption-budget", "0"],
+            "no-queue": ["--max-queue-wait", "0"],
+            "lag": ["--relay-lag", value],
+            "budget": ["--preemption-budget", value],
+            "start": ["--forecast-quantile", value],
+        }.get(kind, [])
     return args
 
 
@@ -310,7 +311,7 @@ def main() -> None:
     parser.add_argument(
         "--runs", default="direct,direct@4,gateway,exact,caps",
         help="comma-separated: direct, direct@N (at most N at once), gateway, exact, caps, "
-        "no-queue, lag@S, budget@N, start@Q",
+        "no-queue, lag@S, budget@N, start@Q; options joined by + (start@0.5+lag@0.05)",
     )  # fmt: skip
     parser.add_argument(
         "--mix", choices=("caps", "prefix", "realistic"), default="caps",
