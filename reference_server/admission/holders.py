@@ -22,6 +22,7 @@ __all__ = [
     "freshest",
     "lag_tokens",
     "lender_in_prefill",
+    "slow_write",
     "stalled",
     "start_deadline",
     "tainted_after",
@@ -41,11 +42,23 @@ OWN_RATE_SPAN = 0.5
 #: split over steps by the engine's token budget, the engine's API process): a model of the
 #: real vLLM's burst shows no loss against a start known exactly with this slack.
 START_SLACK_STEPS = 8
+#: Seconds a write of an answer may wait on its client, at the least, before its holder is
+#: taken for a slow reader (see :func:`slow_write`).
+SLOW_WRITE_FLOOR = 0.005
 
 
 def freshest(live: Iterable[Handle], now: float) -> float:
     """When the freshest count of any holder followed was read (``now`` when none is)."""
     return max((h.seen_at for h in live if h.tracked and h.generated is not None), default=now)
+
+
+def _lag_rate(handle: Handle, decode_rate: float) -> float:
+    """The faster of the engine's measured speed alone and ``handle``'s own observed speed over
+    at least ``OWN_RATE_SPAN``."""
+    span = handle.seen_at - handle.first_seen_at
+    if span >= OWN_RATE_SPAN and handle.generated:
+        return max(decode_rate, (handle.generated - 1) / span)
+    return decode_rate
 
 
 def lag_tokens(handle: Handle, fresh: float, *, decode_rate: float, relay_lag: float) -> int:
@@ -59,20 +72,38 @@ def lag_tokens(handle: Handle, fresh: float, *, decode_rate: float, relay_lag: f
     and its peak covers it (a newcomer counts whole until its own first count). A stall of the
     server's own loop, or of the engine's API process, delays every count alike; what differs
     between two holders is what the margin covers."""
-    rate = decode_rate
-    span = handle.seen_at - handle.first_seen_at
-    if span >= OWN_RATE_SPAN and handle.generated:
-        rate = max(rate, (handle.generated - 1) / span)
+    rate = _lag_rate(handle, decode_rate)
     return math.ceil(LAG_RATE_FACTOR * rate * (max(0.0, fresh - handle.seen_at) + relay_lag))
 
 
-def as_holder(handle: Handle, fresh: float, *, decode_rate: float, relay_lag: float) -> Holder:
+def slow_write(waited: float, relay_lag: float) -> bool:
+    """Whether a write that waited ``waited`` seconds on its client makes a slow reader of its
+    holder: while the relay waits it reads nothing of the engine's stream, which the engine
+    goes on filling (vLLM keeps generating into its own buffers), so the counts read after a
+    long wait can lag the engine by more than the relay's margin. A wait within half the
+    margin (at least ``SLOW_WRITE_FLOOR``) leaves the count as fresh as the margin allows."""
+    return waited > max(SLOW_WRITE_FLOOR, relay_lag / 2)
+
+
+def as_holder(
+    handle: Handle,
+    fresh: float,
+    *,
+    decode_rate: float,
+    relay_lag: float,
+    now: float | None = None,
+) -> Holder:
     """How the peak sees ``handle`` as of the freshest count read (``fresh``), counted to its
     ``counted_output`` (its cap, or its forecast): flat (its whole size) until its first relayed
     token or when its progress is not followed; its trajectory once it has one; and, admitted
     on the engine's clock (``start_by``) with no token yet, as if it had started at admission:
     no more made than the steps since could make, and ended no later than its output after
-    every step until its first token is due (see :func:`clock_steps`)."""
+    every step until its first token is due (see :func:`clock_steps`).
+
+    A slow reader (``slowed_at``: a write of its answer waited on its client) is counted to
+    its cap, as advancing at the engine's speed (twice the faster of the engine's measured
+    speed and its own, as the relay's margin) from the count read before that wait, up to
+    ``now``, whatever it has relayed since: the engine does not wait for its client."""
     if not handle.tracked:
         return Holder.flat(handle.reserved_tokens, handle.prefix, handle.borrowed)
     prompt, total, generated = handle.prompt_tokens, handle.counted_output, handle.generated
@@ -88,8 +119,15 @@ def as_holder(handle: Handle, fresh: float, *, decode_rate: float, relay_lag: fl
             borrowed=handle.borrowed,
         )
     lag = lag_tokens(handle, fresh, decode_rate=decode_rate, relay_lag=relay_lag)
+    made = generated + lag
+    if handle.slowed_at is not None:
+        total = handle.output_cap
+        latest = fresh if now is None else max(fresh, now)
+        since = max(0.0, latest - handle.slowed_at) + relay_lag
+        rate = _lag_rate(handle, decode_rate)
+        made = max(made, handle.slowed_from + math.ceil(LAG_RATE_FACTOR * rate * since))
     return Holder(
-        held=prompt + min(total, generated + lag),
+        held=prompt + min(total, made),
         most=prompt + total,
         # Through the step that makes its last token, at its whole size: it frees after.
         steps_left=max(0, total - generated) + 1,
@@ -150,11 +188,20 @@ def tainted_after(gone: Handle, live: Collection[Handle], tainted: set[Hashable]
 
 def stalled(live: Iterable[Handle], now: float, seconds: float) -> list[Handle]:
     """Tracked holders with tokens still to make whose count has not moved for ``seconds``
-    while another's did: the engine is not running them in lockstep."""
+    while another's did: the engine is not running them in lockstep. A holder whose relay
+    waits on its client, or has (a slow reader), is not one: its count stands still because
+    nobody reads it, and it is counted as advancing at the engine's speed instead."""
     moving = [h for h in live if h.generated is not None]
     if not any(now - h.seen_at < seconds for h in moving):
         return []
-    return [h for h in moving if now - h.seen_at >= seconds and (h.generated or 0) < h.output_cap]
+    return [
+        h
+        for h in moving
+        if now - h.seen_at >= seconds
+        and (h.generated or 0) < h.output_cap
+        and h.writing_since is None
+        and h.slowed_at is None
+    ]
 
 
 class RuleInForce:

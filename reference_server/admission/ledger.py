@@ -50,6 +50,7 @@ from .holders import (
     borrowable,
     freshest,
     lender_in_prefill,
+    slow_write,
     stalled,
     tainted_after,
 )
@@ -341,8 +342,29 @@ class KVAdmissionController:
         with self._lock:
             return stalled(self._live.values(), now, seconds)
 
-    def _holder(self, handle: Handle, fresh: float) -> Holder:
-        return as_holder(handle, fresh, decode_rate=self.decode_rate, relay_lag=self.relay_lag)
+    def writing(self, handle: Handle, now: float) -> None:
+        """A write of ``handle``'s answer to its client begins ``now``."""
+        with self._lock:
+            handle.writing_since = now
+
+    def written(self, handle: Handle, now: float) -> None:
+        """The write that began at :meth:`writing` is done ``now``: one that waited long on its
+        client makes ``handle`` a slow reader, counted as advancing at the engine's speed from
+        its count before the wait (see :func:`.holders.as_holder`)."""
+        with self._lock:
+            since, handle.writing_since = handle.writing_since, None
+            if (
+                since is not None
+                and handle.slowed_at is None
+                and handle.generated is not None
+                and slow_write(now - since, self.relay_lag)
+            ):
+                handle.slowed_at, handle.slowed_from = handle.seen_at, handle.generated
+
+    def _holder(self, handle: Handle, fresh: float, now: float | None = None) -> Holder:
+        return as_holder(
+            handle, fresh, decode_rate=self.decode_rate, relay_lag=self.relay_lag, now=now
+        )
 
     def _committed(
         self, now: float, extra: Holder | None = None, without: Handle | None = None
@@ -355,7 +377,7 @@ class KVAdmissionController:
             return self._reserved - gone + (extra.most if extra is not None else 0)
         self._outlook.expire(self._live.values(), now)
         fresh = freshest(self._live.values(), now)
-        holders = [self._holder(h, fresh) for h in self._live.values() if h is not without]
+        holders = [self._holder(h, fresh, now) for h in self._live.values() if h is not without]
         if extra is not None:
             holders.append(extra)
         if not holders:
@@ -381,7 +403,7 @@ class KVAdmissionController:
         if not self._peak_in_force():
             return False
         fresh = freshest(live, now)
-        return self._committed(now, self._holder(newcomer, fresh)) <= self.usable_tokens
+        return self._committed(now, self._holder(newcomer, fresh, now)) <= self.usable_tokens
 
     def try_admit(
         self,
@@ -540,7 +562,7 @@ class KVAdmissionController:
             if self._peak_in_force():
                 fresh = freshest(self._live.values(), now)
                 when = earliest_peak_fit(
-                    need, now, live, lambda h: self._holder(h, fresh),
+                    need, now, live, lambda h: self._holder(h, fresh, now),
                     usable=self.usable_tokens, block_size=self.block_size, tainted=self._tainted,
                     max_concurrency=self.max_concurrency,
                 )  # fmt: skip
@@ -626,5 +648,6 @@ class KVAdmissionController:
                 rule="peak" if self._peak_in_force() else "caps",
                 caps_reason=self._in_force.reason,
                 committed_tokens=self._committed(self._decoding.at or 0.0),
+                slow_readers=sum(1 for h in self._live.values() if h.slowed_at is not None),
                 **self._outlook.figures(peak=self._peak_in_force()),
             )

@@ -44,10 +44,15 @@ class Handle:
     its output cap when decoding at the engine's rate then. Retry-After estimates follow the
     engine's progress instead: ``progress_at_admit`` is the ledger's decode progress (tokens one
     sequence has generated since the ledger began) when it was admitted.
-    ``writing_since`` is set by the server while a write of the answer waits on the client (the
-    ledger's clock), None otherwise: one waiting longer than the release margin is a client
-    that stopped reading, and the holder ends only when the server cuts it. ``sequences`` is how
-    many sequences the request runs at once in the engine (``n``), each in a place of its own.
+    ``writing_since`` is when a write of the answer began waiting on the client (the ledger's
+    clock), None when none is under way: one waiting longer than the release margin is a client
+    that stopped reading, and the holder ends only when the server cuts it. ``slowed_at`` and
+    ``slowed_from``: once a write waited long enough that its relayed count may lag the engine
+    by more than the relay's margin (a slow reader), the count read before that wait and when;
+    from then on it is counted as advancing at the engine's speed from there. Both are set
+    through the ledger (:meth:`KVAdmissionController.writing`, ``written``), under its lock.
+    ``sequences`` is how many sequences the request runs at once in the engine (``n``), each in
+    a place of its own.
 
     For the ``peak`` rule (see :mod:`.peak`): ``tracked`` says the server relays the request's
     progress exactly (one sequence, its tokens counted from the engine's own stream);
@@ -83,6 +88,8 @@ class Handle:
         "reserved_tokens",
         "seen_at",
         "sequences",
+        "slowed_at",
+        "slowed_from",
         "start_by",
         "tracked",
         "writing_since",
@@ -110,6 +117,8 @@ class Handle:
         self.sequences = sequences
         self.released = False
         self.writing_since: float | None = None
+        self.slowed_at: float | None = None
+        self.slowed_from = 0
         self.tracked = False
         self.generated: int | None = None
         self.first_seen_at = 0.0
@@ -164,6 +173,9 @@ class LedgerStats:
     #: one's first token came later than its bound (then counted whole, and newcomers too).
     start_clock: bool = False
     late_starts: int = 0
+    #: Holders whose relay waited on a client that reads slowly: counted as advancing at the
+    #: engine's speed to their caps, not taken for an engine out of lockstep.
+    slow_readers: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

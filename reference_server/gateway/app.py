@@ -145,6 +145,7 @@ async def _health(request: Request) -> Response:
                 ),
                 "start_clock": stats.start_clock if stats else None,
                 "late_starts": stats.late_starts if stats else None,
+                "slow_readers": stats.slow_readers if stats else None,
                 "problem": u.discovery_error,
             }
         )

@@ -169,6 +169,8 @@ class GatewayCollector:
             "kv_upstream_start_clock": [
                 1 if s is not None and s.start_clock else 0 for _, s in rows
             ],
+            # Holders whose client reads slowly: counted as advancing at the engine's speed.
+            "kv_upstream_slow_readers": [s.slow_readers if s else 0 for _, s in rows],
         }
         counters: dict[str, list[float]] = {
             "kv_upstream_admitted": [s.admitted_total if s else 0 for _, s in rows],

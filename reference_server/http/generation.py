@@ -170,9 +170,10 @@ async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
 
 class _StallWatch:
     """Ends the request when a write of its answer waits longer than ``timeout`` for the client
-    to read. The writes only note when they begin and end (on the handle too: the ledger's
-    Retry-After counts a stalled holder as ending when it is cut); one task per request checks,
-    a quarter of the timeout apart."""
+    to read. The writes only note when they begin and end (in the ledger too: its Retry-After
+    counts a stalled holder as ending when it is cut, and the peak rule counts a slow reader as
+    advancing at the engine's speed); one task per request checks, a quarter of the timeout
+    apart."""
 
     def __init__(
         self, scope: anyio.CancelScope, timeout: float, on_cut: Callable[[], None]
@@ -183,13 +184,17 @@ class _StallWatch:
         self._since: float | None = None
         self.cut = False
 
-    def watching(self, send: Send, handle: Handle) -> Send:
+    def watching(self, send: Send, queue: AdmissionQueue, handle: Handle) -> Send:
+        ledger = queue.ledger
+
         async def watched(message: Message) -> None:
-            handle.writing_since = self._since = time.monotonic()
+            self._since = time.monotonic()
+            ledger.writing(handle, queue.now())
             try:
                 await send(message)
             finally:
-                handle.writing_since = self._since = None
+                self._since = None
+                ledger.written(handle, queue.now())
 
         return watched
 
@@ -282,7 +287,7 @@ class GenerationEndpoint:
                 await ledger_away(away)(scope, receive, send)
                 return
             try:
-                if await backend.run(target, handle, plan, stall.watching(send, handle)):
+                if await backend.run(target, handle, plan, stall.watching(send, queue, handle)):
                     return
             finally:
                 await queue.release(handle)

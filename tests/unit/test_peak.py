@@ -458,3 +458,46 @@ def test_a_freed_copy_of_a_duplicated_block_costs_its_borrower_a_copy() -> None:
     later = ledger.try_admit(65, 10, now=0.4, prefix=prefix)
     assert later is not None
     assert ledger.stats().committed_tokens == 5 * 16  # nobody holds it: forgotten
+
+
+# --- a slow reader -----------------------------------------------------------------------------
+
+
+def _slow_reader_ledger() -> tuple[KVAdmissionController, Handle, Handle]:
+    """Two followed holders of 100 + 400 in 1,000 tokens (blocks of 1), both at 100 tokens at
+    1 s; ``b``'s next write waits 2 s on its client."""
+    ledger, a, b = _two_holders((100, 100), 1.0, relay_lag=0.05)
+    ledger.writing(b, 1.0)
+    for t in range(1, 201):  # a's stream goes on, one token a step
+        ledger.progress(a, 100 + t, 1.0 + t * 0.01)
+    ledger.written(b, 3.0)
+    return ledger, a, b
+
+
+def test_a_slow_reader_is_not_a_stalled_engine() -> None:
+    ledger, a, b = _slow_reader_ledger()
+    ledger.writing(b, 3.0)  # and waits again
+    assert ledger.stalled(3.0, seconds=0.5) == []  # b's count stood still: nobody read it
+    assert ledger.stats().slow_readers == 1
+    assert a.seen_at == 3.0  # while a's count moved
+
+
+def test_a_slow_reader_is_counted_as_advancing_at_the_engines_speed() -> None:
+    """Its relay read nothing for 2 s: the engine, which does not wait for the client, made up
+    to 200 more of b's tokens. The count it relays next (the engine's buffered past) is no
+    measure of where it is: counted from its count before the wait at the engine's speed, b
+    holds its whole 500 (100 + 200 at twice 100 tokens/s, past its cap), and a newcomer that
+    fits beside b's stale count does not."""
+    ledger, _, b = _slow_reader_ledger()
+    ledger.progress(b, 120, 3.0)  # stale: made long ago, read only now
+    # Believed, b would hold 100 + 120 + a margin of 10 and end in 281 steps; a ends in 100.
+    assert ledger.try_admit(100, 100, now=3.0) is None
+    stats = ledger.stats()
+    assert stats.committed_tokens == 500 + 500
+
+
+def test_a_write_that_waits_within_the_margin_is_no_slow_reader() -> None:
+    ledger, _, b = _two_holders((100, 100), 1.0, relay_lag=0.25)
+    ledger.writing(b, 1.0)
+    ledger.written(b, 1.1)  # under half the relay's lag
+    assert ledger.stats().slow_readers == 0
