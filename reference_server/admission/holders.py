@@ -21,7 +21,6 @@ __all__ = [
     "clock_steps",
     "freshest",
     "lag_tokens",
-    "lender_in_prefill",
     "slow_write",
     "stalled",
     "start_deadline",
@@ -166,24 +165,33 @@ def borrowable(prefix: tuple[Hashable, ...], live: Iterable[Handle]) -> int:
     return borrowed
 
 
-def lender_in_prefill(prefix: tuple[Hashable, ...], live: Iterable[Handle]) -> bool:
-    """Whether a holder with the same first block has not had its first token yet: sent now, the
-    newcomer would compute a copy of its own beside the holder's."""
-    first = prefix[0]
-    return any(h.generated is None and h.prefix and h.prefix[0] == first for h in live)
-
-
 def tainted_after(gone: Handle, live: Collection[Handle], tainted: set[Hashable]) -> set[Hashable]:
-    """The tainted blocks once ``gone`` has let its prefix go: a block it computed while another
+    """The tainted blocks once ``gone`` has let its prompt go: a block it computed while another
     holder computed its own copy leaves a freed copy the engine may hand out; blocks no holder
-    has any more are forgotten (see :mod:`.peak`)."""
+    has any more are forgotten (see :mod:`.peak`).
+
+    A holder the ledger knows no prefix keys of (``unkeyed``: several sequences, a prompt with
+    a non-text part, or counted without the engine's token ids) may have computed a copy of
+    any block: every block computed by a holder whose prefill overlapped its own is taken to
+    have had a copy in it, now freed."""
+    out = set(tainted)
+    if gone.unkeyed:
+        end = _prefill_end(gone)
+        for handle in live:
+            if handle.admitted_at <= end and gone.admitted_at <= _prefill_end(handle):
+                out.update(handle.prefix[handle.borrowed :])
     computed = set(gone.prefix[gone.borrowed :])
     held: set[Hashable] = set()
-    out = set(tainted)
     for handle in live:
         held.update(handle.prefix)
         out.update(computed.intersection(handle.prefix[handle.borrowed :]))
     return out & held
+
+
+def _prefill_end(handle: Handle) -> float:
+    """When ``handle``'s prefill ended at the latest: its first token relayed (not yet while it
+    has none, or its progress is not followed)."""
+    return handle.first_seen_at if handle.generated is not None else math.inf
 
 
 def stalled(live: Iterable[Handle], now: float, seconds: float) -> list[Handle]:

@@ -49,7 +49,6 @@ from .holders import (
     as_holder,
     borrowable,
     freshest,
-    lender_in_prefill,
     slow_write,
     stalled,
     tainted_after,
@@ -391,13 +390,10 @@ class KVAdmissionController:
         running = self._running + newcomer.sequences
         if self.max_concurrency is not None and running > self.max_concurrency:
             return False
-        # A newcomer whose prefix a holder is computing waits for that holder's first token,
-        # then borrows its blocks: two copies would be counted twice, and once one of them is
-        # let go the engine may hand the freed one to the next borrower (see ``peak.py``).
+        # A newcomer whose prefix a holder is still computing borrows nothing from it: it is
+        # counted with a copy of its own (see ``peak.py``), and once one of the two copies is
+        # let go the freed one is charged to the next borrower (``tainted``).
         live = self._live.values()
-        prefix = newcomer.prefix
-        if prefix and self._peak_in_force() and lender_in_prefill(prefix, live):
-            return False
         if self._reserved + newcomer.reserved_tokens <= self.usable_tokens:
             return True  # the sum of the caps is never below the peak
         if not self._peak_in_force():
@@ -458,6 +454,12 @@ class KVAdmissionController:
                 if prefix and self._peak_in_force():
                     handle.prefix = prefix
                     handle.borrowed = borrowable(prefix, self._live.values())
+                # Full prompt blocks the ledger has no keys of, where the engine shares them.
+                handle.unkeyed = (
+                    not handle.prefix
+                    and self.shares_prefixes
+                    and prompt_tokens - 1 >= self.block_size
+                )
             if not self._fits(handle, now):
                 if count_rejection:
                     self._rejected_total += 1
@@ -498,7 +500,7 @@ class KVAdmissionController:
                 self._advance(now)
             del self._live[handle.id]
             self._running -= handle.sequences
-            if handle.prefix:
+            if handle.prefix or handle.unkeyed:
                 self._tainted = tainted_after(handle, self._live.values(), self._tainted)
             self._in_force.gone(handle.id)
             self._outlook.gone(handle)

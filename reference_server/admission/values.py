@@ -58,8 +58,10 @@ class Handle:
     progress exactly (one sequence, its tokens counted from the engine's own stream);
     ``generated`` is the tokens relayed so far (None before the first), ``first_seen_at`` and
     ``seen_at`` when the first and the latest count arrived; ``prefix`` the keys of its
-    shareable prompt blocks, the first ``borrowed`` of them computed by another holder. An
-    untracked holder, or one whose first token has not come, counts at its whole reservation.
+    shareable prompt blocks, the first ``borrowed`` of them computed by another holder;
+    ``unkeyed``, where the engine shares prefix blocks, says it holds full prompt blocks the
+    ledger has no keys of (they may be copies of others'). An untracked holder, or one whose
+    first token has not come, counts at its whole reservation.
 
     Beyond the exact rule (see :mod:`.outputs` and :mod:`.preemption`): ``counted_output`` is
     the output it is counted to (its cap, or the forecast of where it ends), ``level`` how many
@@ -92,6 +94,7 @@ class Handle:
         "slowed_from",
         "start_by",
         "tracked",
+        "unkeyed",
         "writing_since",
     )
 
@@ -125,6 +128,7 @@ class Handle:
         self.seen_at = 0.0
         self.prefix: tuple[Hashable, ...] = ()
         self.borrowed = 0
+        self.unkeyed = False
         self.counted_output = output_cap
         self.level = 0
         self.kind: Hashable = None

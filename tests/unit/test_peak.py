@@ -411,18 +411,24 @@ def test_counts_that_are_all_equally_late_need_no_margin() -> None:
     assert ledger.try_admit(100, 100, now=3.0) is None
 
 
-def test_only_a_holder_past_its_prefill_lends_its_prefix_blocks() -> None:
+def _sharing_ledger() -> KVAdmissionController:
     ledger = KVAdmissionController(
-        total_kv_tokens=4000, context_window=4000, decode_rate=100.0, rule="peak", block_size=16
-    )
+        total_kv_tokens=4000, context_window=4000, decode_rate=100.0, rule="peak",
+        block_size=16, safety_fraction=1.0,
+    )  # fmt: skip
+    ledger.shares_prefixes = True
+    return ledger
+
+
+def test_only_a_holder_past_its_prefill_lends_its_prefix_blocks() -> None:
+    ledger = _sharing_ledger()
     prefix = prefix_blocks(list(range(200)), 16)
-    first = ledger.try_admit(200, 100, now=0.0, prefix=prefix)
+    first = ledger.try_admit(200, 100, now=0.0, prefix=prefix, follow=True)
     assert first is not None
-    first.tracked = True
-    # Sent now it would compute a second copy: it waits for the first one's first token.
-    assert ledger.try_admit(200, 100, now=0.0, prefix=prefix) is None
-    other = ledger.try_admit(200, 100, now=0.0, prefix=prefix_blocks(list(range(1, 201)), 16))
-    assert other is not None  # another prefix does not wait
+    # Its prefix is still being computed: the newcomer is sent at once, with a copy of its own.
+    second = ledger.try_admit(200, 100, now=0.0, prefix=prefix, follow=True)
+    assert second is not None
+    assert second.borrowed == 0
     ledger.progress(first, 1, 0.1)
     third = ledger.try_admit(200, 100, now=0.1, prefix=prefix)
     assert third is not None
@@ -430,20 +436,18 @@ def test_only_a_holder_past_its_prefill_lends_its_prefix_blocks() -> None:
 
 
 def test_a_freed_copy_of_a_duplicated_block_costs_its_borrower_a_copy() -> None:
-    """Two holders computed the same prefix at once; one goes (its copy stays cached, freed);
-    a newcomer that borrows from the other may be handed the freed copy: two copies again."""
-    ledger = KVAdmissionController(
-        total_kv_tokens=4000, context_window=4000, decode_rate=100.0, rule="peak",
-        block_size=16, safety_fraction=1.0,
-    )  # fmt: skip
+    """Two holders computed the same prefix at once (the second admitted during the first's
+    prefill); one goes (its copy stays cached, freed); a newcomer that borrows from the other
+    may be handed the freed copy: two copies again."""
+    ledger = _sharing_ledger()
     prefix = prefix_blocks(list(range(65)), 16)  # 4 blocks
-    first = ledger.try_admit(65, 10, now=0.0, prefix=prefix)
-    # A copy of its own: as one admitted while the ledger ran on caps, or sent around it.
-    twin = ledger.try_admit(65, 10, now=0.0)
+    first = ledger.try_admit(65, 10, now=0.0, prefix=prefix, follow=True)
+    twin = ledger.try_admit(65, 10, now=0.0, prefix=prefix, follow=True)
     assert first is not None
     assert twin is not None
-    twin.prefix = prefix
-    first.tracked = twin.tracked = True
+    assert twin.borrowed == 0
+    # 75 tokens each in 5 blocks, the 4 of the prefix counted twice (each computed its own).
+    assert ledger.stats().committed_tokens == 10 * 16
     ledger.progress(first, 1, 0.1)
     ledger.progress(twin, 1, 0.1)
     ledger.release(first, 0.2)
@@ -458,6 +462,44 @@ def test_a_freed_copy_of_a_duplicated_block_costs_its_borrower_a_copy() -> None:
     later = ledger.try_admit(65, 10, now=0.4, prefix=prefix)
     assert later is not None
     assert ledger.stats().committed_tokens == 5 * 16  # nobody holds it: forgotten
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_holder_without_prefix_keys_may_leave_a_freed_copy_too(overlap: bool) -> None:
+    """A holder whose prompt the ledger has no keys of (several sequences, a non-text part,
+    no token ids) computes its blocks in the engine all the same: a keyed holder in prefill at
+    the same time computes a copy of its own, and once the unkeyed one goes its freed copy may
+    be handed to the next borrower. One that started after its first token borrowed from it
+    instead (the engine shares it): nothing is freed."""
+    ledger = _sharing_ledger()
+    prefix = prefix_blocks(list(range(65)), 16)
+    unkeyed = ledger.try_admit(65, 10, now=0.0, follow=True)
+    assert unkeyed is not None
+    assert unkeyed.unkeyed
+    if not overlap:
+        ledger.progress(unkeyed, 1, 0.05)
+    keyed = ledger.try_admit(65, 10, now=0.1, prefix=prefix, follow=True)
+    assert keyed is not None
+    if overlap:
+        ledger.progress(unkeyed, 1, 0.15)
+    ledger.progress(keyed, 1, 0.2)
+    ledger.release(unkeyed, 0.3)
+    borrower = ledger.try_admit(65, 10, now=0.3, prefix=prefix)
+    assert borrower is not None
+    assert borrower.borrowed == 4
+    extra = 4 * 16 if overlap else 0
+    assert ledger.stats().committed_tokens == 80 + 16 + extra
+
+
+def test_a_short_prompt_or_an_engine_that_shares_nothing_is_not_unkeyed() -> None:
+    ledger = _sharing_ledger()
+    short = ledger.try_admit(16, 10, now=0.0)  # no full block before its last token
+    assert short is not None
+    assert not short.unkeyed
+    ledger.shares_prefixes = False
+    alone = ledger.try_admit(65, 10, now=0.0)
+    assert alone is not None
+    assert not alone.unkeyed
 
 
 # --- a slow reader -----------------------------------------------------------------------------
