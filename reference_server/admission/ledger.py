@@ -31,7 +31,6 @@ Under ``reserve`` the budget is checked by one of two rules (``rule``):
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import threading
@@ -41,8 +40,8 @@ from typing import Literal, get_args
 from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
 
 from .advice import STAGGER_ROUNDS, Advice
+from .advising import Advising
 from .decode import Decoding, check_speed
-from .forecast import Drain, earliest_fit, earliest_peak_fit, expected_ends, quantile_above
 from .holders import (
     DEFAULT_RELAY_LAG,
     RuleInForce,
@@ -55,7 +54,7 @@ from .holders import (
 )
 from .outlook import Outlook
 from .peak import Holder, peak, prefix_blocks
-from .values import Handle, Headroom, LedgerEvent, LedgerStats
+from .values import Ask, Handle, Headroom, LedgerEvent, LedgerStats
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
@@ -63,6 +62,7 @@ __all__ = [
     "RULES",
     "STAGGER_ROUNDS",
     "STRATEGIES",
+    "Ask",
     "Handle",
     "Headroom",
     "KVAdmissionController",
@@ -83,7 +83,7 @@ DEFAULT_SAFETY_FRACTION = 0.9
 DEFAULT_MAX_CONCURRENCY = 16
 
 
-class KVAdmissionController:
+class KVAdmissionController(Advising):
     """Thread-safe reservation ledger over a KV pool of ``total_kv_tokens`` tokens.
 
     The usable budget is ``floor(total_kv_tokens x safety_fraction)``; bytes are tokens x
@@ -401,6 +401,37 @@ class KVAdmissionController:
         fresh = freshest(live, now)
         return self._committed(now, self._holder(newcomer, fresh, now)) <= self.usable_tokens
 
+    def _newcomer(self, ask: Ask, now: float) -> Handle:
+        """The handle ``ask`` would be admitted with ``now``, as the rule counts it (lock held)."""
+        rate = self.rate_at(len(self._live) + 1)
+        handle = Handle(
+            id=0,
+            prompt_tokens=ask.prompt_tokens,
+            output_cap=ask.output_cap,
+            reserved_tokens=ask.need,
+            admitted_at=now,
+            due_at=now + ask.output_cap / rate + self.release_margin,
+            progress_at_admit=self._decoding.progress,
+            sequences=ask.sequences,
+        )
+        if self._in_force.tracks_progress:
+            live = self._live.values()
+            self._outlook.expire(live, now)
+            self._outlook.admit(
+                handle, now, kind=ask.kind, follow=ask.follow, step_seconds=1.0 / rate,
+                relay_lag=self.relay_lag,
+            )  # fmt: skip
+            if ask.prefix and self._peak_in_force():
+                handle.prefix = ask.prefix
+                handle.borrowed = borrowable(ask.prefix, live)
+            # Full prompt blocks the ledger has no keys of, where the engine shares them.
+            handle.unkeyed = (
+                not handle.prefix
+                and self.shares_prefixes
+                and ask.prompt_tokens - 1 >= self.block_size
+            )
+        return handle
+
     def try_admit(
         self,
         prompt_tokens: int,
@@ -428,44 +459,19 @@ class KVAdmissionController:
         """
         if need is None:
             need = self.need_tokens(prompt_tokens, output_cap)
+        ask = Ask(
+            prompt_tokens=prompt_tokens, output_cap=output_cap, need=need, prefix=prefix,
+            kind=kind, follow=follow, sequences=sequences,
+        )  # fmt: skip
         with self._lock:
             self._advance(now)
-            rate = self.rate_at(len(self._live) + 1)
-            handle = Handle(
-                id=0,
-                prompt_tokens=prompt_tokens,
-                output_cap=output_cap,
-                reserved_tokens=need,
-                admitted_at=now,
-                due_at=now + output_cap / rate + self.release_margin,
-                progress_at_admit=self._decoding.progress,
-                sequences=sequences,
-            )
-            if self._in_force.tracks_progress:
-                self._outlook.expire(self._live.values(), now)
-                self._outlook.admit(
-                    handle,
-                    now,
-                    kind=kind,
-                    follow=follow,
-                    step_seconds=1.0 / rate,
-                    relay_lag=self.relay_lag,
-                )
-                if prefix and self._peak_in_force():
-                    handle.prefix = prefix
-                    handle.borrowed = borrowable(prefix, self._live.values())
-                # Full prompt blocks the ledger has no keys of, where the engine shares them.
-                handle.unkeyed = (
-                    not handle.prefix
-                    and self.shares_prefixes
-                    and prompt_tokens - 1 >= self.block_size
-                )
+            handle = self._newcomer(ask, now)
             if not self._fits(handle, now):
                 if count_rejection:
                     self._rejected_total += 1
                 return None
             handle.id = next(self._ids)
-            self._running += sequences
+            self._running += handle.sequences
             self._live[handle.id] = handle
             self._advice.keep_promise(need, now, self.release_margin)
             self._reserved += need
@@ -511,108 +517,7 @@ class KVAdmissionController:
                 event = LedgerEvent(kind="release", id=handle.id, tokens=handle.reserved_tokens)
                 self._on_event(event)
 
-    # --- back-pressure -----------------------------------------------------------------------
-
-    def record_output(self, completion_tokens: int) -> None:
-        """Remember how long a finished request's output was (for ``output_quantile``)."""
-        with self._lock:
-            self._advice.record_output(completion_tokens)
-
-    def _expected_ends(self, ordered: list[int] | None, now: float) -> list[tuple[float, Handle]]:
-        """When each live handle is taken to free its reservation (lock held): see
-        :func:`.forecast.expected_ends`. Its progress is what was relayed where it was,
-        else what the engine's speed made of it since its admission."""
-        self._advance(now)
-        progress = self._decoding.progress
-        live = [
-            (h, h.generated if h.generated is not None else progress - h.progress_at_admit)
-            for h in self._live.values()
-        ]
-        drain = Drain(self.rate_at, self.decode_rate, self.release_margin, self.overrun)
-        return expected_ends(live, now, drain, ordered=ordered, quantile=self.output_quantile)
-
-    def retry_after(
-        self,
-        need: int,
-        now: float,
-        *,
-        duration: float = 0.0,
-        promise: bool = False,
-        client: Hashable | None = None,
-    ) -> float:
-        """Seconds until ``need`` tokens fit, from when in-flight reservations are due to end.
-
-        Each live handle frees its reservation at its worst-case end (its cap, at the engine's
-        speed as measured: see :meth:`_expected_ends`). The answer is
-        the earliest of those moments at which ``need`` fits, so it is an upper bound for the
-        current load: requests that stop early free their share sooner. With
-        ``output_quantile`` (say 0.9) and enough finished requests seen, a handle is expected to
-        end by the time that quantile of the recent outputs longer than what it has generated
-        takes to decode, if that is sooner than its cap: an estimate that holds in most cases
-        rather than in all, and is much closer when outputs stop well before their caps.
-
-        With ``promise=True`` the answer is also remembered as a promise that ``client`` (the
-        connection's address, say) holds ``need`` tokens for ``duration`` seconds from then, so
-        that clients turned away together are told staggered times (see :mod:`.advice`). A live
-        handle is never taken as released before it is: while the budget is held, the answer is
-        not "fits now". Returns 0.0 when it fits now; callers clamp it for the header.
-        """
-        with self._lock:
-            self._advice.forget(now, client if promise else None)
-            ordered = self._advice.recent_outputs(self.output_quantile)
-            live = self._expected_ends(ordered, now)
-            if self._peak_in_force():
-                fresh = freshest(self._live.values(), now)
-                when = earliest_peak_fit(
-                    need, now, live, lambda h: self._holder(h, fresh, now),
-                    usable=self.usable_tokens, block_size=self.block_size, tainted=self._tainted,
-                    max_concurrency=self.max_concurrency,
-                )  # fmt: skip
-                return max(0.0, when - now)
-            horizon = None
-            if ordered is not None and self.output_quantile is not None:
-                horizon = quantile_above(ordered, -1, self.output_quantile)
-            if horizon is not None:  # a new request's own likely length
-                duration = min(duration, horizon / self.decode_rate)
-            fit = functools.partial(
-                earliest_fit, usable=self.usable_tokens, max_concurrency=self.max_concurrency
-            )
-            margin = self.release_margin
-            chosen = self._advice.earliest(need, now, live, fit, duration, margin, promise, client)
-            return max(0.0, chosen - now)
-
-    def outstanding_promises(self) -> int:
-        """Clients told to come back whose promised time has not run out."""
-        with self._lock:
-            return len(self._advice)
-
     # --- observation -------------------------------------------------------------------------
-
-    def headroom(self, now: float, *, releasing: Handle | None = None, queued: int = 0) -> Headroom:
-        """What is free now and when the next reservation is due to end.
-
-        ``releasing`` is a handle about to be given back (an answer sent just before its
-        ``finally``): counted as free already. ``queued`` tokens wait in a queue ahead of any
-        newcomer, so they are not free for it.
-        """
-        with self._lock:
-            reserved = self._committed(now, without=releasing)
-            inflight = len(self._live)
-            soonest = math.inf
-            for end, handle in self._expected_ends(None, now):
-                if handle is releasing:
-                    inflight -= 1
-                elif end < soonest:
-                    soonest = end
-        free = self.usable_tokens - reserved - queued
-        if self.max_concurrency is not None and inflight >= self.max_concurrency:
-            free = 0
-        return Headroom(
-            usable=self.usable_tokens,
-            free=max(0, free),
-            next_release_in=max(0.0, soonest - now) if soonest != math.inf else 0.0,
-            advertised=self.strategy == "reserve",
-        )
 
     def load(self) -> tuple[int, int]:
         """(tokens reserved, requests in flight) now: what routing needs, without the whole

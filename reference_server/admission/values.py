@@ -7,7 +7,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Handle", "Headroom", "LedgerEvent", "LedgerStats"]
+__all__ = ["Ask", "Handle", "Headroom", "LedgerEvent", "LedgerStats"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,6 +25,22 @@ class LedgerEvent:
     id: int
     tokens: int
     retry_after: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ask:
+    """A request as admission counts it: its prompt and output cap, the ``need`` they take,
+    the keys of its shareable prompt blocks, whose outputs its forecast learns from, whether
+    its progress will be followed, and how many sequences it runs (see
+    :meth:`KVAdmissionController.try_admit`)."""
+
+    prompt_tokens: int
+    output_cap: int
+    need: int
+    prefix: tuple[Hashable, ...] = ()
+    kind: Hashable = None
+    follow: bool = False
+    sequences: int = 1
 
 
 @dataclass(slots=True, kw_only=True)
