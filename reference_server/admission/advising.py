@@ -31,6 +31,7 @@ class Advising:
     _decoding: Decoding
     _live: dict[int, Handle]
     _tainted: set[Hashable]
+    _unknown: int
     usable_tokens: int
     block_size: int
     max_concurrency: int | None
@@ -115,8 +116,9 @@ class Advising:
                 counted, later = self._asked(ask, need, now, fresh)
                 when = earliest_peak_fit(
                     now, live, lambda h: self._holder(h, fresh, now), counted, later=later,
-                    sequences=sequences, usable=self.usable_tokens, block_size=self.block_size,
-                    tainted=self._tainted, max_concurrency=self.max_concurrency,
+                    sequences=sequences, usable=self.usable_tokens - self._unknown,
+                    block_size=self.block_size, tainted=self._tainted,
+                    max_concurrency=self.max_concurrency,
                 )  # fmt: skip
                 return max(0.0, when - now)
             horizon = None
@@ -125,8 +127,8 @@ class Advising:
             if horizon is not None:  # a new request's own likely length
                 duration = min(duration, horizon / self.decode_rate)
             fit = functools.partial(
-                earliest_fit, usable=self.usable_tokens, max_concurrency=self.max_concurrency,
-                sequences=sequences,
+                earliest_fit, usable=self.usable_tokens - self._unknown,
+                max_concurrency=self.max_concurrency, sequences=sequences,
             )  # fmt: skip
             margin = self.release_margin
             chosen = self._advice.earliest(need, now, live, fit, duration, margin, promise, client)

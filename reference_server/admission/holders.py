@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Hashable, Iterable
 
-from .peak import Holder
+from .peak import Holder, peak
 from .values import Handle
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "as_holder",
     "borrowable",
     "clock_steps",
+    "explained",
     "freshest",
     "lag_tokens",
     "slow_write",
@@ -117,14 +118,9 @@ def as_holder(
             prefix=handle.prefix,
             borrowed=handle.borrowed,
         )
-    lag = lag_tokens(handle, fresh, decode_rate=decode_rate, relay_lag=relay_lag)
-    made = generated + lag
+    made = _made(handle, fresh, now, decode_rate=decode_rate, relay_lag=relay_lag)
     if handle.slowed_at is not None:
         total = handle.output_cap
-        latest = fresh if now is None else max(fresh, now)
-        since = max(0.0, latest - handle.slowed_at) + relay_lag
-        rate = _lag_rate(handle, decode_rate)
-        made = max(made, handle.slowed_from + math.ceil(LAG_RATE_FACTOR * rate * since))
     return Holder(
         held=prompt + min(total, made),
         most=prompt + total,
@@ -133,6 +129,52 @@ def as_holder(
         prefix=handle.prefix,
         borrowed=handle.borrowed,
     )
+
+
+def explained(
+    live: Iterable[Handle],
+    fresh: float,
+    now: float,
+    *,
+    decode_rate: float,
+    relay_lag: float,
+    block_size: int,
+    tainted: Collection[Hashable] = (),
+) -> int:
+    """The most KV the holders may really hold in the engine now, in whole blocks, each
+    shareable prefix block once per copy that may exist: what the engine's own books can be
+    explained by. Each holder at what it has relayed and may have made beyond (the relay's
+    margin; a slow reader's advance at the engine's speed), to its cap; at its prompt and the
+    margin before its first count; at its whole reservation when its progress is not followed.
+    Not their counted futures."""
+    holders = []
+    for handle in live:
+        if not handle.tracked:
+            tokens = handle.reserved_tokens
+        elif handle.generated is None:
+            made = math.ceil(LAG_RATE_FACTOR * decode_rate * relay_lag)
+            tokens = handle.prompt_tokens + min(handle.output_cap, made)
+        else:
+            made = _made(handle, fresh, now, decode_rate=decode_rate, relay_lag=relay_lag)
+            tokens = handle.prompt_tokens + min(handle.output_cap, made)
+        holders.append(Holder.flat(tokens, handle.prefix, handle.borrowed))
+    return peak(holders, block_size=block_size, tainted=tainted) if holders else 0
+
+
+def _made(
+    handle: Handle, fresh: float, now: float | None, *, decode_rate: float, relay_lag: float
+) -> int:
+    """The most tokens ``handle`` (with a count) may have made: its count and the relay's
+    margin; a slow reader, its count before its wait advanced at the engine's speed since."""
+    made = (handle.generated or 0) + lag_tokens(
+        handle, fresh, decode_rate=decode_rate, relay_lag=relay_lag
+    )
+    if handle.slowed_at is not None:
+        latest = fresh if now is None else max(fresh, now)
+        since = max(0.0, latest - handle.slowed_at) + relay_lag
+        rate = _lag_rate(handle, decode_rate)
+        made = max(made, handle.slowed_from + math.ceil(LAG_RATE_FACTOR * rate * since))
+    return made
 
 
 def clock_steps(seconds: float, decode_rate: float) -> int:
@@ -214,14 +256,17 @@ def stalled(live: Iterable[Handle], now: float, seconds: float) -> list[Handle]:
 
 class RuleInForce:
     """Whether a ledger configured for the peak rule runs on it now, and why not: for good (the
-    engine does not qualify: ``for_good``), or until the holders live when the engine was seen
-    out of lockstep have gone (``for_now``, ``draining``). Under the ledger's lock."""
+    engine does not qualify: ``for_good``); while a condition lasts (its figures cannot be
+    read, it holds KV no holder explains: ``lasting``, by kind); or until the holders live when
+    the engine was seen out of lockstep, or when a lasting condition ended, have gone
+    (``for_now``, ``draining``). Under the ledger's lock."""
 
-    __slots__ = ("draining", "for_good", "for_now", "peak_configured")
+    __slots__ = ("draining", "for_good", "for_now", "lasting", "peak_configured")
 
     def __init__(self, *, peak_configured: bool) -> None:
         self.peak_configured = peak_configured
         self.for_good: str | None = None
+        self.lasting: dict[str, str] = {}
         self.for_now: str | None = None
         self.draining: set[int] = set()
 
@@ -232,11 +277,21 @@ class RuleInForce:
 
     @property
     def peak(self) -> bool:
-        return self.tracks_progress and self.for_now is None
+        return self.tracks_progress and not self.lasting and self.for_now is None
 
     @property
     def reason(self) -> str | None:
-        return (self.for_good or self.for_now) if self.peak_configured else None
+        if not self.peak_configured:
+            return None
+        return self.for_good or next(iter(self.lasting.values()), None) or self.for_now
+
+    def last(self, kind: str, reason: str | None, live: Collection[int]) -> None:
+        """Whole caps while ``reason`` (of ``kind``) lasts; None: it has ended, and the holders
+        admitted meanwhile are counted whole until they have gone."""
+        if reason is not None:
+            self.lasting[kind] = reason
+        elif (before := self.lasting.pop(kind, None)) is not None:
+            self.until_drained(before, live)
 
     def until_drained(self, reason: str, live: Collection[int]) -> None:
         self.for_now = reason

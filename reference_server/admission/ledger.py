@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Literal, get_args
 
@@ -47,6 +48,7 @@ from .holders import (
     RuleInForce,
     as_holder,
     borrowable,
+    explained,
     freshest,
     slow_write,
     stalled,
@@ -81,6 +83,8 @@ RULES: tuple[str, ...] = get_args(Rule)
 DEFAULT_SAFETY_FRACTION = 0.9
 #: The request cap in ``concurrency`` mode when none is given: a typical hand-tuned value.
 DEFAULT_MAX_CONCURRENCY = 16
+#: Releases remembered for the engine's books (:meth:`KVAdmissionController.engine_used`).
+_LET_GO_KEPT = 4096
 
 
 class KVAdmissionController(Advising):
@@ -158,6 +162,10 @@ class KVAdmissionController(Advising):
         self.shares_prefixes = False
         #: Prefix blocks of which a copy was let go while another was held (see ``peak.py``).
         self._tainted: set[Hashable] = set()
+        #: KV the engine uses that no holder explains (:meth:`engine_used`), and what the
+        #: holders released lately may still hold there: (when, tokens).
+        self._unknown = 0
+        self._let_go: deque[tuple[float, int]] = deque(maxlen=_LET_GO_KEPT)
         #: The newcomer's clock and the forecast of outputs (see ``outlook.py``).
         self._outlook = Outlook(preemption_budget=preemption_budget, start_clock=start_clock)
 
@@ -288,6 +296,15 @@ class KVAdmissionController(Advising):
         with self._lock:
             self._in_force.until_drained(reason, self._live)
 
+    def engine_unseen(self, reason: str | None) -> None:
+        """The engine's waiting, running and preemption figures cannot be read, for ``reason``:
+        whole caps, no forecast and no newcomer's clock while it lasts. None: they are read
+        again; the holders admitted meanwhile are counted whole until they have gone."""
+        with self._lock:
+            if reason is not None:
+                self._outlook.engine_waiting = None
+            self._in_force.last("unread", reason, self._live)
+
     def progress(self, handle: Handle, generated: int, now: float) -> bool:
         """``handle`` has had ``generated`` tokens relayed by ``now`` (counted from the engine's
         own stream). True when they are its first: the room a queue waits for may have grown."""
@@ -327,13 +344,37 @@ class KVAdmissionController(Advising):
 
     def engine_seen(self, *, waiting: float | None, preemptions: float | None) -> str | None:
         """What the engine's ``/metrics`` said just now: requests waiting inside it (a
-        newcomer then may not start at once) and its preemption counter (the forecast's
-        budget; a line for the log when its quantile moved)."""
+        newcomer then may not start at once; None: not known, nor may it) and its preemption
+        counter (the forecast's budget; a line for the log when its quantile moved)."""
         with self._lock:
-            self._outlook.engine_waiting = int(waiting or 0)
+            self._outlook.engine_waiting = None if waiting is None else int(waiting)
             if preemptions is None:
                 return None
             return self._outlook.observe(preemptions, self._live.values())
+
+    def engine_used(self, used_tokens: int, since: float, now: float) -> int:
+        """The KV the engine said it uses (``used_tokens``, as of no earlier than ``since``):
+        what the holders cannot explain (:func:`.holders.explained`, and those released since)
+        is held by someone the gateway does not see. It is counted as held, flat, until the
+        engine says otherwise, and the rule counts whole caps meanwhile (that someone's
+        sequences run beside the holders, and grow); returned, in whole blocks."""
+        with self._lock:
+            live = self._live.values()
+            explained_now = explained(
+                live, freshest(live, now), now, decode_rate=self.decode_rate,
+                relay_lag=self.relay_lag, block_size=self.block_size, tainted=self._tainted,
+            )  # fmt: skip
+            while self._let_go and self._let_go[0][0] < since:
+                self._let_go.popleft()
+            explained_now += sum(tokens for _, tokens in self._let_go)
+            excess = max(0, used_tokens - explained_now)
+            self._unknown = unknown = excess // self.block_size * self.block_size
+            reason = (
+                f"the engine holds {unknown} KV tokens more than its holders explain (traffic "
+                "that does not pass through the gateway)"
+            )
+            self._in_force.last("unexplained", reason if unknown else None, self._live)
+            return unknown
 
     def stalled(self, now: float, seconds: float) -> list[Handle]:
         """Tracked holders whose count stood still for ``seconds`` while another's moved (see
@@ -373,15 +414,15 @@ class KVAdmissionController(Advising):
         if not self._peak_in_force():
             live = without is not None and self._live.get(without.id) is without
             gone = without.reserved_tokens if live and without is not None else 0
-            return self._reserved - gone + (extra.most if extra is not None else 0)
+            return self._unknown + self._reserved - gone + (extra.most if extra else 0)
         self._outlook.expire(self._live.values(), now)
         fresh = freshest(self._live.values(), now)
         holders = [self._holder(h, fresh, now) for h in self._live.values() if h is not without]
         if extra is not None:
             holders.append(extra)
         if not holders:
-            return 0
-        return peak(holders, block_size=self.block_size, tainted=self._tainted)
+            return self._unknown
+        return self._unknown + peak(holders, block_size=self.block_size, tainted=self._tainted)
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -394,7 +435,7 @@ class KVAdmissionController(Advising):
         # counted with a copy of its own (see ``peak.py``), and once one of the two copies is
         # let go the freed one is charged to the next borrower (``tainted``).
         live = self._live.values()
-        if self._reserved + newcomer.reserved_tokens <= self.usable_tokens:
+        if self._unknown + self._reserved + newcomer.reserved_tokens <= self.usable_tokens:
             return True  # the sum of the caps is never below the peak
         if not self._peak_in_force():
             return False
@@ -504,6 +545,12 @@ class KVAdmissionController(Advising):
                 return
             if now is not None:
                 self._advance(now)
+                # What the engine's books may still show of it for a moment (see engine_used).
+                held = explained(
+                    [handle], now, now, decode_rate=self.decode_rate, relay_lag=self.relay_lag,
+                    block_size=self.block_size,
+                )  # fmt: skip
+                self._let_go.append((now, held))
             del self._live[handle.id]
             self._running -= handle.sequences
             if handle.prefix or handle.unkeyed:
@@ -556,5 +603,6 @@ class KVAdmissionController(Advising):
                 caps_reason=self._in_force.reason,
                 committed_tokens=self._committed(self._decoding.at or 0.0),
                 slow_readers=sum(1 for h in self._live.values() if h.slowed_at is not None),
+                unknown_tokens=self._unknown,
                 **self._outlook.figures(peak=self._peak_in_force()),
             )

@@ -196,6 +196,9 @@ class LedgerStats:
     #: Holders whose relay waited on a client that reads slowly: counted as advancing at the
     #: engine's speed to their caps, not taken for an engine out of lockstep.
     slow_readers: int = 0
+    #: KV the engine uses beyond what the holders explain: someone the gateway does not see,
+    #: counted as held (in ``committed_tokens`` too).
+    unknown_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -171,6 +171,10 @@ class GatewayCollector:
             ],
             # Holders whose client reads slowly: counted as advancing at the engine's speed.
             "kv_upstream_slow_readers": [s.slow_readers if s else 0 for _, s in rows],
+            # KV the engine uses that no holder explains (counted as held), and 1 while its
+            # waiting, running and preemption figures cannot be read (whole caps).
+            "kv_upstream_unknown_tokens": [s.unknown_tokens if s else 0 for _, s in rows],
+            "kv_upstream_figures_unread": [1 if u.watch.blind else 0 for u, _ in rows],
         }
         counters: dict[str, list[float]] = {
             "kv_upstream_admitted": [s.admitted_total if s else 0 for _, s in rows],
