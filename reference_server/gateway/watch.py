@@ -66,8 +66,9 @@ class EngineWatch:
         self.unread: str | None = None
         #: Why its figures cannot be read now (the upstream counts whole caps), or None.
         self.blind: str | None = None
-        #: Sequences it said it runs, at its last scrape; set at each scrape that read it.
+        #: Sequences it said it runs, in a scrape begun no earlier than ``running_from``.
         self.running: float | None = None
+        self.running_from = 0.0
         self.scraped = anyio.Event()
         #: Lockstep checks run so far (what a test waits on).
         self.checks = 0
@@ -105,7 +106,7 @@ class EngineWatch:
             text = await self._read()
             now = time.monotonic()
             if text is not None:
-                self.seen(text, now, since=started - known.ledger.relay_lag)
+                self.seen(text, now, started=started)
             self.scraped.set()
             self.scraped = anyio.Event()
             counters = decode_counters(text or "")
@@ -152,9 +153,9 @@ class EngineWatch:
 
     # --- what it saw -------------------------------------------------------------------------
 
-    def seen(self, text: str, now: float, *, since: float) -> None:
-        """A scrape's text: whether the engine runs its holders in lockstep, how much KV it uses
-        that the holders do not explain (read no earlier than ``since``), what it lost."""
+    def seen(self, text: str, now: float, *, started: float) -> None:
+        """A scrape's text (asked for at ``started``): whether the engine runs its holders in
+        lockstep, how much KV it uses that the holders do not explain, what it lost."""
         upstream, known = self.upstream, self.upstream.known
         if known is None:
             return
@@ -170,7 +171,8 @@ class EngineWatch:
             self.unread = f"its /metrics does not give {', '.join(missing)}"
             ledger.engine_seen(waiting=None, preemptions=None)
             return
-        self.read_at, self.unread, self.running = now, None, signals.running
+        self.read_at, self.unread = now, None
+        self.running, self.running_from = signals.running, started
         if not ledger.tracks_progress:
             return
         said = ledger.engine_seen(waiting=signals.waiting, preemptions=signals.preemptions)
@@ -179,7 +181,8 @@ class EngineWatch:
         for why in (self._lockstep_break(signals, known), self._lost(text)):
             if why is not None:
                 self.out_of_step(why)
-        self._unexplained(signals, known, since, now)
+        # Its figures are a step old at most, and a holder released since may be in them.
+        self._unexplained(signals, known, started - ledger.relay_lag, now)
 
     def _lockstep_break(self, signals: Lockstep, known: Known) -> str | None:
         """Requests waiting inside the engine, or a preemption since the last scrape; not while

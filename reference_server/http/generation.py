@@ -7,6 +7,8 @@ an engine error, a cut answer, a client that goes away, cancellation.
 
 - **A client that goes away is gone.** A read EOF or a reset from the client (uvicorn's
   ``http.disconnect``) cancels the request wherever it is: queued, generating or relaying.
+  A request cut while the engine ran it keeps its reservation until the engine has let it go
+  (:meth:`Backend.let_go`), then releases it.
 - **A stalled reader is cut.** A write that waits longer than ``send_timeout`` for the client to
   read ends the request (nginx's ``send_timeout``), so a client that stops reading cannot pin a
   reservation.
@@ -157,6 +159,11 @@ class Backend(Protocol):
         """An answer was cut by the send timeout (for the metrics)."""
         ...
 
+    async def let_go(self, target: Target, handle: Handle) -> None:
+        """Return once the engine has let go of ``handle``'s request, cut before its end (its
+        client gone, or not reading): its reservation is held until then."""
+        ...
+
 
 async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
     """Cancels ``scope`` when the client goes away. Per ASGI, ``receive()`` also answers
@@ -289,6 +296,12 @@ class GenerationEndpoint:
             try:
                 if await backend.run(target, handle, plan, stall.watching(send, queue, handle)):
                     return
+            except anyio.get_cancelled_exc_class():
+                # Cut: the engine holds the sequence until it has seen the abort, and so does
+                # the reservation (the next waiter is not sent before the engine let go).
+                with anyio.CancelScope(shield=True):
+                    await backend.let_go(target, handle)
+                raise
             finally:
                 await queue.release(handle)
             tried.add(id(target))

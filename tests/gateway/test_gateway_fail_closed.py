@@ -254,3 +254,36 @@ def test_traffic_around_the_gateway_is_counted_as_held_and_nothing_overflows() -
     assert health["admission"] == "caps"
     assert "traffic that does not pass through the gateway" in health["caps_reason"]
     assert health["unknown_tokens"] >= 2000
+
+
+# --- released when the engine has let go --------------------------------------------------------
+
+
+def test_a_cut_request_holds_its_reservation_until_the_engine_lets_go(
+    engine: tuple[LockstepUpstream, str],
+) -> None:
+    """A's client goes away mid-stream; the engine takes 0.15 s to let A go after its
+    connection is reset. B, whose 303 tokens fit only once A's 1,003 are released (1,200 in
+    all), waits for that: released at the cut, B was sent while the engine still held A."""
+    scripted, url = engine
+    scripted.let_go_seconds = 0.15
+    with running_gateway(_config(url, relay_lag=0.3)) as gw:
+        upstream = _upstream(gw)
+        body = {"prompt": "A", "max_tokens": 1000, "stream": True}
+        with (
+            httpx.Client(timeout=30) as client,
+            client.stream("POST", gw.base_url + "/v1/completions", json=body) as answer,
+        ):
+            lines = answer.iter_lines()
+            while next(lines) == "":
+                pass
+            waiter = threading.Thread(target=_complete, args=(gw.base_url, "B", 300))
+            waiter.start()
+            known = upstream.known
+            assert known is not None
+            wait_for(lambda: known.queue.waiting == 1, timeout=10)
+        # The client has gone: A is cut.
+        waiter.join(30)
+        wait_for(lambda: known.ledger.stats().reserved_tokens == 0)
+    assert "A" not in scripted.ended
+    assert scripted.started["B"] >= scripted.gone["A"]
