@@ -22,6 +22,7 @@ __all__ = [
     "explained",
     "freshest",
     "lag_tokens",
+    "slow_since",
     "slow_write",
     "stalled",
     "start_deadline",
@@ -119,7 +120,7 @@ def as_holder(
             borrowed=handle.borrowed,
         )
     made = _made(handle, fresh, now, decode_rate=decode_rate, relay_lag=relay_lag)
-    if handle.slowed_at is not None:
+    if slow_since(handle, now, relay_lag) is not None:
         total = handle.output_cap
     return Holder(
         held=prompt + min(total, made),
@@ -169,12 +170,28 @@ def _made(
     made = (handle.generated or 0) + lag_tokens(
         handle, fresh, decode_rate=decode_rate, relay_lag=relay_lag
     )
-    if handle.slowed_at is not None:
+    slowed = slow_since(handle, now, relay_lag)
+    if slowed is not None:
+        at, count = slowed
         latest = fresh if now is None else max(fresh, now)
-        since = max(0.0, latest - handle.slowed_at) + relay_lag
+        since = max(0.0, latest - at) + relay_lag
         rate = _lag_rate(handle, decode_rate)
-        made = max(made, handle.slowed_from + math.ceil(LAG_RATE_FACTOR * rate * since))
+        made = max(made, count + math.ceil(LAG_RATE_FACTOR * rate * since))
     return made
+
+
+def slow_since(handle: Handle, now: float | None, relay_lag: float) -> tuple[float, int] | None:
+    """For a slow reader, the count it is counted as advancing from and when it was read: the
+    one before the write that waited long (``slowed_at``), or before the one that has been
+    waiting long by ``now``; None for a holder whose relay keeps up."""
+    if handle.slowed_at is not None:
+        return handle.slowed_at, handle.slowed_from
+    since = handle.writing_since
+    if since is None or now is None or handle.generated is None:
+        return None
+    if not slow_write(now - since, relay_lag):
+        return None
+    return handle.seen_at, handle.generated
 
 
 def clock_steps(seconds: float, decode_rate: float) -> int:

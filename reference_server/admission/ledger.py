@@ -50,6 +50,7 @@ from .holders import (
     borrowable,
     explained,
     freshest,
+    slow_since,
     slow_write,
     stalled,
     tainted_after,
@@ -584,8 +585,11 @@ class KVAdmissionController(Advising):
         with self._lock:
             return list(self._live.values())
 
-    def stats(self) -> LedgerStats:
+    def stats(self, now: float | None = None) -> LedgerStats:
+        """A snapshot; ``now`` (the ledger's clock) for what depends on time (the peak, slow
+        readers), else the last time the ledger was told."""
         with self._lock:
+            at = (self._decoding.at or 0.0) if now is None else now
             return LedgerStats(
                 strategy=self.strategy,
                 usable_tokens=self.usable_tokens,
@@ -601,8 +605,10 @@ class KVAdmissionController(Advising):
                 max_concurrency=self.max_concurrency,
                 rule="peak" if self._peak_in_force() else "caps",
                 caps_reason=self._in_force.reason,
-                committed_tokens=self._committed(self._decoding.at or 0.0),
-                slow_readers=sum(1 for h in self._live.values() if h.slowed_at is not None),
+                committed_tokens=self._committed(at),
+                slow_readers=sum(
+                    1 for h in self._live.values() if slow_since(h, at, self.relay_lag)
+                ),
                 unknown_tokens=self._unknown,
                 **self._outlook.figures(peak=self._peak_in_force()),
             )

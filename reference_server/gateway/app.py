@@ -119,7 +119,7 @@ async def _health(request: Request) -> Response:
     now = time.monotonic()
     upstreams = []
     for u in state.upstreams:
-        stats = u.known.ledger.stats() if u.known is not None else None
+        stats = u.known.ledger.stats(now) if u.known is not None else None
         upstreams.append(
             {
                 "url": u.name,

@@ -109,7 +109,7 @@ class GatewayCollector:
         now = time.monotonic()
         rows = []
         for u in self.state.upstreams:
-            stats = u.known.ledger.stats() if u.known is not None else None
+            stats = u.known.ledger.stats(now) if u.known is not None else None
             rows.append((u, stats))
         total = {
             "kv_usable_tokens": sum(s.usable_tokens for _, s in rows if s),

@@ -6,7 +6,10 @@ around the gateway."""
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -287,3 +290,56 @@ def test_a_cut_request_holds_its_reservation_until_the_engine_lets_go(
         wait_for(lambda: known.ledger.stats().reserved_tokens == 0)
     assert "A" not in scripted.ended
     assert scripted.started["B"] >= scripted.gone["A"]
+
+
+# --- one slow reader ---------------------------------------------------------------------------
+
+
+def test_a_client_that_stops_reading_is_no_stalled_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client opens a stream with a 4 KiB receive buffer and reads nothing: its relay waits
+    on it, its count stands still while another stream's moves. That is a slow reader, counted
+    as advancing at the engine's speed, not an engine out of lockstep: the upstream stays on
+    the peak for everyone else (it used to fall back to caps for all)."""
+    monkeypatch.setattr(watch_module, "STALL_SECONDS", 0.5)
+    # 2 MB a second to a client that reads none: past the kernel's buffers (4 MB) in seconds.
+    scripted = LockstepUpstream(text="x" * 20_000, rate=100.0)
+    with (
+        scripted_upstream(scripted.app()) as up,
+        running_gateway(_config(up.base_url, send_timeout=30.0)) as gw,
+    ):
+        upstream = _upstream(gw)
+        _health(gw.base_url)
+        known = upstream.known
+        assert known is not None
+        reader = threading.Thread(target=_complete, args=(gw.base_url, "A", 500))
+        reader.start()
+        body = json.dumps({"prompt": "S", "max_tokens": 500, "stream": True}).encode()
+        host, port = gw.base_url.removeprefix("http://").split(":")
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect((host, int(port)))
+        slow.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+
+        def waiting_long() -> bool:
+            now = time.monotonic()
+            return any(
+                h.writing_since is not None and now - h.writing_since > 1.0
+                for h in known.ledger.live_handles()
+            )
+
+        wait_for(lambda: "A" in scripted.started, timeout=10)
+        wait_for(waiting_long, timeout=10)
+        checks = upstream.watch.checks
+        wait_for(lambda: upstream.watch.checks >= checks + 5, timeout=10)
+        health = _health(gw.base_url)
+        slow.close()
+        reader.join(30)
+    assert upstream.lockstep_breaks == 0
+    assert health["admission"] == "peak"
+    assert health["slow_readers"] == 1

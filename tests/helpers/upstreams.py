@@ -58,8 +58,12 @@ class LockstepUpstream:
     its ``/metrics`` (its waiting line, what it runs, a running cap). It records what it was
     sent and when each request started and ended."""
 
-    def __init__(self, *, max_running: int | None = 8, waiting: int = 0, text: str = "x") -> None:
+    def __init__(
+        self, *, max_running: int | None = 8, waiting: int = 0, text: str = "x", rate: float = RATE
+    ) -> None:
         self.max_running = max_running
+        #: Tokens a second it makes for every request alike.
+        self.rate = rate
         self.waiting = waiting
         #: The text of each token (a long one makes a client's socket buffers fill sooner).
         self.text = text
@@ -128,7 +132,7 @@ class LockstepUpstream:
             self.started[name] = time.monotonic()
             try:
                 for made in range(1, cap + 1):
-                    await anyio.sleep(1 / RATE)
+                    await anyio.sleep(1 / self.rate)
                     self.generated += 1
                     self.made[name] = made
                     yield chunk(made, self.text, "length" if made == cap else None)
