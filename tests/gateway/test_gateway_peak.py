@@ -6,7 +6,6 @@ and the engine seen out of lockstep puts the upstream on whole caps with its rea
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,15 +55,14 @@ def test_a_newcomer_runs_beside_holders_whose_caps_left_no_room(
     with running_gateway(_config(url, admission_rule=rule, relay_lag=0.1)) as gw:
         a = threading.Thread(target=_complete, args=(gw.base_url, "A", 400, answers))
         a.start()
-        wait_for(lambda: "A" in scripted.started, timeout=10)
-        time.sleep(200 / RATE)
+        wait_for(lambda: scripted.made.get("A", 0) >= 200, timeout=10)  # A halfway
         others = [
             threading.Thread(target=_complete, args=(gw.base_url, name, 400, answers))
             for name in ("B", "C")
         ]
-        for thread in others:
-            thread.start()
-            time.sleep(0.05)  # B first, then C
+        others[0].start()
+        wait_for(lambda: "B" in scripted.started, timeout=10)  # B first, then C
+        others[1].start()
         for thread in (a, *others):
             thread.join(30)
         health = httpx.get(gw.base_url + "/health").json()["upstreams"][0]
@@ -76,11 +74,14 @@ def test_a_newcomer_runs_beside_holders_whose_caps_left_no_room(
     assert all(answers[n].json()["usage"]["completion_tokens"] == 400 for n in "ABC")
     assert health["admission"] == rule
     assert stats.reserved_tokens == 0
+    # How far A had got when C started (its 400 tokens: it had ended).
+    made_by_a = scripted.made_at_start["C"]["A"]
     if rule == "caps":
+        assert made_by_a == 400
         assert scripted.started["C"] >= scripted.ended["A"]
         assert stats.peak_inflight == 2
     else:
-        assert scripted.started["C"] < scripted.ended["A"] - 0.3
+        assert made_by_a < 400 - 60  # well before A's end (0.3 s of its tokens)
         assert stats.peak_inflight == 3
     # Every request went upstream as a stream that reports its usage in each chunk (a plain
     # one's answer assembled); under caps, as the client sent it.
