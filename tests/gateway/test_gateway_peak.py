@@ -17,6 +17,9 @@ from reference_server.testing import running_gateway
 from tests.helpers.servers import wait_for
 from tests.helpers.upstreams import RATE, LockstepUpstream, scripted_upstream
 
+#: The scripted engine under the name other gateway tests import it by.
+_Engine = LockstepUpstream
+
 
 def _state(gateway: Any) -> GatewayState:
     state: GatewayState = gateway.app.state.gateway
