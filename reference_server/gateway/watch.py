@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import anyio
 
+from kvclient.engines.budget import Budget
 from kvclient.engines.metrics import (
     METRIC_NAMES,
     KVLosses,
@@ -33,14 +34,13 @@ from kvclient.engines.metrics import (
     lockstep_from_metrics,
 )
 
-from ..admission.queue import LedgerUnavailable
+from ..admission.ledger import KVAdmissionController
+from ..admission.queue import AdmissionQueue, LedgerUnavailable
+from .config import GatewayConfig
 from .errors import UPSTREAM_ERRORS
-from .speed import SpeedEstimator
+from .speed import Speed, SpeedEstimator
 
-if TYPE_CHECKING:
-    from .upstream import Known, Upstream
-
-__all__ = ["BLIND_SECONDS", "STALL_SECONDS", "EngineWatch"]
+__all__ = ["BLIND_SECONDS", "STALL_SECONDS", "EngineWatch", "Watched"]
 
 logger = logging.getLogger("kvclient.gateway")
 
@@ -56,10 +56,49 @@ BLIND_SECONDS = 3.0
 SCRAPE_TIMEOUT = 2.0
 
 
+class Known(Protocol):
+    """Where a watched upstream's reservations are held (:class:`.upstream.Known`)."""
+
+    @property
+    def ledger(self) -> KVAdmissionController: ...
+
+    @property
+    def queue(self) -> AdmissionQueue: ...
+
+
+class Watched(Protocol):
+    """What the watch reads and sets of its upstream (:class:`.upstream.Upstream`)."""
+
+    speed: Speed | None
+    lockstep_breaks: int
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def config(self) -> GatewayConfig: ...
+
+    @property
+    def budget(self) -> Budget | None: ...
+
+    @property
+    def known(self) -> Known | None: ...
+
+    async def fetch(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        content: bytes | None = None,
+        limit: int = ...,
+    ) -> tuple[int, str | None, bytes | None]: ...
+
+
 class EngineWatch:
     """What the gateway sees of one upstream's engine, and what it does about it."""
 
-    def __init__(self, upstream: Upstream) -> None:
+    def __init__(self, upstream: Watched) -> None:
         self.upstream = upstream
         #: When the engine's figures were last read whole, and why they were not since.
         self.read_at: float | None = None
