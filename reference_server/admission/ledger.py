@@ -18,6 +18,10 @@ Under ``reserve`` the budget is checked by one of two rules (``rule``):
            sequence in lockstep, which the server watches; when it sees otherwise it runs on
            caps until the holders admitted before have all gone (:meth:`run_on_caps`).
 
+What the ledger is told while its holders run (their progress, the engine's figures) is in
+:mod:`.reports`, and its back-pressure (Retry-After, the room it advertises) in :mod:`.advising`:
+both mixins of :class:`KVAdmissionController`.
+
 >>> ledger = KVAdmissionController(total_kv_tokens=1000, context_window=512, decode_rate=100.0)
 >>> ledger.usable_tokens
 900
@@ -51,12 +55,11 @@ from .holders import (
     explained,
     freshest,
     slow_since,
-    slow_write,
-    stalled,
     tainted_after,
 )
 from .outlook import Outlook
 from .peak import Holder, peak, prefix_blocks
+from .reports import Reports
 from .values import Ask, Handle, Headroom, LedgerEvent, LedgerStats
 
 __all__ = [
@@ -88,7 +91,7 @@ DEFAULT_MAX_CONCURRENCY = 16
 _LET_GO_KEPT = 4096
 
 
-class KVAdmissionController(Advising):
+class KVAdmissionController(Reports, Advising):
     """Thread-safe reservation ledger over a KV pool of ``total_kv_tokens`` tokens.
 
     The usable budget is ``floor(total_kv_tokens x safety_fraction)``; bytes are tokens x
@@ -283,124 +286,6 @@ class KVAdmissionController(Advising):
             if self.rule == "peak" and self.strategy != "reserve":
                 return f"the {self.strategy} strategy counts no caps to begin with"
             return self._in_force.reason
-
-    def set_caps_for_good(self, reason: str | None) -> None:
-        """Run on caps whatever happens, for ``reason`` (the engine does not qualify for the
-        peak rule); None lifts it."""
-        with self._lock:
-            self._in_force.for_good = reason
-
-    def run_on_caps(self, reason: str) -> None:
-        """The engine was seen not to run every holder in lockstep (requests waiting inside it,
-        a preemption, a stalled stream): count whole caps until every holder live now has
-        gone. Said again while it lasts, it waits for the holders live then."""
-        with self._lock:
-            self._in_force.until_drained(reason, self._live)
-
-    def engine_unseen(self, reason: str | None) -> None:
-        """The engine's waiting, running and preemption figures cannot be read, for ``reason``:
-        whole caps, no forecast and no newcomer's clock while it lasts. None: they are read
-        again; the holders admitted meanwhile are counted whole until they have gone."""
-        with self._lock:
-            if reason is not None:
-                self._outlook.engine_waiting = None
-            self._in_force.last("unread", reason, self._live)
-
-    def progress(self, handle: Handle, generated: int, now: float) -> bool:
-        """``handle`` has had ``generated`` tokens relayed by ``now`` (counted from the engine's
-        own stream). True when they are its first: the room a queue waits for may have grown."""
-        with self._lock:
-            if handle.released or not handle.tracked:
-                return False
-            first = handle.generated is None
-            if first:
-                handle.first_seen_at = now
-                self._outlook.started(handle)
-            elif generated <= (handle.generated or 0):
-                return False
-            handle.generated = min(max(0, generated), handle.output_cap)
-            handle.seen_at = now
-            if self._peak_in_force():
-                self._outlook.outlived(handle, handle.generated)
-            return first
-
-    def ended(self, handle: Handle, *, by_itself: bool) -> None:
-        """The engine said how ``handle``'s output ended: ``by_itself`` (an end-of-sequence or
-        stop token), else at its cap or cut. Its length is learnt when it is released."""
-        with self._lock:
-            handle.ended = by_itself
-
-    def unfollow(self, handle: Handle) -> None:
-        """Its progress will not be relayed after all: it counts whole until released."""
-        with self._lock:
-            handle.tracked = False
-            handle.start_by = None
-
-    @property
-    def forecasting(self) -> bool:
-        """Whether holders are counted by a forecast of their outputs now (an engine that
-        preempts, a preemption budget, the peak rule in force and the budget not spent)."""
-        with self._lock:
-            return self._peak_in_force() and self._outlook.quantile() is not None
-
-    def engine_seen(self, *, waiting: float | None, preemptions: float | None) -> str | None:
-        """What the engine's ``/metrics`` said just now: requests waiting inside it (a
-        newcomer then may not start at once; None: not known, nor may it) and its preemption
-        counter (the forecast's budget; a line for the log when its quantile moved)."""
-        with self._lock:
-            self._outlook.engine_waiting = None if waiting is None else int(waiting)
-            if preemptions is None:
-                return None
-            return self._outlook.observe(preemptions, self._live.values())
-
-    def engine_used(self, used_tokens: int, since: float, now: float) -> int:
-        """The KV the engine said it uses (``used_tokens``, as of no earlier than ``since``):
-        what the holders cannot explain (:func:`.holders.explained`, and those released since)
-        is held by someone the gateway does not see. It is counted as held, flat, until the
-        engine says otherwise, and the rule counts whole caps meanwhile (that someone's
-        sequences run beside the holders, and grow); returned, in whole blocks."""
-        with self._lock:
-            live = self._live.values()
-            explained_now = explained(
-                live, freshest(live, now), now, decode_rate=self.decode_rate,
-                relay_lag=self.relay_lag, block_size=self.block_size, tainted=self._tainted,
-            )  # fmt: skip
-            while self._let_go and self._let_go[0][0] < since:
-                self._let_go.popleft()
-            explained_now += sum(tokens for _, tokens in self._let_go)
-            excess = max(0, used_tokens - explained_now)
-            self._unknown = unknown = excess // self.block_size * self.block_size
-            reason = (
-                f"the engine holds {unknown} KV tokens more than its holders explain (traffic "
-                "that does not pass through the gateway)"
-            )
-            self._in_force.last("unexplained", reason if unknown else None, self._live)
-            return unknown
-
-    def stalled(self, now: float, seconds: float) -> list[Handle]:
-        """Tracked holders whose count stood still for ``seconds`` while another's moved (see
-        :func:`.holders.stalled`)."""
-        with self._lock:
-            return stalled(self._live.values(), now, seconds)
-
-    def writing(self, handle: Handle, now: float) -> None:
-        """A write of ``handle``'s answer to its client begins ``now``."""
-        with self._lock:
-            handle.writing_since = now
-
-    def written(self, handle: Handle, now: float) -> None:
-        """The write that began at :meth:`writing` is done ``now``: one that waited long on its
-        client makes ``handle`` a slow reader, counted as advancing at the engine's speed from
-        its count before the wait (see :func:`.holders.as_holder`)."""
-        with self._lock:
-            since, handle.writing_since = handle.writing_since, None
-            if (
-                since is not None
-                and handle.slowed_at is None
-                and handle.generated is not None
-                and slow_write(now - since, self.relay_lag)
-            ):
-                handle.slowed_at, handle.slowed_from = handle.seen_at, handle.generated
 
     def _holder(self, handle: Handle, fresh: float, now: float | None = None) -> Holder:
         return as_holder(
