@@ -136,7 +136,8 @@ class EngineWatch:
         misses = 0
         while True:
             # Quicker until there is a speed: the first answers' advice is built on it.
-            quick = upstream.speed is None and misses < SPEED_MISSES
+            measures = upstream.config.speed_interval > 0
+            quick = measures and upstream.speed is None and misses < SPEED_MISSES
             await anyio.sleep(min(self.interval, 0.25) if quick else self.interval)
             known = upstream.known
             if known is None:
@@ -148,6 +149,8 @@ class EngineWatch:
                 self.seen(text, now, started=started)
             self.scraped.set()
             self.scraped = anyio.Event()
+            if not measures:
+                continue  # the answers' own rates stand for its speed
             counters = decode_counters(text or "")
             if counters is None:
                 misses += 1
