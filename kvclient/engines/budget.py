@@ -18,6 +18,7 @@ from .metrics import (
     OURS,
     TGI,
     VLLM,
+    lockstep_from_metrics,
     metric_whole,
     prefix_caching_from_vllm_metrics,
     prometheus_samples,
@@ -62,6 +63,12 @@ class Budget:
     #: Its overflow preempts a running sequence and recomputes it later (vLLM, SGLang; ours
     #: when told to) rather than failing requests: a forecast of outputs may bet within a budget.
     preempts: bool = False
+    #: The engine said its block size (else ``block_size`` is a default): the peak rule counts
+    #: in its blocks, and is refused without them.
+    block_known: bool = False
+    #: It decodes speculatively (vLLM's ``spec_decode`` counters): a sequence may advance
+    #: several tokens a step, and holds slots for the tokens it drafts.
+    speculative: bool = False
 
     @property
     def exact_pool(self) -> int | None:
@@ -136,12 +143,14 @@ def discover_budget() -> Generator[Probe, Answer, Budget]:
             sharing = prefix_caching_from_vllm_metrics(text)
             return Budget(
                 vllm[0], vllm[1], None, "vllm", source, tuple(tried), sharing,
-                kept_blocks=VLLM_KEPT_BLOCKS, preempts=True,
+                kept_blocks=VLLM_KEPT_BLOCKS, preempts=True, block_known=True,
+                speculative=lockstep_from_metrics(text).speculative,
             )  # fmt: skip
         ours = budget_from_reference_metrics(text)
         if ours is not None:
             source = f"{METRICS} kv_physical_capacity_tokens"
-            block = metric_whole(text, OURS.block_size) or 16
+            said = metric_whole(text, OURS.block_size)
+            block = said or 16
             running = metric_whole(text, OURS.max_running)
             shares = metric_whole(text, OURS.prefix_caching)
             lined = metric_whole(text, OURS.requests_waiting) is not None
@@ -150,6 +159,7 @@ def discover_budget() -> Generator[Probe, Answer, Budget]:
                 None if shares is None else shares == 1,
                 runs_all=lined and running is None,
                 kept_blocks=0, preempts=metric_whole(text, OURS.preempts) == 1,
+                block_known=said is not None,
             )  # fmt: skip
         tgi = budget_from_tgi_metrics(answer.payload)
         if tgi is not None:

@@ -68,8 +68,9 @@ class EngineMetrics:
     #: Decode calls so far (a counter), and the average busy slots per call since start.
     decode_calls: str | None = None
     busy_slots_per_decode: str | None = None
-    #: Requests waiting for a place in its running batch, now.
+    #: Requests waiting for a place in its running batch, and those in it, now.
     requests_waiting: str | None = None
+    requests_running: str | None = None
     #: Running requests' KV taken back so far (a counter).
     preemptions: str | None = None
     #: An info gauge whose labels describe the KV cache (blocks, block size, prefix caching).
@@ -84,6 +85,11 @@ class EngineMetrics:
     losses: LossCounter | None = None
     #: 1 when its overflow preempts and recomputes (0: it fails requests), where it says.
     preempts: str | None = None
+    #: The KV cache it uses now: in tokens, or as a share of its pool (0 to 1).
+    kv_used_tokens: str | None = None
+    kv_used_share: str | None = None
+    #: A metric that exists only while it decodes speculatively (several tokens a step).
+    speculative: str | None = None
 
 
 VLLM = EngineMetrics(
@@ -91,8 +97,13 @@ VLLM = EngineMetrics(
     prefix="vllm:",
     generated_tokens="vllm:generation_tokens_total",
     requests_waiting="vllm:num_requests_waiting",
+    requests_running="vllm:num_requests_running",
     preemptions="vllm:num_preemptions_total",
     cache_config="vllm:cache_config_info",
+    # 1 - its free blocks over num_gpu_blocks - 1 (its null block left out).
+    kv_used_share="vllm:kv_cache_usage_perc",
+    # Made (with a label per engine, so there from the start) only with a speculative config.
+    speculative="vllm:spec_decode_num_drafts_total",
     # A running request's KV blocks taken back when the pool runs out, to be recomputed.
     losses=LossCounter(
         "vllm:num_preemptions_total",
@@ -140,7 +151,9 @@ OURS = EngineMetrics(
     "kvclient",
     generated_tokens="kv_generated_tokens_total",
     requests_waiting="kv_engine_requests_waiting",
+    requests_running="kv_engine_requests_running",
     preemptions="kv_engine_preemptions_total",
+    kv_used_tokens="kv_used_tokens",
     preempts="kv_engine_preempts",
     kv_tokens="kv_physical_capacity_tokens",
     block_size="kv_engine_block_size",
@@ -265,23 +278,52 @@ def decode_counters(text: str) -> DecodeCounters | None:
 @dataclass(frozen=True, slots=True)
 class Lockstep:
     """What an engine's ``/metrics`` says of whether it runs every admitted request at each
-    step: requests waiting for a place in its batch now, and preemptions so far (a counter).
-    None where it does not say."""
+    step: requests waiting for a place in its batch and running now, preemptions so far (a
+    counter), the KV cache it uses now (tokens, or a share of its pool), and whether it decodes
+    speculatively. None where it does not say."""
 
     waiting: float | None
     preemptions: float | None
+    running: float | None = None
+    kv_used_tokens: float | None = None
+    kv_used_share: float | None = None
+    speculative: bool = False
+
+    def missing(self, *, preempts: bool) -> list[str]:
+        """The figures the peak rule needs that the page did not give (the preemption counter
+        only from an engine that preempts)."""
+        wanted = {"waiting": self.waiting, "running": self.running}
+        if preempts:
+            wanted["preemptions"] = self.preemptions
+        return [name for name, value in wanted.items() if value is None]
 
 
 def lockstep_from_metrics(text: str) -> Lockstep:
-    """vLLM's ``vllm:num_requests_waiting`` and ``vllm:num_preemptions_total``; ours'
-    ``kv_engine_requests_waiting`` and ``kv_engine_preemptions_total``."""
-    waiting = preemptions = None
+    """vLLM's ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+    ``vllm:num_preemptions_total``, ``vllm:kv_cache_usage_perc`` and its ``spec_decode``
+    counters; ours' ``kv_engine_requests_waiting``, ``kv_engine_requests_running``,
+    ``kv_engine_preemptions_total`` and ``kv_used_tokens``."""
+    found: dict[str, float | None] = {}
+    speculative = False
     for names in METRIC_NAMES.values():
-        if names.requests_waiting is not None and waiting is None:
-            waiting = _metric_sum(text, names.requests_waiting)
-        if names.preemptions is not None and preemptions is None:
-            preemptions = _metric_sum(text, names.preemptions)
-    return Lockstep(waiting=waiting, preemptions=preemptions)
+        for fact in ("requests_waiting", "requests_running", "preemptions", "kv_used_tokens"):
+            name = getattr(names, fact)
+            if name is not None and found.get(fact) is None:
+                found[fact] = _metric_sum(text, name)
+        if names.kv_used_share is not None and found.get("share") is None:
+            shares = [v for _, v in prometheus_samples(text, names.kv_used_share)]
+            if shares and all(math.isfinite(v) and 0 <= v <= 1 for v in shares):
+                found["share"] = max(shares)  # the fullest engine behind one server
+        if names.speculative is not None and prometheus_samples(text, names.speculative):
+            speculative = True
+    return Lockstep(
+        waiting=found.get("requests_waiting"),
+        preemptions=found.get("preemptions"),
+        running=found.get("requests_running"),
+        kv_used_tokens=found.get("kv_used_tokens"),
+        kv_used_share=found.get("share"),
+        speculative=speculative,
+    )
 
 
 # --- what an engine lost for lack of KV --------------------------------------------------------

@@ -109,19 +109,20 @@ def _fits_at(
     promises: Sequence[_Promise],
     usable: int,
     max_concurrency: int | None,
+    sequences: int = 1,
 ) -> bool:
-    """Whether ``need`` fits at ``t`` among the live handles not yet ended and the promised
-    returns under way."""
-    tokens = slots = 0
+    """Whether ``need`` (of ``sequences`` sequences) fits at ``t`` among the live handles not
+    yet ended and the promised returns under way."""
+    tokens = places = 0
     for end, handle in live:
         if end > t:
             tokens += handle.reserved_tokens
-            slots += 1
+            places += handle.sequences
     for promise in promises:
         if promise.start <= t < promise.end:
             tokens += promise.tokens
-            slots += 1
-    if max_concurrency is not None and slots >= max_concurrency:
+            places += 1
+    if max_concurrency is not None and places + sequences > max_concurrency:
         return False
     return tokens + need <= usable
 
@@ -135,37 +136,45 @@ def earliest_fit(
     *,
     usable: int,
     max_concurrency: int | None,
+    sequences: int = 1,
 ) -> float:
-    """The first moment from ``now`` at which ``need`` fits among ``live`` (ends and handles)
-    and ``promises``, whole reservations counted."""
+    """The first moment from ``now`` at which ``need`` (of ``sequences`` sequences, each taking
+    a place) fits among ``live`` (ends and handles) and ``promises``, whole reservations
+    counted."""
     candidates = sorted({now} | {end for end, _ in live} | {p.end for p in promises})
     for t in candidates:
         # It must fit when it starts and whenever a promised return starts after that.
         checkpoints = [t] + [p.start for p in promises if t < p.start < t + duration]
-        if all(_fits_at(need, c, live, promises, usable, max_concurrency) for c in checkpoints):
+        if all(
+            _fits_at(need, c, live, promises, usable, max_concurrency, sequences)
+            for c in checkpoints
+        ):
             return t
     return candidates[-1]  # by then everything in sight is released
 
 
 def earliest_peak_fit(
-    need: int,
     now: float,
     live: Sequence[tuple[float, Handle]],
     holder_of: Callable[[Handle], Holder],
+    newcomer: Sequence[Holder],
     *,
+    later: Sequence[Holder] | None = None,
+    sequences: int = 1,
     usable: int,
     block_size: int,
     tainted: Collection[Hashable] = (),
     max_concurrency: int | None = None,
 ) -> float:
-    """The first moment from ``now`` at which ``need`` fits under the peak rule.
+    """The first moment from ``now`` at which the ``newcomer`` (its holders as admission counts
+    them now, of ``sequences`` sequences) fits under the peak rule. ``later``: flat holders it
+    is counted as if admitted after now (a trajectory counted from now no longer applies).
 
     At a holder's expected end every holder still running has advanced as many steps as it
     had left (they decode in lockstep): the peak from then on is the peak over the steps after
-    those. Flat holders count until their own expected end, and a place must be free among
+    those. Flat holders count until their own expected end, and its places must be free among
     ``max_concurrency``. Promised returns are not counted (the gateway does not stagger).
     """
-    candidate = Holder.flat(need)
     holders = {id(h): holder_of(h) for _, h in live}
     advanced: list[tuple[float, int]] = [(now, 0)]
     for end, handle in live:
@@ -174,10 +183,12 @@ def earliest_peak_fit(
             advanced.append((end, steps_left))
     for t in sorted({now} | {end for end, _ in live}):
         steps = max(s for at, s in advanced if at <= t)
-        alive = [holders[id(h)] for end, h in live if end > t]
-        if max_concurrency is not None and len(alive) >= max_concurrency:
+        running = [(holders[id(h)], h.sequences) for end, h in live if end > t]
+        places = sum(n for _, n in running) + sequences
+        if max_concurrency is not None and places > max_concurrency:
             continue  # no place in the engine's batch yet
-        alive.append(candidate)
+        coming = newcomer if t == now or later is None else later
+        alive = [holder for holder, _ in running] + list(coming)
         if peak(alive, block_size=block_size, after=steps, tainted=tainted) <= usable:
             return t
     return max((end for end, _ in live), default=now)

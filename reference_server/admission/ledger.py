@@ -18,6 +18,10 @@ Under ``reserve`` the budget is checked by one of two rules (``rule``):
            sequence in lockstep, which the server watches; when it sees otherwise it runs on
            caps until the holders admitted before have all gone (:meth:`run_on_caps`).
 
+What the ledger is told while its holders run (their progress, the engine's figures) is in
+:mod:`.reports`, and its back-pressure (Retry-After, the room it advertises) in :mod:`.advising`:
+both mixins of :class:`KVAdmissionController`.
+
 >>> ledger = KVAdmissionController(total_kv_tokens=1000, context_window=512, decode_rate=100.0)
 >>> ledger.usable_tokens
 900
@@ -31,32 +35,33 @@ Under ``reserve`` the budget is checked by one of two rules (``rule``):
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import threading
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Literal, get_args
 
 from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
 
 from .advice import STAGGER_ROUNDS, Advice
+from .advising import Advising
 from .decode import Decoding, check_speed
-from .forecast import Drain, earliest_fit, earliest_peak_fit, expected_ends, quantile_above
 from .holders import (
     DEFAULT_RELAY_LAG,
     RuleInForce,
     as_holder,
     borrowable,
+    explained,
     freshest,
-    lender_in_prefill,
-    stalled,
+    slow_since,
     tainted_after,
 )
 from .outlook import Outlook
 from .peak import Holder, peak, prefix_blocks
 from .preemption import DEFAULT_START_QUANTILE
-from .values import Handle, Headroom, LedgerEvent, LedgerStats
+from .reports import Reports
+from .values import Ask, Handle, Headroom, LedgerEvent, LedgerStats
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
@@ -64,6 +69,7 @@ __all__ = [
     "RULES",
     "STAGGER_ROUNDS",
     "STRATEGIES",
+    "Ask",
     "Handle",
     "Headroom",
     "KVAdmissionController",
@@ -82,9 +88,11 @@ RULES: tuple[str, ...] = get_args(Rule)
 DEFAULT_SAFETY_FRACTION = 0.9
 #: The request cap in ``concurrency`` mode when none is given: a typical hand-tuned value.
 DEFAULT_MAX_CONCURRENCY = 16
+#: Releases remembered for the engine's books (:meth:`KVAdmissionController.engine_used`).
+_LET_GO_KEPT = 4096
 
 
-class KVAdmissionController:
+class KVAdmissionController(Reports, Advising):
     """Thread-safe reservation ledger over a KV pool of ``total_kv_tokens`` tokens.
 
     The usable budget is ``floor(total_kv_tokens x safety_fraction)``; bytes are tokens x
@@ -160,6 +168,10 @@ class KVAdmissionController:
         self.shares_prefixes = False
         #: Prefix blocks of which a copy was let go while another was held (see ``peak.py``).
         self._tainted: set[Hashable] = set()
+        #: KV the engine uses that no holder explains (:meth:`engine_used`), and what the
+        #: holders released lately may still hold there: (when, tokens).
+        self._unknown = 0
+        self._let_go: deque[tuple[float, int]] = deque(maxlen=_LET_GO_KEPT)
         #: The newcomer's clock and the forecast of outputs (see ``outlook.py``).
         self._outlook = Outlook(
             preemption_budget=preemption_budget,
@@ -281,74 +293,10 @@ class KVAdmissionController:
                 return f"the {self.strategy} strategy counts no caps to begin with"
             return self._in_force.reason
 
-    def set_caps_for_good(self, reason: str | None) -> None:
-        """Run on caps whatever happens, for ``reason`` (the engine does not qualify for the
-        peak rule); None lifts it."""
-        with self._lock:
-            self._in_force.for_good = reason
-
-    def run_on_caps(self, reason: str) -> None:
-        """The engine was seen not to run every holder in lockstep (requests waiting inside it,
-        a preemption, a stalled stream): count whole caps until every holder live now has
-        gone. Said again while it lasts, it waits for the holders live then."""
-        with self._lock:
-            self._in_force.until_drained(reason, self._live)
-
-    def progress(self, handle: Handle, generated: int, now: float) -> bool:
-        """``handle`` has had ``generated`` tokens relayed by ``now`` (counted from the engine's
-        own stream). True when they are its first: the room a queue waits for may have grown."""
-        with self._lock:
-            if handle.released or not handle.tracked:
-                return False
-            first = handle.generated is None
-            if first:
-                handle.first_seen_at = now
-                self._outlook.started(handle)
-            elif generated <= (handle.generated or 0):
-                return False
-            handle.generated = min(max(0, generated), handle.output_cap)
-            handle.seen_at = now
-            if self._peak_in_force():
-                self._outlook.outlived(handle, handle.generated)
-            return first
-
-    def ended(self, handle: Handle, *, by_itself: bool) -> None:
-        """The engine said how ``handle``'s output ended: ``by_itself`` (an end-of-sequence or
-        stop token), else at its cap or cut. Its length is learnt when it is released."""
-        with self._lock:
-            handle.ended = by_itself
-
-    def unfollow(self, handle: Handle) -> None:
-        """Its progress will not be relayed after all: it counts whole until released."""
-        with self._lock:
-            handle.tracked = False
-            handle.start_by = None
-
-    @property
-    def forecasting(self) -> bool:
-        """Whether holders are counted by a forecast of their outputs now (an engine that
-        preempts, a preemption budget, the peak rule in force and the budget not spent)."""
-        with self._lock:
-            return self._peak_in_force() and self._outlook.quantile() is not None
-
-    def engine_seen(self, *, waiting: float | None, preemptions: float | None) -> str | None:
-        """What the engine's ``/metrics`` said just now: requests waiting inside it (a
-        newcomer then may not start at once) and its preemption counter (the forecast's
-        budget; a line for the log when its quantile moved)."""
-        with self._lock:
-            self._outlook.engine_waiting = int(waiting or 0)
-            if preemptions is None:
-                return None
-            return self._outlook.observe(preemptions, self._live.values())
-
-    def stalled(self, now: float, seconds: float) -> list[Handle]:
-        """Tracked holders whose count stood still for ``seconds`` while another's moved (see
-        :func:`.holders.stalled`)."""
-        with self._lock:
-            return stalled(self._live.values(), now, seconds)
-
-    def _holder(self, handle: Handle, fresh: float) -> Holder:
-        return as_holder(handle, fresh, decode_rate=self.decode_rate, relay_lag=self.relay_lag)
+    def _holder(self, handle: Handle, fresh: float, now: float | None = None) -> Holder:
+        return as_holder(
+            handle, fresh, decode_rate=self.decode_rate, relay_lag=self.relay_lag, now=now
+        )
 
     def _committed(
         self, now: float, extra: Holder | None = None, without: Handle | None = None
@@ -358,15 +306,15 @@ class KVAdmissionController:
         if not self._peak_in_force():
             live = without is not None and self._live.get(without.id) is without
             gone = without.reserved_tokens if live and without is not None else 0
-            return self._reserved - gone + (extra.most if extra is not None else 0)
+            return self._unknown + self._reserved - gone + (extra.most if extra else 0)
         self._outlook.expire(self._live.values(), now)
         fresh = freshest(self._live.values(), now)
-        holders = [self._holder(h, fresh) for h in self._live.values() if h is not without]
+        holders = [self._holder(h, fresh, now) for h in self._live.values() if h is not without]
         if extra is not None:
             holders.append(extra)
         if not holders:
-            return 0
-        return peak(holders, block_size=self.block_size, tainted=self._tainted)
+            return self._unknown
+        return self._unknown + peak(holders, block_size=self.block_size, tainted=self._tainted)
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -375,19 +323,47 @@ class KVAdmissionController:
         running = self._running + newcomer.sequences
         if self.max_concurrency is not None and running > self.max_concurrency:
             return False
-        # A newcomer whose prefix a holder is computing waits for that holder's first token,
-        # then borrows its blocks: two copies would be counted twice, and once one of them is
-        # let go the engine may hand the freed one to the next borrower (see ``peak.py``).
+        # A newcomer whose prefix a holder is still computing borrows nothing from it: it is
+        # counted with a copy of its own (see ``peak.py``), and once one of the two copies is
+        # let go the freed one is charged to the next borrower (``tainted``).
         live = self._live.values()
-        prefix = newcomer.prefix
-        if prefix and self._peak_in_force() and lender_in_prefill(prefix, live):
-            return False
-        if self._reserved + newcomer.reserved_tokens <= self.usable_tokens:
+        if self._unknown + self._reserved + newcomer.reserved_tokens <= self.usable_tokens:
             return True  # the sum of the caps is never below the peak
         if not self._peak_in_force():
             return False
         fresh = freshest(live, now)
-        return self._committed(now, self._holder(newcomer, fresh)) <= self.usable_tokens
+        return self._committed(now, self._holder(newcomer, fresh, now)) <= self.usable_tokens
+
+    def _newcomer(self, ask: Ask, now: float) -> Handle:
+        """The handle ``ask`` would be admitted with ``now``, as the rule counts it (lock held)."""
+        rate = self.rate_at(len(self._live) + 1)
+        handle = Handle(
+            id=0,
+            prompt_tokens=ask.prompt_tokens,
+            output_cap=ask.output_cap,
+            reserved_tokens=ask.need,
+            admitted_at=now,
+            due_at=now + ask.output_cap / rate + self.release_margin,
+            progress_at_admit=self._decoding.progress,
+            sequences=ask.sequences,
+        )
+        if self._in_force.tracks_progress:
+            live = self._live.values()
+            self._outlook.expire(live, now)
+            self._outlook.admit(
+                handle, now, kind=ask.kind, follow=ask.follow, step_seconds=1.0 / rate,
+                relay_lag=self.relay_lag,
+            )  # fmt: skip
+            if ask.prefix and self._peak_in_force():
+                handle.prefix = ask.prefix
+                handle.borrowed = borrowable(ask.prefix, live)
+            # Full prompt blocks the ledger has no keys of, where the engine shares them.
+            handle.unkeyed = (
+                not handle.prefix
+                and self.shares_prefixes
+                and ask.prompt_tokens - 1 >= self.block_size
+            )
+        return handle
 
     def try_admit(
         self,
@@ -416,38 +392,19 @@ class KVAdmissionController:
         """
         if need is None:
             need = self.need_tokens(prompt_tokens, output_cap)
+        ask = Ask(
+            prompt_tokens=prompt_tokens, output_cap=output_cap, need=need, prefix=prefix,
+            kind=kind, follow=follow, sequences=sequences,
+        )  # fmt: skip
         with self._lock:
             self._advance(now)
-            rate = self.rate_at(len(self._live) + 1)
-            handle = Handle(
-                id=0,
-                prompt_tokens=prompt_tokens,
-                output_cap=output_cap,
-                reserved_tokens=need,
-                admitted_at=now,
-                due_at=now + output_cap / rate + self.release_margin,
-                progress_at_admit=self._decoding.progress,
-                sequences=sequences,
-            )
-            if self._in_force.tracks_progress:
-                self._outlook.expire(self._live.values(), now)
-                self._outlook.admit(
-                    handle,
-                    now,
-                    kind=kind,
-                    follow=follow,
-                    step_seconds=1.0 / rate,
-                    relay_lag=self.relay_lag,
-                )
-                if prefix and self._peak_in_force():
-                    handle.prefix = prefix
-                    handle.borrowed = borrowable(prefix, self._live.values())
+            handle = self._newcomer(ask, now)
             if not self._fits(handle, now):
                 if count_rejection:
                     self._rejected_total += 1
                 return None
             handle.id = next(self._ids)
-            self._running += sequences
+            self._running += handle.sequences
             self._live[handle.id] = handle
             self._advice.keep_promise(need, now, self.release_margin)
             self._reserved += need
@@ -480,9 +437,15 @@ class KVAdmissionController:
                 return
             if now is not None:
                 self._advance(now)
+                # What the engine's books may still show of it for a moment (see engine_used).
+                held = explained(
+                    [handle], now, now, decode_rate=self.decode_rate, relay_lag=self.relay_lag,
+                    block_size=self.block_size,
+                )  # fmt: skip
+                self._let_go.append((now, held))
             del self._live[handle.id]
             self._running -= handle.sequences
-            if handle.prefix:
+            if handle.prefix or handle.unkeyed:
                 self._tainted = tainted_after(handle, self._live.values(), self._tainted)
             self._in_force.gone(handle.id)
             self._outlook.gone(handle)
@@ -493,108 +456,7 @@ class KVAdmissionController:
                 event = LedgerEvent(kind="release", id=handle.id, tokens=handle.reserved_tokens)
                 self._on_event(event)
 
-    # --- back-pressure -----------------------------------------------------------------------
-
-    def record_output(self, completion_tokens: int) -> None:
-        """Remember how long a finished request's output was (for ``output_quantile``)."""
-        with self._lock:
-            self._advice.record_output(completion_tokens)
-
-    def _expected_ends(self, ordered: list[int] | None, now: float) -> list[tuple[float, Handle]]:
-        """When each live handle is taken to free its reservation (lock held): see
-        :func:`.forecast.expected_ends`. Its progress is what was relayed where it was,
-        else what the engine's speed made of it since its admission."""
-        self._advance(now)
-        progress = self._decoding.progress
-        live = [
-            (h, h.generated if h.generated is not None else progress - h.progress_at_admit)
-            for h in self._live.values()
-        ]
-        drain = Drain(self.rate_at, self.decode_rate, self.release_margin, self.overrun)
-        return expected_ends(live, now, drain, ordered=ordered, quantile=self.output_quantile)
-
-    def retry_after(
-        self,
-        need: int,
-        now: float,
-        *,
-        duration: float = 0.0,
-        promise: bool = False,
-        client: Hashable | None = None,
-    ) -> float:
-        """Seconds until ``need`` tokens fit, from when in-flight reservations are due to end.
-
-        Each live handle frees its reservation at its worst-case end (its cap, at the engine's
-        speed as measured: see :meth:`_expected_ends`). The answer is
-        the earliest of those moments at which ``need`` fits, so it is an upper bound for the
-        current load: requests that stop early free their share sooner. With
-        ``output_quantile`` (say 0.9) and enough finished requests seen, a handle is expected to
-        end by the time that quantile of the recent outputs longer than what it has generated
-        takes to decode, if that is sooner than its cap: an estimate that holds in most cases
-        rather than in all, and is much closer when outputs stop well before their caps.
-
-        With ``promise=True`` the answer is also remembered as a promise that ``client`` (the
-        connection's address, say) holds ``need`` tokens for ``duration`` seconds from then, so
-        that clients turned away together are told staggered times (see :mod:`.advice`). A live
-        handle is never taken as released before it is: while the budget is held, the answer is
-        not "fits now". Returns 0.0 when it fits now; callers clamp it for the header.
-        """
-        with self._lock:
-            self._advice.forget(now, client if promise else None)
-            ordered = self._advice.recent_outputs(self.output_quantile)
-            live = self._expected_ends(ordered, now)
-            if self._peak_in_force():
-                fresh = freshest(self._live.values(), now)
-                when = earliest_peak_fit(
-                    need, now, live, lambda h: self._holder(h, fresh),
-                    usable=self.usable_tokens, block_size=self.block_size, tainted=self._tainted,
-                    max_concurrency=self.max_concurrency,
-                )  # fmt: skip
-                return max(0.0, when - now)
-            horizon = None
-            if ordered is not None and self.output_quantile is not None:
-                horizon = quantile_above(ordered, -1, self.output_quantile)
-            if horizon is not None:  # a new request's own likely length
-                duration = min(duration, horizon / self.decode_rate)
-            fit = functools.partial(
-                earliest_fit, usable=self.usable_tokens, max_concurrency=self.max_concurrency
-            )
-            margin = self.release_margin
-            chosen = self._advice.earliest(need, now, live, fit, duration, margin, promise, client)
-            return max(0.0, chosen - now)
-
-    def outstanding_promises(self) -> int:
-        """Clients told to come back whose promised time has not run out."""
-        with self._lock:
-            return len(self._advice)
-
     # --- observation -------------------------------------------------------------------------
-
-    def headroom(self, now: float, *, releasing: Handle | None = None, queued: int = 0) -> Headroom:
-        """What is free now and when the next reservation is due to end.
-
-        ``releasing`` is a handle about to be given back (an answer sent just before its
-        ``finally``): counted as free already. ``queued`` tokens wait in a queue ahead of any
-        newcomer, so they are not free for it.
-        """
-        with self._lock:
-            reserved = self._committed(now, without=releasing)
-            inflight = len(self._live)
-            soonest = math.inf
-            for end, handle in self._expected_ends(None, now):
-                if handle is releasing:
-                    inflight -= 1
-                elif end < soonest:
-                    soonest = end
-        free = self.usable_tokens - reserved - queued
-        if self.max_concurrency is not None and inflight >= self.max_concurrency:
-            free = 0
-        return Headroom(
-            usable=self.usable_tokens,
-            free=max(0, free),
-            next_release_in=max(0.0, soonest - now) if soonest != math.inf else 0.0,
-            advertised=self.strategy == "reserve",
-        )
 
     def load(self) -> tuple[int, int]:
         """(tokens reserved, requests in flight) now: what routing needs, without the whole
@@ -614,8 +476,11 @@ class KVAdmissionController:
         with self._lock:
             return list(self._live.values())
 
-    def stats(self) -> LedgerStats:
+    def stats(self, now: float | None = None) -> LedgerStats:
+        """A snapshot; ``now`` (the ledger's clock) for what depends on time (the peak, slow
+        readers), else the last time the ledger was told."""
         with self._lock:
+            at = (self._decoding.at or 0.0) if now is None else now
             return LedgerStats(
                 strategy=self.strategy,
                 usable_tokens=self.usable_tokens,
@@ -631,7 +496,11 @@ class KVAdmissionController:
                 max_concurrency=self.max_concurrency,
                 rule="peak" if self._peak_in_force() else "caps",
                 caps_reason=self._in_force.reason,
-                committed_tokens=self._committed(self._decoding.at or 0.0),
+                committed_tokens=self._committed(at),
+                slow_readers=sum(
+                    1 for h in self._live.values() if slow_since(h, at, self.relay_lag)
+                ),
+                unknown_tokens=self._unknown,
                 **self._outlook.figures(peak=self._peak_in_force()),
             )
 

@@ -50,8 +50,9 @@ class Outlook:
             else None
         )
         self.start_clock = start_clock
-        #: Requests waiting inside the engine, as last read from its ``/metrics``.
-        self.engine_waiting = 0
+        #: Requests waiting inside the engine, as last read from its ``/metrics`` (None: it
+        #: could not be read, and a newcomer may not start at once).
+        self.engine_waiting: int | None = 0
         #: Whether the engine's speed has been measured (the clock's bound is in its steps).
         self.speed_known = False
         #: Holders admitted on the clock whose first token is late and has not come.
@@ -116,7 +117,7 @@ class Outlook:
 
     def clock_runs(self) -> bool:
         """Whether a newcomer admitted now is counted from its admission."""
-        return self.start_clock and self.speed_known and not self.engine_waiting and not self._late
+        return self.start_clock and self.speed_known and self.engine_waiting == 0 and not self._late
 
     def admit(
         self,

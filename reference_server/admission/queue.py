@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable
 import anyio
 
 from .fairness import FairScheduler, TenantStats
-from .ledger import Handle, Headroom, KVAdmissionController
+from .ledger import Ask, Handle, Headroom, KVAdmissionController
 
 __all__ = ["AdmissionQueue", "LedgerUnavailable", "Rejected", "wait_limit"]
 
@@ -119,20 +119,19 @@ class AdmissionQueue:
         """KV tokens the queued requests wait for: not free for a newcomer, who queues behind."""
         return sum(w.need for w in self._waiters)
 
-    def _reject(
-        self, need: int, output_cap: int, ahead: int, extra_need: int, client: Hashable | None
-    ) -> Rejected:
+    def _reject(self, ask: Ask, ahead: int, extra_need: int, client: Hashable | None) -> Rejected:
         # With staggering, unqueued rejections become promises, so clients turned away together
         # get times that each fit; a queued request's estimate counts those ahead of it instead.
         wait = self.ledger.retry_after(
-            need + extra_need,
+            ask.need + extra_need,
             self._clock(),
-            duration=output_cap / self.ledger.decode_rate,
+            duration=ask.output_cap / self.ledger.decode_rate,
             promise=self.stagger and ahead == 0,
             client=client,
+            ask=ask,
         )
-        self.ledger.record_rejection(need, wait)
-        return Rejected(need=need, retry_after=wait, queued_ahead=ahead)
+        self.ledger.record_rejection(ask.need, wait)
+        return Rejected(need=ask.need, retry_after=wait, queued_ahead=ahead)
 
     def notify(self) -> None:
         """Something was released: let the head of the queue try again."""
@@ -177,6 +176,10 @@ class AdmissionQueue:
         """
         limit = wait_limit(self.max_wait, max_wait)
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
+        ask = Ask(
+            prompt_tokens=prompt_tokens, output_cap=output_cap, need=need, prefix=prefix,
+            kind=(model, None), follow=follow, sequences=sequences,
+        )  # fmt: skip
 
         def attempt() -> Handle | None:
             return self.ledger.try_admit(
@@ -186,7 +189,7 @@ class AdmissionQueue:
                 count_rejection=False,
                 need=need,
                 prefix=prefix,
-                kind=(model, None),
+                kind=ask.kind,
                 follow=follow,
                 sequences=sequences,
             )
@@ -194,9 +197,7 @@ class AdmissionQueue:
         if not self._waiters and (handle := attempt()) is not None:
             return handle
         if limit <= 0:
-            raise self._reject(
-                need, output_cap, len(self._waiters), sum(w.need for w in self._waiters), client
-            )
+            raise self._reject(ask, len(self._waiters), sum(w.need for w in self._waiters), client)
 
         waiter = _Waiter(need)
         self._waiters.append(waiter)
@@ -209,7 +210,7 @@ class AdmissionQueue:
                     waiter.event = anyio.Event()
             ahead = self._waiters.index(waiter)
             extra = sum(self._waiters[i].need for i in range(ahead))
-            raise self._reject(need, output_cap, ahead, extra, client)
+            raise self._reject(ask, ahead, extra, client)
         finally:
             was_head = bool(self._waiters) and self._waiters[0] is waiter
             with contextlib.suppress(ValueError):  # always queued here; belt and braces

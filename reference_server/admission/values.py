@@ -7,7 +7,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Handle", "Headroom", "LedgerEvent", "LedgerStats"]
+__all__ = ["Ask", "Handle", "Headroom", "LedgerEvent", "LedgerStats"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,6 +27,22 @@ class LedgerEvent:
     retry_after: float = 0.0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ask:
+    """A request as admission counts it: its prompt and output cap, the ``need`` they take,
+    the keys of its shareable prompt blocks, whose outputs its forecast learns from, whether
+    its progress will be followed, and how many sequences it runs (see
+    :meth:`KVAdmissionController.try_admit`)."""
+
+    prompt_tokens: int
+    output_cap: int
+    need: int
+    prefix: tuple[Hashable, ...] = ()
+    kind: Hashable = None
+    follow: bool = False
+    sequences: int = 1
+
+
 @dataclass(slots=True, kw_only=True)
 class _Promise:
     """A rejected client told to come back at ``start``, holding ``tokens`` until ``end``."""
@@ -44,17 +60,24 @@ class Handle:
     its output cap when decoding at the engine's rate then. Retry-After estimates follow the
     engine's progress instead: ``progress_at_admit`` is the ledger's decode progress (tokens one
     sequence has generated since the ledger began) when it was admitted.
-    ``writing_since`` is set by the server while a write of the answer waits on the client (the
-    ledger's clock), None otherwise: one waiting longer than the release margin is a client
-    that stopped reading, and the holder ends only when the server cuts it. ``sequences`` is how
-    many sequences the request runs at once in the engine (``n``), each in a place of its own.
+    ``writing_since`` is when a write of the answer began waiting on the client (the ledger's
+    clock), None when none is under way: one waiting longer than the release margin is a client
+    that stopped reading, and the holder ends only when the server cuts it. ``slowed_at`` and
+    ``slowed_from``: once a write waited long enough that its relayed count may lag the engine
+    by more than the relay's margin (a slow reader), the count read before that wait and when;
+    from then on it is counted as advancing at the engine's speed from there. Both are set
+    through the ledger (:meth:`KVAdmissionController.writing`, ``written``), under its lock.
+    ``sequences`` is how many sequences the request runs at once in the engine (``n``), each in
+    a place of its own.
 
     For the ``peak`` rule (see :mod:`.peak`): ``tracked`` says the server relays the request's
     progress exactly (one sequence, its tokens counted from the engine's own stream);
     ``generated`` is the tokens relayed so far (None before the first), ``first_seen_at`` and
     ``seen_at`` when the first and the latest count arrived; ``prefix`` the keys of its
-    shareable prompt blocks, the first ``borrowed`` of them computed by another holder. An
-    untracked holder, or one whose first token has not come, counts at its whole reservation.
+    shareable prompt blocks, the first ``borrowed`` of them computed by another holder;
+    ``unkeyed``, where the engine shares prefix blocks, says it holds full prompt blocks the
+    ledger has no keys of (they may be copies of others'). An untracked holder, or one whose
+    first token has not come, counts at its whole reservation.
 
     Beyond the exact rule (see :mod:`.outputs` and :mod:`.preemption`): ``counted_output`` is
     the output it is counted to (its cap, or the forecast of where it ends), ``level`` how many
@@ -83,8 +106,11 @@ class Handle:
         "reserved_tokens",
         "seen_at",
         "sequences",
+        "slowed_at",
+        "slowed_from",
         "start_by",
         "tracked",
+        "unkeyed",
         "writing_since",
     )
 
@@ -110,12 +136,15 @@ class Handle:
         self.sequences = sequences
         self.released = False
         self.writing_since: float | None = None
+        self.slowed_at: float | None = None
+        self.slowed_from = 0
         self.tracked = False
         self.generated: int | None = None
         self.first_seen_at = 0.0
         self.seen_at = 0.0
         self.prefix: tuple[Hashable, ...] = ()
         self.borrowed = 0
+        self.unkeyed = False
         self.counted_output = output_cap
         self.level = 0
         self.kind: Hashable = None
@@ -164,6 +193,12 @@ class LedgerStats:
     #: one's first token came later than its bound (then counted whole, and newcomers too).
     start_clock: bool = False
     late_starts: int = 0
+    #: Holders whose relay waited on a client that reads slowly: counted as advancing at the
+    #: engine's speed to their caps, not taken for an engine out of lockstep.
+    slow_readers: int = 0
+    #: KV the engine uses beyond what the holders explain: someone the gateway does not see,
+    #: counted as held (in ``committed_tokens`` too).
+    unknown_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

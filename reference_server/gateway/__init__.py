@@ -2,6 +2,8 @@
 
 - :mod:`.config`: what it is told, checked at start;
 - :mod:`.upstream`: one engine: its pooled client, discovery, ledger and health;
+- :mod:`.watch`: what the gateway sees of an engine through its ``/metrics``, and the peak
+  rule failing closed when it does not see what the rule assumes;
 - :mod:`.rewrite`: what changes on the way (the cap, the headers), pure;
 - :mod:`.assemble`: a plain answer assembled from the stream it was asked upstream as, pure;
 - :mod:`.relay`: the backend of the generation endpoint: count, route, forward, relay;

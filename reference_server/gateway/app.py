@@ -122,7 +122,7 @@ async def _health(request: Request) -> Response:
     now = time.monotonic()
     upstreams = []
     for u in state.upstreams:
-        stats = u.known.ledger.stats() if u.known is not None else None
+        stats = u.known.ledger.stats(now) if u.known is not None else None
         upstreams.append(
             {
                 "url": u.name,
@@ -148,6 +148,9 @@ async def _health(request: Request) -> Response:
                 ),
                 "start_clock": stats.start_clock if stats else None,
                 "late_starts": stats.late_starts if stats else None,
+                "slow_readers": stats.slow_readers if stats else None,
+                "unknown_tokens": stats.unknown_tokens if stats else None,
+                "figures_unread": u.watch.blind,
                 "problem": u.discovery_error,
             }
         )
@@ -206,7 +209,9 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
                 if state.shared is not None:
                     group.start_soon(state.shared.run)
                 for upstream in state.upstreams:
-                    group.start_soon(upstream.watch_speed)
+                    # Two tasks: a scrape that hangs must not keep the figures from going stale.
+                    group.start_soon(upstream.watch.scrape)
+                    group.start_soon(upstream.watch.lockstep)
                 yield
                 group.cancel_scope.cancel()
         finally:

@@ -84,9 +84,10 @@ class GatewayConfig:
     #: The peak rule's allowance, in seconds, for a token's way from the engine's decode step to
     #: the gateway's reading of it (``--relay-lag``; see ``admission/holders.py``).
     relay_lag: float = DEFAULT_RELAY_LAG
-    #: Seconds between scrapes of each engine's decode counters (its ``/metrics``), from which
-    #: the ledger's decode speed is measured (see ``gateway/speed.py``); 0: never scraped,
-    #: the answers' own rates are used.
+    #: Seconds between scrapes of each engine's ``/metrics`` (one at most: the peak rule's
+    #: watch needs its figures that often, see ``gateway/watch.py``), from whose decode
+    #: counters the ledger's decode speed is measured (see ``gateway/speed.py``); 0: scraped
+    #: once a second for the watch alone, the answers' own rates are used.
     speed_interval: float = 1.0
     #: A local counter (a model's tokenizer); None: the upstream's /tokenize, else tiktoken.
     counter: TokenCounter | None = None

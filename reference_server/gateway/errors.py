@@ -3,7 +3,14 @@ share (the relay, discovery, the shared ledger's setup)."""
 
 from __future__ import annotations
 
-__all__ = ["UpstreamUnavailable"]
+import asyncio
+
+import aiohttp
+
+__all__ = ["UPSTREAM_ERRORS", "UpstreamUnavailable"]
+
+#: What a failed upstream exchange raises: no answer, a broken one, a timeout.
+UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 class UpstreamUnavailable(Exception):

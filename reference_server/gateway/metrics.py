@@ -115,7 +115,7 @@ class GatewayCollector:
         now = time.monotonic()
         rows = []
         for u in self.state.upstreams:
-            stats = u.known.ledger.stats() if u.known is not None else None
+            stats = u.known.ledger.stats(now) if u.known is not None else None
             rows.append((u, stats))
         total = {
             "kv_usable_tokens": sum(s.usable_tokens for _, s in rows if s),
@@ -175,6 +175,12 @@ class GatewayCollector:
             "kv_upstream_start_clock": [
                 1 if s is not None and s.start_clock else 0 for _, s in rows
             ],
+            # Holders whose client reads slowly: counted as advancing at the engine's speed.
+            "kv_upstream_slow_readers": [s.slow_readers if s else 0 for _, s in rows],
+            # KV the engine uses that no holder explains (counted as held), and 1 while its
+            # waiting, running and preemption figures cannot be read (whole caps).
+            "kv_upstream_unknown_tokens": [s.unknown_tokens if s else 0 for _, s in rows],
+            "kv_upstream_figures_unread": [1 if u.watch.blind else 0 for u, _ in rows],
         }
         counters: dict[str, list[float]] = {
             "kv_upstream_admitted": [s.admitted_total if s else 0 for _, s in rows],

@@ -223,6 +223,25 @@ class UpstreamBackend:
     def answer_cut(self) -> None:
         self.state.counters.send_timeouts += 1
 
+    async def let_go(self, target: Target, handle: Handle) -> None:
+        """Wait for the engine to let go of a request cut before its end: the relay reset its
+        connection, and the engine frees the sequence at the step after its API process has
+        seen the abort. Returns when a scrape read since shows it running no more than the
+        other holders, or after a step's time at the current batch and the relay's lag (the
+        allowance for the engine's API process), whichever comes first."""
+        assert isinstance(target, Known)
+        ledger, watch = target.ledger, target.upstream.watch
+        live = ledger.live_handles()
+        others = sum(h.sequences for h in live if h is not handle)
+        step = 1.0 / ledger.rate_at(max(1, len(live)))
+        cut = time.monotonic()
+        with anyio.move_on_after(step + ledger.relay_lag):
+            while True:
+                await watch.scraped.wait()
+                running = watch.running
+                if watch.running_from >= cut and running is not None and running <= others:
+                    return
+
     # --- plan --------------------------------------------------------------------------------
 
     async def plan(

@@ -9,7 +9,6 @@ keeps no cookies (one client serves every caller).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import json
@@ -27,24 +26,23 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
-import anyio
 import yarl
 
 from kvclient.engines.behaviour import PROGRESS_ENGINES, PROMPT_SHARING_ENGINES
 from kvclient.engines.budget import Budget, discover_budget
 from kvclient.engines.discovery import Answer, Discovery, Probe, discover_context
-from kvclient.engines.metrics import decode_counters, lockstep_from_metrics
 from kvclient.engines.tokenize import TOKENIZE_ENGINES, Tokenized, tokenize
 from kvclient.routing import Endpoint, Health
 
 from ..admission.fair_queue import FairQueue
 from ..admission.ledger import DEFAULT_SAFETY_FRACTION, KVAdmissionController
-from ..admission.queue import AdmissionQueue, LedgerUnavailable
+from ..admission.queue import AdmissionQueue
 from ..http.requests import GenerationRequest
 from .config import DEFAULT_PREEMPTION_BUDGET, GatewayConfig, public_url
-from .errors import UpstreamUnavailable
+from .errors import UPSTREAM_ERRORS, UpstreamUnavailable
 from .redis_ledgers import SharedLedgers
-from .speed import Speed, SpeedEstimator
+from .speed import Speed
+from .watch import EngineWatch, speculative_reason
 
 __all__ = [
     "UPSTREAM_ERRORS",
@@ -68,15 +66,6 @@ _MAX_PROBE_BYTES = 4 * 1024 * 1024
 _MIN_RATE_TOKENS = 8
 #: Answers the decode rate is the median of.
 _RATE_WINDOW = 31
-#: Scrapes in a row without decode counters after which an engine is taken to export none.
-_SPEED_MISSES = 3
-#: Seconds a stream's count may stand still while another's moves before the engine is taken
-#: not to run them in lockstep: many decode steps even for a large batch on a CPU.
-_STALL_SECONDS = 3.0
-
-
-#: What a failed upstream exchange raises: no answer, a broken one, a timeout.
-UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 def _proxy_for(url: str) -> str | None:
@@ -257,10 +246,9 @@ class Upstream:
         self.preemption_budget = preemption_budget
         #: What its usable budget is made of, for ``/health``.
         self.pool_basis: str | None = None
-        #: Times it was seen not to run its holders in lockstep (the peak rule then counted
-        #: whole caps until they had gone), and the engine's preemptions when last scraped.
+        #: Times the peak rule fell back to whole caps for what its engine did or hid (until
+        #: the holders live then had gone).
         self.lockstep_breaks = 0
-        self._preemptions: float | None = None
         #: The URL as it may be shown: without user and password.
         self.name = public_url(self.url)
         self.kv_override = kv_override
@@ -276,9 +264,11 @@ class Upstream:
         #: Measured per-sequence decode rate (tokens/s): the median of the recent answers'.
         self.measured_rate: float | None = None
         self._rates: deque[float] = deque(maxlen=_RATE_WINDOW)
-        #: The speed measured from the engine's own counters (:meth:`watch_speed`), when it
+        #: The speed measured from the engine's own counters (see ``watch.py``), when it
         #: exports them: then the answers' rates are not used.
         self.speed: Speed | None = None
+        #: What the gateway sees of the engine, through its ``/metrics``.
+        self.watch = EngineWatch(self)
         self.http = UpstreamHTTP(self.url, config)
         #: Set by the gateway when its ledger is shared: where reservations are kept.
         self.shared: SharedLedgers | None = None
@@ -305,46 +295,6 @@ class Upstream:
         self.measured_rate = statistics.median(self._rates)
         if self.speed is None:
             self.known.ledger.set_speed(self.measured_rate, None, time.monotonic())
-
-    async def watch_speed(self) -> None:
-        """Scrape the engine's decode counters every ``speed_interval`` seconds while the
-        gateway serves, and give the ledger the speed they show (see ``speed.py``): how fast
-        its holders really drain, however many share the engine. Returns for an engine that
-        exports no counters (a few scrapes in a row without them, none ever): its answers'
-        rates stand in (:meth:`observe`)."""
-        interval = self.config.speed_interval
-        if interval <= 0:
-            return
-        estimator = SpeedEstimator()
-        misses = 0
-        while misses < _SPEED_MISSES or self.speed is not None:
-            # Quicker until there is a speed: the first answers' advice is built on it.
-            await anyio.sleep(interval if self.speed is not None else min(interval, 0.25))
-            known = self.known
-            if known is None:
-                continue
-            try:
-                status, _, data = await self.fetch("GET", "/metrics")
-            except UPSTREAM_ERRORS:
-                continue  # its health is the requests' business
-            text = data.decode("utf-8", "replace") if status == 200 and data else ""
-            if text:
-                self.watch_lockstep(text, time.monotonic())
-            counters = decode_counters(text)
-            if counters is None:
-                misses += 1
-                continue
-            misses = 0
-            try:  # everything that runs on the engine through the ledger (a shared one's too)
-                occupancy = await known.queue.occupancy()
-            except LedgerUnavailable:
-                continue
-            now = time.monotonic()
-            estimator.add(counters, *occupancy)
-            speed = estimator.estimate()
-            if speed is not None:
-                self.speed = speed
-                known.ledger.set_speed(speed.decode_rate, speed.throughput, now, steps=True)
 
     async def fetch(
         self,
@@ -421,7 +371,7 @@ class Upstream:
         except ValueError as exc:
             raise UpstreamUnavailable(f"unusable budget (KV {kv} tokens): {exc}") from None
         unbounded = running is None and budget.runs_all
-        ledger.set_caps_for_good(self._caps_reason(engine, running, unbounded))
+        ledger.set_caps_for_good(self._caps_reason(engine, running, budget, unbounded))
         ledger.shares_prefixes = budget.prefix_caching is True
         if ledger.caps_reason is not None:
             logger.warning(
@@ -442,6 +392,7 @@ class Upstream:
                 self.name, ledger, self.config.max_queue_wait, self.config.fairness
             )
         self.discovery, self.budget = found, budget
+        self.watch.discovered(time.monotonic())
         self.known = Known(upstream=self, ledger=ledger, queue=queue)
         logger.info(
             "upstream %s: %s, window %d (%s), KV %d tokens (%s), usable %d",
@@ -486,7 +437,7 @@ class Upstream:
         return DEFAULT_PREEMPTION_BUDGET if wanted is None else wanted
 
     def _caps_reason(
-        self, engine: str | None, running: int | None, unbounded: bool = False
+        self, engine: str | None, running: int | None, budget: Budget, unbounded: bool = False
     ) -> str | None:
         """Why this upstream's holders count at their whole caps under ``--admission-rule peak``,
         or None when the peak rule may run (``unbounded``: the engine runs every request it is
@@ -495,52 +446,19 @@ class Upstream:
             return "the shared ledger counts whole caps"
         if engine not in PROGRESS_ENGINES:
             return f"{engine or 'this engine'} does not report each stream's progress exactly"
+        if budget.speculative:
+            return speculative_reason()
+        if not budget.block_known:
+            return (
+                f"{engine}'s KV block size is not known (its /metrics did not say it): the peak "
+                "is counted in its blocks"
+            )
         if running is None and not unbounded:
             return (
                 f"how many sequences {engine} runs at once is not known: give --max-running "
                 "(vLLM's --max-num-seqs)"
             )
         return None
-
-    def watch_lockstep(self, text: str, now: float) -> None:
-        """From a ``/metrics`` scrape and the relayed streams: whether the engine runs every
-        holder at each step. Requests waiting inside it, a preemption since the last scrape, or
-        a stream that stalled while others advanced put it on whole caps until its holders
-        have gone."""
-        known = self.known
-        if known is None or not known.ledger.tracks_progress:
-            return
-        signals = lockstep_from_metrics(text)
-        said = known.ledger.engine_seen(waiting=signals.waiting, preemptions=signals.preemptions)
-        if said is not None:
-            logger.warning("upstream %s: %s", self.name, said)
-        # Counting by a forecast, preemptions are the price of the bet, which its budget holds
-        # (and a preempted sequence waits in the engine until it is recomputed): not a break.
-        betting = known.ledger.forecasting
-        reason = None
-        if signals.waiting is not None and signals.waiting > 0 and not betting:
-            reason = f"{signals.waiting:.0f} requests wait inside the engine"
-        previous, self._preemptions = self._preemptions, signals.preemptions
-        now_preempted = signals.preemptions
-        if (
-            previous is not None
-            and now_preempted is not None
-            and now_preempted > previous
-            and not betting
-        ):
-            reason = f"the engine preempted {now_preempted - previous:.0f} requests"
-        stalled = known.ledger.stalled(now, _STALL_SECONDS)
-        if reason is None and stalled:
-            reason = f"{len(stalled)} streams stalled while others advanced"
-        if reason is None:
-            return
-        if known.ledger.caps_reason is None:
-            self.lockstep_breaks += 1
-            logger.warning(
-                "upstream %s: not in lockstep (%s): whole caps until its holders have gone",
-                self.name, reason,
-            )  # fmt: skip
-        known.ledger.run_on_caps(reason)
 
     def endpoint(self, now: float) -> Endpoint:
         """How the router sees it now."""

@@ -7,6 +7,8 @@ an engine error, a cut answer, a client that goes away, cancellation.
 
 - **A client that goes away is gone.** A read EOF or a reset from the client (uvicorn's
   ``http.disconnect``) cancels the request wherever it is: queued, generating or relaying.
+  A request cut while the engine ran it keeps its reservation until the engine has let it go
+  (:meth:`Backend.let_go`), then releases it.
 - **A stalled reader is cut.** A write that waits longer than ``send_timeout`` for the client to
   read ends the request (nginx's ``send_timeout``), so a client that stops reading cannot pin a
   reservation.
@@ -157,6 +159,11 @@ class Backend(Protocol):
         """An answer was cut by the send timeout (for the metrics)."""
         ...
 
+    async def let_go(self, target: Target, handle: Handle) -> None:
+        """Return once the engine has let go of ``handle``'s request, cut before its end (its
+        client gone, or not reading): its reservation is held until then."""
+        ...
+
 
 async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
     """Cancels ``scope`` when the client goes away. Per ASGI, ``receive()`` also answers
@@ -170,9 +177,10 @@ async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
 
 class _StallWatch:
     """Ends the request when a write of its answer waits longer than ``timeout`` for the client
-    to read. The writes only note when they begin and end (on the handle too: the ledger's
-    Retry-After counts a stalled holder as ending when it is cut); one task per request checks,
-    a quarter of the timeout apart."""
+    to read. The writes only note when they begin and end (in the ledger too: its Retry-After
+    counts a stalled holder as ending when it is cut, and the peak rule counts a slow reader as
+    advancing at the engine's speed); one task per request checks, a quarter of the timeout
+    apart."""
 
     def __init__(
         self, scope: anyio.CancelScope, timeout: float, on_cut: Callable[[], None]
@@ -183,13 +191,17 @@ class _StallWatch:
         self._since: float | None = None
         self.cut = False
 
-    def watching(self, send: Send, handle: Handle) -> Send:
+    def watching(self, send: Send, queue: AdmissionQueue, handle: Handle) -> Send:
+        ledger = queue.ledger
+
         async def watched(message: Message) -> None:
-            handle.writing_since = self._since = time.monotonic()
+            self._since = time.monotonic()
+            ledger.writing(handle, queue.now())
             try:
                 await send(message)
             finally:
-                handle.writing_since = self._since = None
+                self._since = None
+                ledger.written(handle, queue.now())
 
         return watched
 
@@ -282,8 +294,14 @@ class GenerationEndpoint:
                 await ledger_away(away)(scope, receive, send)
                 return
             try:
-                if await backend.run(target, handle, plan, stall.watching(send, handle)):
+                if await backend.run(target, handle, plan, stall.watching(send, queue, handle)):
                     return
+            except anyio.get_cancelled_exc_class():
+                # Cut: the engine holds the sequence until it has seen the abort, and so does
+                # the reservation (the next waiter is not sent before the engine let go).
+                with anyio.CancelScope(shield=True):
+                    await backend.let_go(target, handle)
+                raise
             finally:
                 await queue.release(handle)
             tried.add(id(target))

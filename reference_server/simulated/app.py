@@ -222,6 +222,9 @@ class SimulatedBackend:
     def answer_cut(self) -> None:
         self.state.count_send_timeout()
 
+    async def let_go(self, target: Target, handle: Handle) -> None:
+        """The engine is in this process: a cancelled request has left it already."""
+
     async def run(self, target: Target, handle: Handle, plan: Plan, send: Send) -> bool:
         if plan.request.stream:
             await self._stream(plan, send)

@@ -9,12 +9,18 @@ conftest's ``ONE_WORKER_MODULES``: one xdist worker runs it all and starts vLLM 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 import vllm_engine
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from kvclient import (
     Client,
@@ -29,6 +35,7 @@ from kvclient.engines.metrics import preemptions_from_vllm_metrics
 from reference_server.gateway import GatewayConfig, GatewayState
 from reference_server.testing import running_gateway
 from tests.helpers.servers import wait_for
+from tests.helpers.upstreams import scripted_upstream
 
 # The first test waits for vLLM's start-up (90-160 s on 2 busy cores) under its own timeout.
 pytestmark = [
@@ -318,3 +325,80 @@ def test_contract_fails_vllm_alone_for_preempting_what_it_admitted(
     assert "to the cap" in saturation.evidence
     assert "preemptions (vllm:num_preemptions_total)" in saturation.evidence
     assert saturation.details["engine_losses"]["count"] > 0
+
+
+class _Hiding:
+    """A proxy in front of vLLM that passes everything but ``/metrics`` (a 404) while
+    ``hides`` is set, as an operator's proxy may."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.hides = True
+
+    async def forward(self, request: Request) -> Response:
+        if request.url.path == "/metrics" and self.hides:
+            return Response("not found", status_code=404)
+        client = httpx.AsyncClient(base_url=self.url, timeout=300)
+        sent = client.build_request(
+            request.method, request.url.path, content=await request.body(),
+            headers={"content-type": request.headers.get("content-type", "application/json")},
+        )  # fmt: skip
+        answer = await client.send(sent, stream=True)
+
+        async def body() -> AsyncIterator[bytes]:
+            async for piece in answer.aiter_raw():
+                yield piece
+
+        async def close() -> None:
+            await answer.aclose()
+            await client.aclose()
+
+        kept = {k: v for k, v in answer.headers.items() if k.lower() == "content-type"}
+        return StreamingResponse(
+            body(), status_code=answer.status_code, headers=kept, background=BackgroundTask(close)
+        )
+
+    def app(self) -> Starlette:
+        methods = ["GET", "POST"]
+        return Starlette(routes=[Route("/{path:path}", self.forward, methods=methods)])
+
+
+def test_a_vllm_whose_metrics_are_hidden_runs_on_caps_and_says_so(
+    vllm: vllm_engine.VllmServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Behind a proxy that hides ``/metrics``: from the start (with ``--kv-tokens``), the block
+    size is not known; hidden after the gateway found it, its waiting, running and preemption
+    figures are not read. Either way the upstream counts whole caps, says why on ``/health``,
+    and serves. Shown, nothing the engine holds is left unexplained by the gateway's holders."""
+    proxy = _Hiding(vllm.url)
+    body = {"model": str(vllm.model), "prompt": "Once upon a time", "max_tokens": 16}
+    with scripted_upstream(proxy.app()) as front:
+        hidden = GatewayConfig(
+            upstreams=(front.base_url,), kv_tokens=(KV_TOKENS,), max_running=(vllm.max_num_seqs,)
+        )
+        with running_gateway(hidden) as gateway:
+            answer = httpx.post(gateway.base_url + "/v1/completions", json=body, timeout=120)
+            health = httpx.get(gateway.base_url + "/health").json()["upstreams"][0]
+        assert answer.status_code == 200, answer.text
+        assert health["engine"] == "vllm"
+        assert health["admission"] == "caps"
+        assert "block size is not known" in health["caps_reason"]
+
+        proxy.hides = False
+        shown = GatewayConfig(upstreams=(front.base_url,), max_running=(vllm.max_num_seqs,))
+        with running_gateway(shown) as gateway:
+            state: GatewayState = gateway.app.state.gateway
+            answers = _burst_through(gateway.base_url, [{**body, "max_tokens": 64}] * 6)
+            before = httpx.get(gateway.base_url + "/health").json()["upstreams"][0]
+            proxy.hides = True
+            upstream = state.upstreams[0]
+            wait_for(lambda: upstream.watch.blind is not None, timeout=30)
+            blind = httpx.get(gateway.base_url + "/health").json()["upstreams"][0]
+            answer = httpx.post(gateway.base_url + "/v1/completions", json=body, timeout=120)
+    assert [a.status_code for a in answers] == [200] * 6
+    assert before["admission"] == "peak", before
+    assert "holders explain" not in caplog.text  # vLLM's books were explained throughout
+    assert blind["admission"] == "caps"
+    assert "its /metrics answered 404" in blind["caps_reason"]
+    assert blind["figures_unread"] is not None
+    assert answer.status_code == 200, answer.text

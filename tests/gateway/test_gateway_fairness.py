@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvclient.engines.metrics import prometheus_samples
 from kvclient.headers import PRIORITY_HEADER, parse_ratelimit
 from reference_server import RunningServer, running_server
 from reference_server.admission.fair_queue import FairQueue
@@ -184,6 +185,7 @@ def light_latencies(
     for _ in range(light):
         light_one(alone)
     stop = threading.Event()
+    sent: list[int] = []
 
     def flooder(i: int) -> None:
         time.sleep(i / flood)  # started over one holding: A's holdings end one by one
@@ -191,6 +193,7 @@ def light_latencies(
             for _ in range(20):  # bounded: 20 requests per flooding client at most
                 if stop.is_set():
                     return
+                sent.append(i)
                 http.post(
                     "/v1/completions",
                     json={"prompt": "flood", "max_tokens": 400},
@@ -200,7 +203,8 @@ def light_latencies(
     threads = [threading.Thread(target=flooder, args=(i,), daemon=True) for i in range(flood)]
     for thread in threads:
         thread.start()
-    time.sleep(2.5)  # A holds the budget and its queue is deep
+    # A holds the budget (nine in flight) and its queue is deep (every flooder has sent).
+    wait_for(lambda: len(set(sent)) == flood and _in_flight(flood_base or base) >= 9, 30)
     beside: list[float] = []
     lights = []
     try:
@@ -216,6 +220,12 @@ def light_latencies(
             thread.join(60)
     assert len(beside) == light
     return alone, beside
+
+
+def _in_flight(base: str) -> float:
+    """Requests a gateway holds reservations for, as its /metrics says."""
+    page = httpx.get(base + "/metrics").text
+    return sum(v for _, v in prometheus_samples(page, "kv_inflight_requests"))
 
 
 def test_a_light_tenant_beside_a_flooding_one_waits_far_less_than_in_fifo() -> None:

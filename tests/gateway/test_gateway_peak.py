@@ -5,102 +5,20 @@ and the engine seen out of lockstep puts the upstream on whole caps with its rea
 
 from __future__ import annotations
 
-import json
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
-import anyio
 import httpx
 import pytest
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from reference_server.gateway import GatewayConfig, GatewayState
 from reference_server.testing import running_gateway
 from tests.helpers.servers import wait_for
-from tests.helpers.upstreams import scripted_upstream
+from tests.helpers.upstreams import RATE, LockstepUpstream, scripted_upstream
 
-RATE = 200.0  # tokens a second, every request alike
-
-
-class _Engine:
-    """A scripted lockstep engine: what it was sent, when each request started and ended."""
-
-    def __init__(self, *, max_running: int | None = 8, waiting: int = 0) -> None:
-        self.max_running = max_running
-        self.waiting = waiting
-        self.bodies: list[dict[str, Any]] = []
-        self.started: dict[str, float] = {}
-        self.ended: dict[str, float] = {}
-        self.generated = 0
-        self.lock = threading.Lock()
-
-    async def metrics(self, request: Request) -> Response:
-        lines = [
-            "kv_physical_capacity_tokens 1200",
-            "kv_engine_block_size 1",
-            f"kv_engine_requests_waiting {self.waiting}",
-            f"kv_generated_tokens_total {self.generated}",
-        ]
-        if self.max_running is not None:
-            lines.append(f"kv_engine_max_running {self.max_running}")
-        return Response("\n".join(lines) + "\n")
-
-    async def models(self, request: Request) -> Response:
-        return JSONResponse({"data": [{"id": "m", "max_model_len": 1000}]})
-
-    async def tokenize(self, request: Request) -> Response:
-        return JSONResponse({"count": 3, "tokens": [1, 2, 3]})
-
-    async def completions(self, request: Request) -> Response:
-        body = await request.json()
-        self.bodies.append(body)
-        name = body["prompt"]
-        cap = body["max_tokens"]
-        options = body.get("stream_options") or {}
-        continuous = options.get("continuous_usage_stats") is True
-
-        def chunk(made: int, text: str, finish: str | None) -> bytes:
-            event: dict[str, Any] = {
-                "choices": [{"index": 0, "text": text, "finish_reason": finish}]
-            }
-            if continuous:
-                event["usage"] = {"prompt_tokens": 3, "completion_tokens": made}
-            return b"data: " + json.dumps(event).encode() + b"\n\n"
-
-        async def tokens() -> Any:
-            self.started[name] = time.monotonic()
-            for made in range(1, cap + 1):
-                await anyio.sleep(1 / RATE)
-                self.generated += 1
-                yield chunk(made, "x", "length" if made == cap else None)
-            self.ended[name] = time.monotonic()
-            if options.get("include_usage"):
-                usage = {"prompt_tokens": 3, "completion_tokens": cap}
-                yield b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
-
-        if body.get("stream"):
-            return StreamingResponse(tokens(), media_type="text/event-stream")
-        async for _ in tokens():
-            pass
-        answer = {"choices": [{"index": 0, "text": "x" * cap, "finish_reason": "length"}]}
-        return JSONResponse({**answer, "usage": {"prompt_tokens": 3, "completion_tokens": cap}})
-
-    def app(self) -> Any:
-        from starlette.applications import Starlette
-
-        return Starlette(
-            routes=[
-                Route("/v1/models", self.models),
-                Route("/metrics", self.metrics),
-                Route("/tokenize", self.tokenize, methods=["POST"]),
-                Route("/v1/completions", self.completions, methods=["POST"]),
-            ]
-        )
+#: The scripted engine under the name other gateway tests import it by.
+_Engine = LockstepUpstream
 
 
 def _state(gateway: Any) -> GatewayState:
@@ -122,15 +40,15 @@ def _complete(base: str, name: str, cap: int, out: dict[str, Any]) -> None:
 
 
 @pytest.fixture
-def engine() -> Iterator[tuple[_Engine, str]]:
-    scripted = _Engine()
+def engine() -> Iterator[tuple[LockstepUpstream, str]]:
+    scripted = LockstepUpstream()
     with scripted_upstream(scripted.app()) as up:
         yield scripted, up.base_url
 
 
 @pytest.mark.parametrize("rule", ["peak", "caps"])
 def test_a_newcomer_runs_beside_holders_whose_caps_left_no_room(
-    engine: tuple[_Engine, str], rule: str
+    engine: tuple[LockstepUpstream, str], rule: str
 ) -> None:
     """1,200 KV tokens; requests of 3 + 400. A alone, then B and C when A is halfway: the caps
     (3 x 403) keep C waiting for A's end; the peak (A ends within 200 steps, B has just begun:
@@ -140,15 +58,14 @@ def test_a_newcomer_runs_beside_holders_whose_caps_left_no_room(
     with running_gateway(_config(url, admission_rule=rule, relay_lag=0.1)) as gw:
         a = threading.Thread(target=_complete, args=(gw.base_url, "A", 400, answers))
         a.start()
-        wait_for(lambda: "A" in scripted.started, timeout=10)
-        time.sleep(200 / RATE)
+        wait_for(lambda: scripted.made.get("A", 0) >= 200, timeout=10)  # A halfway
         others = [
             threading.Thread(target=_complete, args=(gw.base_url, name, 400, answers))
             for name in ("B", "C")
         ]
-        for thread in others:
-            thread.start()
-            time.sleep(0.05)  # B first, then C
+        others[0].start()
+        wait_for(lambda: "B" in scripted.started, timeout=10)  # B first, then C
+        others[1].start()
         for thread in (a, *others):
             thread.join(30)
         health = httpx.get(gw.base_url + "/health").json()["upstreams"][0]
@@ -160,11 +77,14 @@ def test_a_newcomer_runs_beside_holders_whose_caps_left_no_room(
     assert all(answers[n].json()["usage"]["completion_tokens"] == 400 for n in "ABC")
     assert health["admission"] == rule
     assert stats.reserved_tokens == 0
+    # How far A had got when C started (its 400 tokens: it had ended).
+    made_by_a = scripted.made_at_start["C"]["A"]
     if rule == "caps":
+        assert made_by_a == 400
         assert scripted.started["C"] >= scripted.ended["A"]
         assert stats.peak_inflight == 2
     else:
-        assert scripted.started["C"] < scripted.ended["A"] - 0.3
+        assert made_by_a < 400 - 60  # well before A's end (0.3 s of its tokens)
         assert stats.peak_inflight == 3
     # Every request went upstream as a stream that reports its usage in each chunk (a plain
     # one's answer assembled); under caps, as the client sent it.
@@ -173,7 +93,7 @@ def test_a_newcomer_runs_beside_holders_whose_caps_left_no_room(
 
 
 def test_a_stream_carries_no_usage_the_client_did_not_ask_for(
-    engine: tuple[_Engine, str],
+    engine: tuple[LockstepUpstream, str],
 ) -> None:
     _, url = engine
     with running_gateway(_config(url)) as gw:
@@ -195,7 +115,7 @@ def test_a_stream_carries_no_usage_the_client_did_not_ask_for(
 
 
 def test_an_engine_with_requests_waiting_puts_the_upstream_on_caps() -> None:
-    scripted = _Engine(waiting=2)
+    scripted = LockstepUpstream(waiting=2)
     with scripted_upstream(scripted.app()) as up, running_gateway(_config(up.base_url)) as gw:
         holder = threading.Thread(target=_complete, args=(gw.base_url, "A", 300, {}))
         holder.start()
@@ -211,7 +131,7 @@ def test_an_engine_with_requests_waiting_puts_the_upstream_on_caps() -> None:
 
 
 def test_an_engine_that_does_not_say_how_many_it_runs_counts_whole_caps() -> None:
-    scripted = _Engine(max_running=None)
+    scripted = LockstepUpstream(max_running=None)
     with scripted_upstream(scripted.app()) as up, running_gateway(_config(up.base_url)) as gw:
         health = httpx.get(gw.base_url + "/health").json()["upstreams"][0]
         answer = httpx.post(gw.base_url + "/v1/completions", json={"prompt": "A", "max_tokens": 3})

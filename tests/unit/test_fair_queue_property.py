@@ -5,8 +5,11 @@ holds more than its limit, nothing waits that could go, and every acquire ends.
 
 The steps are the test's own: each one moves the queue's clock (the ledger's due times and the
 scheduler's token-seconds), wakes the tasks due then, cancels those due then, and waits until
-every task is blocked again before checking. The waits themselves are bounded in real time (the
-queue's ``anyio.move_on_after``): a few steps pause for real so that some of them run out."""
+every task is blocked again before checking. The waits themselves are bounded in the event
+loop's time (the queue's ``anyio.move_on_after``), which runs on trio's mock clock: it jumps
+to the next deadline once every task is blocked, so a few steps pause (in that time) to let
+some of them run out, and the bounds on the whole (``fail_after``) fail only a task that would
+wait for ever, however loaded the machine."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import anyio
 import anyio.lowlevel
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from trio.testing import MockClock
 
 from reference_server.admission.fair_queue import FairQueue
 from reference_server.admission.fairness import DEFAULT_TENANT, FairPolicy, Tenant
@@ -23,8 +27,8 @@ from reference_server.admission.ledger import Handle, KVAdmissionController
 from reference_server.admission.queue import Rejected
 
 USABLE = 1000
-#: The queue's own bound on a wait, real seconds: short, so a request that never fits (more
-#: than its tenant's limit) ends quickly.
+#: The queue's own bound on a wait, in the loop's (mock) seconds: short, so a request that
+#: never fits (more than its tenant's limit) ends in a few steps.
 MAX_WAIT = 0.05
 
 
@@ -43,7 +47,7 @@ class _Request:
     prompt: int
     cap: int
     start: int  # the step it is sent at
-    max_wait: float | None  # the client's own bound (Prefer: wait), real seconds
+    max_wait: float | None  # the client's own bound (Prefer: wait), the loop's seconds
     hold: int  # steps it holds once admitted
     cancel_after: int | None  # steps after it is sent, its task is cancelled (waiting or not)
 
@@ -83,8 +87,8 @@ _REQUESTS = st.lists(
     max_size=14,
 )
 
-#: Each step: how far the queue's clock moves (seconds), how long the step pauses for real, and
-#: whether the tasks cancelled then are cancelled before those due then are woken.
+#: Each step: how far the queue's clock moves (seconds), how long the step pauses in the loop's
+#: time, and whether the tasks cancelled then are cancelled before those due then are woken.
 _STEPS = st.lists(
     st.tuples(
         st.sampled_from([0.0, 0.05, 0.5, 2.0]),
@@ -248,7 +252,10 @@ async def _drive(
 def test_every_task_ends_and_the_ledger_returns_to_zero(
     policy: FairPolicy, requests: list[_Request], steps: list[tuple[float, float, bool]]
 ) -> None:
-    anyio.run(_drive, policy, requests, steps, backend="asyncio")
+    anyio.run(
+        _drive, policy, requests, steps, backend="trio",
+        backend_options={"clock": MockClock(autojump_threshold=0)},
+    )  # fmt: skip
 
 
 def test_a_waiter_cancelled_as_it_is_admitted_gives_its_reservation_back() -> None:

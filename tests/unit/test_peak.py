@@ -3,9 +3,7 @@ engine stepped in lockstep whose KV pool must never overflow."""
 
 from __future__ import annotations
 
-import itertools
 import math
-from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +12,7 @@ from hypothesis import strategies as st
 from reference_server.admission.ledger import KVAdmissionController
 from reference_server.admission.peak import Holder, peak, prefix_blocks
 from reference_server.admission.values import Handle
+from tests.helpers.lockstep import LockstepEngine, run
 
 # --- the pure peak -------------------------------------------------------------------------------
 
@@ -103,70 +102,15 @@ def test_prefix_keys_follow_the_whole_prefix() -> None:
 # --- the ledger against a lockstep engine --------------------------------------------------------
 
 
-@dataclass
-class _Seq:
-    id: int
-    prompt: list[int]
-    cap: int
-    length: int  # where it stops by itself (its end-of-sequence), at most its cap
-    generated: int = 0
-    started: bool = False
-    keys: tuple[bytes, ...] = ()
-    table: set[bytes] = field(default_factory=set)  # keys it references in the engine's table
-
-
-class _LockstepEngine:
-    """Runs every scheduled sequence one token a step; prompt blocks shared as vLLM's prefix
-    cache shares them (full blocks before the last token, computed by a sequence whose prefill
-    is done)."""
-
-    def __init__(self, block: int, share: bool) -> None:
-        self.block = block
-        self.share = share
-        self.running: dict[int, _Seq] = {}
-        self.table: dict[bytes, int] = {}  # computed prefix blocks: references
-        self.peak_used = 0
-
-    def schedule(self, seq: _Seq) -> None:
-        if self.share:
-            for key in seq.keys:
-                if key not in self.table:
-                    break
-                self.table[key] += 1
-                seq.table.add(key)
-        self.running[seq.id] = seq
-
-    def used(self) -> int:
-        total = self.block * len(self.table)
-        for seq in self.running.values():
-            blocks = math.ceil((len(seq.prompt) + seq.generated) / self.block)
-            total += self.block * (blocks - len(seq.table))
-        return total
-
-    def step(self) -> list[_Seq]:
-        finished = []
-        for seq in list(self.running.values()):
-            if not seq.started:
-                seq.started = True  # prefill: its first token at the end of this step
-                if self.share:
-                    for key in seq.keys:
-                        if key not in seq.table and key not in self.table:
-                            self.table[key] = 1
-                            seq.table.add(key)
-            seq.generated += 1
-        self.peak_used = max(self.peak_used, self.used())
-        for seq in list(self.running.values()):
-            if seq.generated >= seq.length:
-                finished.append(seq)
-                del self.running[seq.id]
-                for key in seq.table:
-                    self.table[key] -= 1
-                    if not self.table[key]:
-                        del self.table[key]
-        return finished
-
-
 _PREFIXES = [list(range(1000, 1064)), list(range(2000, 2040))]
+
+
+def _engine_places(draw: st.DrawFn) -> dict[str, int | None]:
+    """The engine's running cap, and the one the ledger is told: the same, or none (then
+    sequences the ledger admits past the engine's cap wait in its line, holding nothing)."""
+    running = draw(st.one_of(st.none(), st.integers(1, 8)))
+    told = draw(st.sampled_from(["same", "none"])) if running is not None else "none"
+    return {"max_running": running, "ledger_running": running if told == "same" else None}
 
 
 @st.composite
@@ -187,6 +131,8 @@ def workloads(draw: st.DrawFn) -> dict[str, object]:
                 "length": draw(st.one_of(st.just(cap), st.just(cap), st.integers(1, cap))),
                 # How late its counts reach the ledger, in steps (at most the workload's delay).
                 "late": draw(st.floats(0, 1)),
+                # Shared by the engine, unknown to the ledger (counted without token ids).
+                "unkeyed": draw(st.integers(0, 5)) == 0,
             }
         )
     return {
@@ -200,76 +146,52 @@ def workloads(draw: st.DrawFn) -> dict[str, object]:
         # process, or the relay, stalled) while it goes on admitting; afterwards each holder's
         # counts come back a few steps apart, the oldest last.
         "stalls": draw(st.lists(st.tuples(st.integers(0, 400), st.integers(1, 80)), max_size=3)),
+        **_engine_places(draw),
     }
 
 
-def _run(work: dict[str, object]) -> tuple[KVAdmissionController, _LockstepEngine, int]:
-    """Steps the engine (0.01 s a step) with the ledger admitting by the peak; progress and ends
-    reach the ledger up to ``delay`` steps late (each sequence its own lateness), ends
-    ``release_delay`` steps late, and nothing reaches it during ``stalls`` (then each holder's
-    reports resume up to 30 steps after the stall's end). Returns the ledger, the engine, and
-    the most sequences that ran at once."""
-    block, kv, delay = int(work["block"]), int(work["kv"]), int(work["delay"])  # type: ignore[call-overload]
-    share = bool(work["share"])
-    stalls = list(work.get("stalls", ()))  # type: ignore[call-overload]
-    release_delay = int(work.get("release_delay", delay))  # type: ignore[call-overload]
-    dt = 0.01
-    ledger = KVAdmissionController(
-        total_kv_tokens=kv,
-        context_window=10_000,
-        decode_rate=1 / dt,
-        block_size=block,
-        rule="peak",
-        relay_lag=delay * dt,
-    )
-    engine = _LockstepEngine(block, share)
-    pending = sorted(work["requests"], key=lambda r: r["arrival"])  # type: ignore[arg-type, index]
-    queue: list[tuple[_Seq, int]] = []
-    handles: dict[int, Handle] = {}
-    history: dict[int, list[int]] = {}  # tokens seen at each step, for the late reports
-    ended: dict[int, int] = {}  # id -> step it ended
-    lateness: dict[int, int] = {}  # id -> how many steps late its counts arrive
-    ids = itertools.count()
-    most_running = 0
-    step = 0
-    while pending or queue or handles:
-        now = step * dt
-        while pending and pending[0]["arrival"] <= step:
-            r = pending.pop(0)
-            seq = _Seq(next(ids), r["prompt"], r["cap"], r["length"])
-            lateness[seq.id] = round(r.get("late", 1.0) * delay)
-            seq.keys = prefix_blocks(seq.prompt, block) if share else ()
-            queue.append((seq, r["arrival"]))
-        while queue:  # FIFO: the head or nobody
-            seq, _ = queue[0]
-            handle = ledger.try_admit(len(seq.prompt), seq.cap, now=now, prefix=seq.keys)
-            if handle is None:
-                break
-            queue.pop(0)
-            handle.tracked = True
-            handles[seq.id] = handle
-            history[seq.id] = []
-            engine.schedule(seq)
-        most_running = max(most_running, len(engine.running))
-        for seq in engine.step():
-            ended[seq.id] = step
-        step += 1
-        now = step * dt
-        assert engine.used() <= ledger.usable_tokens
-        for sid, handle in list(handles.items()):
-            seq_now = engine.running.get(sid)
-            history[sid].append(seq_now.generated if seq_now else -1)
-            if any(start <= step < start + length + 10 * (sid % 4) for start, length in stalls):
-                continue  # nothing of it reaches the ledger yet
-            late = lateness[sid]
-            seen = history[sid][-1 - late] if len(history[sid]) > late else 0
-            if sid in ended and step - ended[sid] > release_delay:
-                ledger.release(handle, now)
-                del handles[sid]
-            elif seen > 0 and sid not in ended:
-                ledger.progress(handle, seen, now)
-        assert step < 100_000
-    return ledger, engine, most_running
+@st.composite
+def tight_workloads(draw: st.DrawFn) -> dict[str, object]:
+    """Budget-tight: every request's prompt + cap between a third of the pool and all of it,
+    arrivals bunched, outputs to their caps or ending just before them, counts late by
+    different amounts, and a small running cap with a waiting line behind it."""
+    block = draw(st.sampled_from([1, 4, 16]))
+    kv = draw(st.integers(150, 900))
+    most = math.floor(kv * 0.9) // block * block  # the ledger's usable budget, whole blocks
+    share = draw(st.booleans())
+    requests = []
+    for i in range(draw(st.integers(2, 10))):
+        size = draw(st.integers(most // 3, most))
+        shared = share and draw(st.booleans())
+        head = _PREFIXES[0][: min(64, size // 2)] if shared else []
+        prompt_len = max(len(head) + 1, draw(st.integers(1, max(1, size // 3))))
+        prompt = head + [7000 + i * 1000 + j for j in range(prompt_len - len(head))]
+        cap = max(1, size - len(prompt))
+        requests.append(
+            {
+                "arrival": draw(st.integers(0, 3 * cap)),
+                "prompt": prompt,
+                "cap": cap,
+                "length": draw(st.sampled_from([cap, cap, max(1, cap - 1), max(1, cap // 2)])),
+                "late": draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])),
+                "unkeyed": shared and draw(st.integers(0, 3)) == 0,
+            }
+        )
+    return {
+        "requests": requests,
+        "block": block,
+        "kv": kv,
+        "delay": draw(st.integers(0, 8)),
+        "release_delay": draw(st.integers(0, 2)),
+        "share": share,
+        "stalls": [],
+        **_engine_places(draw),
+    }
+
+
+def _run(work: dict[str, object]) -> tuple[KVAdmissionController, LockstepEngine, int]:
+    done = run(work)
+    return done.ledger, done.engine, done.most_running
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -281,6 +203,14 @@ def test_a_lockstep_engine_never_overflows_what_the_peak_admits(work: dict[str, 
     assert stats.reserved_tokens == 0
     assert stats.inflight == 0
     assert stats.admitted_total == len(work["requests"])  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tight_workloads())
+def test_nor_does_a_budget_tight_one(work: dict[str, object]) -> None:
+    ledger, engine, _ = _run(work)
+    assert engine.peak_used <= ledger.usable_tokens
+    assert ledger.stats().reserved_tokens == 0
 
 
 def test_the_peak_runs_more_sequences_than_the_caps() -> None:
@@ -411,18 +341,24 @@ def test_counts_that_are_all_equally_late_need_no_margin() -> None:
     assert ledger.try_admit(100, 100, now=3.0) is None
 
 
-def test_only_a_holder_past_its_prefill_lends_its_prefix_blocks() -> None:
+def _sharing_ledger() -> KVAdmissionController:
     ledger = KVAdmissionController(
-        total_kv_tokens=4000, context_window=4000, decode_rate=100.0, rule="peak", block_size=16
-    )
+        total_kv_tokens=4000, context_window=4000, decode_rate=100.0, rule="peak",
+        block_size=16, safety_fraction=1.0,
+    )  # fmt: skip
+    ledger.shares_prefixes = True
+    return ledger
+
+
+def test_only_a_holder_past_its_prefill_lends_its_prefix_blocks() -> None:
+    ledger = _sharing_ledger()
     prefix = prefix_blocks(list(range(200)), 16)
-    first = ledger.try_admit(200, 100, now=0.0, prefix=prefix)
+    first = ledger.try_admit(200, 100, now=0.0, prefix=prefix, follow=True)
     assert first is not None
-    first.tracked = True
-    # Sent now it would compute a second copy: it waits for the first one's first token.
-    assert ledger.try_admit(200, 100, now=0.0, prefix=prefix) is None
-    other = ledger.try_admit(200, 100, now=0.0, prefix=prefix_blocks(list(range(1, 201)), 16))
-    assert other is not None  # another prefix does not wait
+    # Its prefix is still being computed: the newcomer is sent at once, with a copy of its own.
+    second = ledger.try_admit(200, 100, now=0.0, prefix=prefix, follow=True)
+    assert second is not None
+    assert second.borrowed == 0
     ledger.progress(first, 1, 0.1)
     third = ledger.try_admit(200, 100, now=0.1, prefix=prefix)
     assert third is not None
@@ -430,20 +366,18 @@ def test_only_a_holder_past_its_prefill_lends_its_prefix_blocks() -> None:
 
 
 def test_a_freed_copy_of_a_duplicated_block_costs_its_borrower_a_copy() -> None:
-    """Two holders computed the same prefix at once; one goes (its copy stays cached, freed);
-    a newcomer that borrows from the other may be handed the freed copy: two copies again."""
-    ledger = KVAdmissionController(
-        total_kv_tokens=4000, context_window=4000, decode_rate=100.0, rule="peak",
-        block_size=16, safety_fraction=1.0,
-    )  # fmt: skip
+    """Two holders computed the same prefix at once (the second admitted during the first's
+    prefill); one goes (its copy stays cached, freed); a newcomer that borrows from the other
+    may be handed the freed copy: two copies again."""
+    ledger = _sharing_ledger()
     prefix = prefix_blocks(list(range(65)), 16)  # 4 blocks
-    first = ledger.try_admit(65, 10, now=0.0, prefix=prefix)
-    # A copy of its own: as one admitted while the ledger ran on caps, or sent around it.
-    twin = ledger.try_admit(65, 10, now=0.0)
+    first = ledger.try_admit(65, 10, now=0.0, prefix=prefix, follow=True)
+    twin = ledger.try_admit(65, 10, now=0.0, prefix=prefix, follow=True)
     assert first is not None
     assert twin is not None
-    twin.prefix = prefix
-    first.tracked = twin.tracked = True
+    assert twin.borrowed == 0
+    # 75 tokens each in 5 blocks, the 4 of the prefix counted twice (each computed its own).
+    assert ledger.stats().committed_tokens == 10 * 16
     ledger.progress(first, 1, 0.1)
     ledger.progress(twin, 1, 0.1)
     ledger.release(first, 0.2)
@@ -458,3 +392,84 @@ def test_a_freed_copy_of_a_duplicated_block_costs_its_borrower_a_copy() -> None:
     later = ledger.try_admit(65, 10, now=0.4, prefix=prefix)
     assert later is not None
     assert ledger.stats().committed_tokens == 5 * 16  # nobody holds it: forgotten
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_holder_without_prefix_keys_may_leave_a_freed_copy_too(overlap: bool) -> None:
+    """A holder whose prompt the ledger has no keys of (several sequences, a non-text part,
+    no token ids) computes its blocks in the engine all the same: a keyed holder in prefill at
+    the same time computes a copy of its own, and once the unkeyed one goes its freed copy may
+    be handed to the next borrower. One that started after its first token borrowed from it
+    instead (the engine shares it): nothing is freed."""
+    ledger = _sharing_ledger()
+    prefix = prefix_blocks(list(range(65)), 16)
+    unkeyed = ledger.try_admit(65, 10, now=0.0, follow=True)
+    assert unkeyed is not None
+    assert unkeyed.unkeyed
+    if not overlap:
+        ledger.progress(unkeyed, 1, 0.05)
+    keyed = ledger.try_admit(65, 10, now=0.1, prefix=prefix, follow=True)
+    assert keyed is not None
+    if overlap:
+        ledger.progress(unkeyed, 1, 0.15)
+    ledger.progress(keyed, 1, 0.2)
+    ledger.release(unkeyed, 0.3)
+    borrower = ledger.try_admit(65, 10, now=0.3, prefix=prefix)
+    assert borrower is not None
+    assert borrower.borrowed == 4
+    extra = 4 * 16 if overlap else 0
+    assert ledger.stats().committed_tokens == 80 + 16 + extra
+
+
+def test_a_short_prompt_or_an_engine_that_shares_nothing_is_not_unkeyed() -> None:
+    ledger = _sharing_ledger()
+    short = ledger.try_admit(16, 10, now=0.0)  # no full block before its last token
+    assert short is not None
+    assert not short.unkeyed
+    ledger.shares_prefixes = False
+    alone = ledger.try_admit(65, 10, now=0.0)
+    assert alone is not None
+    assert not alone.unkeyed
+
+
+# --- a slow reader -----------------------------------------------------------------------------
+
+
+def _slow_reader_ledger() -> tuple[KVAdmissionController, Handle, Handle]:
+    """Two followed holders of 100 + 400 in 1,000 tokens (blocks of 1), both at 100 tokens at
+    1 s; ``b``'s next write waits 2 s on its client."""
+    ledger, a, b = _two_holders((100, 100), 1.0, relay_lag=0.05)
+    ledger.writing(b, 1.0)
+    for t in range(1, 201):  # a's stream goes on, one token a step
+        ledger.progress(a, 100 + t, 1.0 + t * 0.01)
+    ledger.written(b, 3.0)
+    return ledger, a, b
+
+
+def test_a_slow_reader_is_not_a_stalled_engine() -> None:
+    ledger, a, b = _slow_reader_ledger()
+    ledger.writing(b, 3.0)  # and waits again
+    assert ledger.stalled(3.0, seconds=0.5) == []  # b's count stood still: nobody read it
+    assert ledger.stats().slow_readers == 1
+    assert a.seen_at == 3.0  # while a's count moved
+
+
+def test_a_slow_reader_is_counted_as_advancing_at_the_engines_speed() -> None:
+    """Its relay read nothing for 2 s: the engine, which does not wait for the client, made up
+    to 200 more of b's tokens. The count it relays next (the engine's buffered past) is no
+    measure of where it is: counted from its count before the wait at the engine's speed, b
+    holds its whole 500 (100 + 200 at twice 100 tokens/s, past its cap), and a newcomer that
+    fits beside b's stale count does not."""
+    ledger, _, b = _slow_reader_ledger()
+    ledger.progress(b, 120, 3.0)  # stale: made long ago, read only now
+    # Believed, b would hold 100 + 120 + a margin of 10 and end in 281 steps; a ends in 100.
+    assert ledger.try_admit(100, 100, now=3.0) is None
+    stats = ledger.stats()
+    assert stats.committed_tokens == 500 + 500
+
+
+def test_a_write_that_waits_within_the_margin_is_no_slow_reader() -> None:
+    ledger, _, b = _two_holders((100, 100), 1.0, relay_lag=0.25)
+    ledger.writing(b, 1.0)
+    ledger.written(b, 1.1)  # under half the relay's lag
+    assert ledger.stats().slow_readers == 0
