@@ -64,7 +64,8 @@ def expected_ends(
     end is ``margin`` after its last token. A handle already at its length ends within another
     ``margin``; later than that, ``overrun`` after it reached it; and a holder whose answer
     waits on a client that does not read, ``overrun`` (the send timeout) after the write began,
-    when the server cuts it. Never sooner than ``margin`` (or one token) from now: it is still
+    when the server cuts it; a request already cut, when the engine is taken to let it go
+    (``cut_by``). Never sooner than ``margin`` (or one token) from now: it is still
     held, and a sequence takes that long to wind down.
     """
     margin = drain.margin
@@ -73,6 +74,9 @@ def expected_ends(
     ends: list[tuple[float, Handle]] = []
     running: list[tuple[float, Handle]] = []
     for handle, generated in live:
+        if handle.cut_by is not None:  # cut: held until the engine lets it go
+            ends.append((max(handle.cut_by, soonest), handle))
+            continue
         writing = handle.writing_since
         if writing is not None and now - writing > margin:
             ends.append((max(writing + drain.overrun, soonest), handle))  # cut then

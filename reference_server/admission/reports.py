@@ -140,6 +140,12 @@ class Reports:
         with self._lock:
             return stalled(self._live.values(), now, seconds)
 
+    def cut(self, handle: Handle, by: float) -> None:
+        """``handle``'s request was cut before its end; the engine is taken to let it go by
+        ``by`` (what Retry-After counts on: not its cap)."""
+        with self._lock:
+            handle.cut_by = by
+
     def writing(self, handle: Handle, now: float) -> None:
         """A write of ``handle``'s answer to its client begins ``now``."""
         with self._lock:

@@ -68,7 +68,9 @@ class Handle:
     from then on it is counted as advancing at the engine's speed from there. Both are set
     through the ledger (:meth:`KVAdmissionController.writing`, ``written``), under its lock.
     ``sequences`` is how many sequences the request runs at once in the engine (``n``), each in
-    a place of its own.
+    a place of its own. ``cut_by``: the request was cut before its end (its client gone, or
+    not reading) and the engine is taken to have let it go by then (set through
+    :meth:`KVAdmissionController.cut`); its reservation is held until it is released.
 
     For the ``peak`` rule (see :mod:`.peak`): ``tracked`` says the server relays the request's
     progress exactly (one sequence, its tokens counted from the engine's own stream);
@@ -91,6 +93,7 @@ class Handle:
         "admitted_at",
         "borrowed",
         "counted_output",
+        "cut_by",
         "due_at",
         "ended",
         "first_seen_at",
@@ -136,6 +139,7 @@ class Handle:
         self.sequences = sequences
         self.released = False
         self.writing_since: float | None = None
+        self.cut_by: float | None = None
         self.slowed_at: float | None = None
         self.slowed_from = 0
         self.tracked = False

@@ -235,6 +235,7 @@ class UpstreamBackend:
         others = sum(h.sequences for h in live if h is not handle)
         step = 1.0 / ledger.rate_at(max(1, len(live)))
         cut = time.monotonic()
+        ledger.cut(handle, cut + step + ledger.relay_lag)
         with anyio.move_on_after(step + ledger.relay_lag):
             while True:
                 await watch.scraped.wait()

@@ -111,3 +111,22 @@ def test_a_request_of_several_sequences_is_told_to_wait_for_its_places(rule: str
     ask = Ask(prompt_tokens=20, output_cap=200, need=220, sequences=2)
     assert ledger.try_admit(20, 200, now=0.0, need=220, sequences=2) is None
     assert ledger.retry_after(220, 0.0, ask=ask) > 0.5  # a holder's 100 tokens at 100/s
+
+
+@pytest.mark.parametrize("rule", ["peak", "caps"])
+def test_a_cut_request_is_expected_to_free_its_place_when_the_engine_lets_it_go(rule: str) -> None:
+    """A request cut before its end is held until the engine lets it go, not to its cap: the
+    advice to a request that needs its room is that moment, not the cap's end."""
+    ledger = KVAdmissionController(
+        total_kv_tokens=1_000, context_window=1_000, decode_rate=100.0, rule=rule,  # type: ignore[arg-type]
+        block_size=1, safety_fraction=1.0,
+    )  # fmt: skip
+    held = ledger.try_admit(100, 800, now=0.0, follow=True)
+    assert held is not None
+    if rule == "peak":
+        ledger.progress(held, 5, 0.1)
+    assert ledger.retry_after(900, 0.1) > 7.0  # 795 tokens left at 100/s
+    ledger.cut(held, 0.4)
+    assert ledger.retry_after(900, 0.1) == pytest.approx(0.3, abs=0.05)
+    ledger.release(held, now=0.4)
+    assert ledger.retry_after(900, 0.4) == 0.0
