@@ -103,10 +103,6 @@ def check_advice(
         elif kind == "release":
             live.pop(int(event["id"]), None)
             released_at[int(event["id"])] = t
-        elif kind == "shrink" and int(event["id"]) in live:
-            # Held less from now on. A shrink after a refusal is not counted as room returned
-            # (only releases are): the replay can only find advice shorter than it was.
-            live[int(event["id"])] -= int(event["tokens"])
         elif kind == "refuse":
             refusals.append((t, int(event["tokens"]), float(event["retry_after"]), dict(live)))
     told_less = lies = checked = 0

@@ -14,14 +14,14 @@ __all__ = ["Ask", "Handle", "Headroom", "LedgerEvent", "LedgerStats"]
 class LedgerEvent:
     """One admission, release or refusal, for an observer (``on_event``) to log.
 
-    ``kind`` is ``"admit"``, ``"release"``, ``"shrink"`` or ``"refuse"``; ``id`` the handle's (0
-    for a refusal); ``tokens`` what was reserved, released, given back by a shrink or asked for;
+    ``kind`` is ``"admit"``, ``"release"`` or ``"refuse"``; ``id`` the handle's (0 for a
+    refusal); ``tokens`` what was reserved, released or asked for;
     ``retry_after`` the seconds a refusal advised. No time: the ledger has no clock, the
     observer stamps events as it receives them (they arrive in the ledger's own order, under its
     lock).
     """
 
-    kind: Literal["admit", "release", "shrink", "refuse"]
+    kind: Literal["admit", "release", "refuse"]
     id: int
     tokens: int
     retry_after: float = 0.0

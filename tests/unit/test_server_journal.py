@@ -75,20 +75,3 @@ def test_check_advice_compares_each_429_with_when_its_room_really_came_back() ->
     assert check.worst_shortfall == pytest.approx(3.0 - 0.001)
     assert check.ratios == pytest.approx(sorted([2.0 / 1.5, 1.0 / 1.5, 0.001 / 3.0]))
     assert check.told_less_share == pytest.approx(2 / 3)
-
-
-def test_check_advice_holds_a_shrunk_reservation_at_what_it_shrank_to() -> None:
-    # usable 1000; holder 1 admitted on 900 (a whole window), shrunk to 200 once counted.
-    log = [
-        event(0.0, "admit", 1, 900),
-        event(0.1, "shrink", 1, 700),
-        event(0.2, "admit", 2, 700),
-        event(1.0, "refuse", tokens=300, advice=0.5),  # 900 held: room back at 1.5 (holder 2)
-        event(1.5, "release", 2, 700),
-        event(3.0, "release", 1, 200),
-    ]
-    check = check_advice(log, 1000, tolerance=0.0)
-    assert (check.refused, check.checked) == (1, 1)
-    # Held as 200 + 700, holder 2's release is enough: advised 0.5 s, really 0.5 s.
-    assert check.told_less == 0
-    assert check.ratios == pytest.approx([1.0])
