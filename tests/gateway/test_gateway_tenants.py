@@ -7,7 +7,6 @@ or header name refused at the command line by name. Loads are bounded in count a
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -227,19 +226,19 @@ def test_tenants_keep_the_peak_rules_gain() -> None:
     ):
         a = threading.Thread(target=_complete, args=(gw.base_url, "A", 400, answers))
         a.start()
-        wait_for(lambda: "A" in scripted.started, timeout=10)
-        time.sleep(200 / 200.0)  # A halfway (200 tokens/s)
+        wait_for(lambda: scripted.made.get("A", 0) >= 200, timeout=10)  # A halfway
         others = [
             threading.Thread(target=_complete, args=(gw.base_url, name, 400, answers))
             for name in ("B", "C")
         ]
-        for thread in others:
-            thread.start()
-            time.sleep(0.05)
+        others[0].start()
+        wait_for(lambda: "B" in scripted.started, timeout=10)  # B first, then C
+        others[1].start()
         for thread in (a, *others):
             thread.join(30)
     assert all(answers[n].status_code == 200 for n in "ABC")
-    assert scripted.started["C"] < scripted.ended["A"] - 0.3
+    # How far A had got when C started: well before its end (0.3 s of its tokens).
+    assert scripted.made_at_start["C"]["A"] < 400 - 60
 
 
 @pytest.mark.parametrize(

@@ -111,9 +111,8 @@ def test_saturating_tenants_share_token_seconds_by_weight(
     assert taken["a"] / taken["b"] == pytest.approx(weights[0] / weights[1], rel=0.05)
 
 
-def test_a_newly_active_tenant_does_not_bank_its_idle_time() -> None:
-    """A ran alone for 100 s; B arrives and both saturate: B is lifted to A's counter, so the
-    next admissions alternate instead of all going to B until it has caught up."""
+def _a_ran_alone_for_100_s() -> _Sim:
+    """Tenants A and B of equal weight; A has kept 10 requests in flight alone for 100 s."""
     sim = _Sim(FairPolicy(tenants={"a": Tenant(), "b": Tenant()}))
     for _ in range(10):
         sim.send("a", 100)
@@ -122,6 +121,13 @@ def test_a_newly_active_tenant_does_not_bank_its_idle_time() -> None:
         sim.release_next()
         sim.send("a", 100)
         sim.dispatch()
+    return sim
+
+
+def test_a_newly_active_tenant_does_not_bank_its_idle_time() -> None:
+    """A ran alone for 100 s; B arrives and both saturate: B is lifted to A's counter, so the
+    next admissions alternate instead of all going to B until it has caught up."""
+    sim = _a_ran_alone_for_100_s()
     start = len(sim.order)
     for _ in range(10):
         sim.send("b", 100)
@@ -289,14 +295,7 @@ def test_a_tenant_back_after_a_pause_is_level_with_a_newcomer() -> None:
     """A ran alone for 100 s, then paused (nobody active); B arrives, then A is back: both are
     lifted to the system virtual time (the last start tag served), so they share from there on
     instead of B taking every admission until its counter has caught up with A's 100 s."""
-    sim = _Sim(FairPolicy(tenants={"a": Tenant(), "b": Tenant()}))
-    for _ in range(10):
-        sim.send("a", 100)
-    sim.dispatch()
-    for _ in range(1000):
-        sim.release_next()
-        sim.send("a", 100)
-        sim.dispatch()
+    sim = _a_ran_alone_for_100_s()
     while sim.ends:  # A pauses: every one of its holders ends, nothing waits
         sim.release_next()
     assert all(s.held == 0 and s.waiting == 0 for s in sim.fair.stats(sim.now))
