@@ -377,6 +377,7 @@ class KVAdmissionController(Reports, Advising):
         kind: Hashable = None,
         follow: bool = False,
         sequences: int = 1,
+        admitted: bool = False,
     ) -> Handle | None:
         """Reserve for a request, or return ``None`` when the budget is short now.
 
@@ -388,7 +389,9 @@ class KVAdmissionController(Reports, Advising):
         its progress (:meth:`progress`; one sequence, counted from the engine's own stream),
         which the peak rule may count (:attr:`Handle.tracked`); ``kind``: whose outputs its
         forecast learns from (its model, and its tenant). ``sequences``: how many sequences it
-        runs at once in the engine, each counted against ``max_concurrency``.
+        runs at once in the engine, each counted against ``max_concurrency``. ``admitted``: it
+        was admitted elsewhere (the shared ledger, by whichever gateway): held whatever this
+        ledger's budget says, as a mirror or a model of holders kept in Redis.
         """
         if need is None:
             need = self.need_tokens(prompt_tokens, output_cap)
@@ -399,7 +402,7 @@ class KVAdmissionController(Reports, Advising):
         with self._lock:
             self._advance(now)
             handle = self._newcomer(ask, now)
-            if not self._fits(handle, now):
+            if not admitted and not self._fits(handle, now):
                 if count_rejection:
                     self._rejected_total += 1
                 return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 from .holders import RuleInForce, explained, freshest, slow_write, stalled
@@ -33,6 +33,10 @@ class Reports:
     _let_go: deque[tuple[float, int]]
     relay_lag: float
     block_size: int
+    #: The KV that holders this ledger does not hold may explain in the engine's books as of
+    #: ``now`` (this ledger's clock): where the budget is shared with other processes (the
+    #: shared ledger), theirs. None: this ledger's holders are all there is.
+    elsewhere: Callable[[float], int] | None = None
 
     if TYPE_CHECKING:
 
@@ -125,6 +129,8 @@ class Reports:
             while self._let_go and self._let_go[0][0] < since:
                 self._let_go.popleft()
             explained_now += sum(tokens for _, tokens in self._let_go)
+            if self.elsewhere is not None:
+                explained_now += self.elsewhere(now)
             excess = max(0, used_tokens - explained_now)
             self._unknown = unknown = excess // self.block_size * self.block_size
             reason = (

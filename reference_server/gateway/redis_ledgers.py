@@ -3,6 +3,10 @@ lease and one pub/sub subscription (waiters wake when another process releases) 
 shared ledger and queue per upstream, the lease renewed in the background, and what the gateway
 does while Redis is away.
 
+Under the peak rule each process publishes its holders' progress to Redis (one publisher per
+process, for every upstream: see :meth:`SharedLedgers.publish`), so that every process admits
+by the peak of every process's holders.
+
 The policy while Redis is away: new requests are refused with 503 and Retry-After (nothing can
 be admitted without the shared budget), admitted ones run to their end; their releases are
 retried once Redis answers again, and admission resumes by itself, with no restart.
@@ -10,6 +14,7 @@ retried once Redis answers again, and admission resumes by itself, with no resta
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -55,6 +60,7 @@ class SharedLedgers:
         self.outages = 0
         #: Requests refused because Redis was away.
         self.refused = 0
+        self._publish_soon = anyio.Event()
 
     @property
     def reachable(self) -> bool:
@@ -102,6 +108,7 @@ class SharedLedgers:
             queue = SharedQueue(
                 ledger, shared, max_wait=max_wait, on_refused=self._refused, wakeups=self.wakeups
             )
+        queue.publish_soon = self._wake_publisher
         self.queues.append(queue)
         return queue
 
@@ -122,7 +129,25 @@ class SharedLedgers:
         lifespan)."""
         async with anyio.create_task_group() as group:
             group.start_soon(self.wakeups.run)
+            group.start_soon(self.publish)
             await self.lease.run()
+
+    def _wake_publisher(self) -> None:
+        self._publish_soon.set()
+
+    async def publish(self) -> None:
+        """Publish every upstream's holders' progress until cancelled: every
+        ``PUBLISH_SECONDS``, sooner when a holder's first token (or tokens enough) came. While
+        Redis is away nothing is lost: the next publish carries the latest counts."""
+        from ..shared_ledger.view import PUBLISH_SECONDS
+
+        while True:
+            with anyio.move_on_after(PUBLISH_SECONDS):
+                await self._publish_soon.wait()
+            self._publish_soon = anyio.Event()
+            for queue in self.queues:
+                with contextlib.suppress(LedgerUnavailable):
+                    await queue.publish()
 
     async def aclose(self) -> None:
         from ..shared_ledger.connection import close

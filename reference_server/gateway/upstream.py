@@ -364,9 +364,11 @@ class Upstream:
                 max_concurrency=running,
                 release_margin=0.05,
                 rule=self.config.admission_rule,
-                preemption_budget=self._preemption_budget(budget),
+                # The shared ledger's peak is the exact rule, its newcomers counted whole until
+                # their first token: no forecast, no newcomer's clock across processes.
+                preemption_budget=0.0 if self.shared else self._preemption_budget(budget),
                 forecast_quantile=self.config.forecast_quantile,
-                start_clock=engine in PROGRESS_ENGINES,
+                start_clock=engine in PROGRESS_ENGINES and self.shared is None,
             )
         except ValueError as exc:
             raise UpstreamUnavailable(f"unusable budget (KV {kv} tokens): {exc}") from None
@@ -442,8 +444,8 @@ class Upstream:
         """Why this upstream's holders count at their whole caps under ``--admission-rule peak``,
         or None when the peak rule may run (``unbounded``: the engine runs every request it is
         sent at each step)."""
-        if self.shared is not None:
-            return "the shared ledger counts whole caps"
+        if self.shared is not None and self.config.fairness is not None:
+            return "the shared ledger's fair shares count whole caps"
         if engine not in PROGRESS_ENGINES:
             return f"{engine or 'this engine'} does not report each stream's progress exactly"
         if budget.speculative:

@@ -48,11 +48,14 @@ from .scripts import (
     KEY_NAMES,
     LEAVE,
     OCCUPANCY,
+    PEAK_SNAPSHOT,
+    PROGRESS,
     RELEASE,
     RENEW,
     RESTORE,
     SNAPSHOT,
 )
+from .view import PeakView
 
 __all__ = [
     "DEFAULT_LEASE_SECONDS",
@@ -73,6 +76,10 @@ _ROOM_SECONDS = 1.0
 
 #: Seconds :class:`Wakeups` waits before subscribing again when Redis is away.
 _RESUBSCRIBE_SECONDS = 0.5
+
+#: Snapshots read again in a row for one admission by the peak when another gateway admitted
+#: meanwhile each time; past this many it is tried on whole caps (and queued when asked).
+MAX_CONFLICTS = 4
 
 
 class LedgerConflict(Exception):
@@ -226,6 +233,8 @@ class RedisLedger:
                 FAIR_SNAPSHOT,
                 LEAVE,
                 OCCUPANCY,
+                PEAK_SNAPSHOT,
+                PROGRESS,
                 RELEASE,
                 RENEW,
                 RESTORE,
@@ -289,23 +298,74 @@ class RedisLedger:
         need: int | None = None,
         ticket: str | None = None,
         enqueue: bool = False,
+        peak: bool = False,
+        follow: bool = False,
     ) -> Handle | None:
         """Reserve in the shared budget, or None: it does not fit, or others wait ahead (then
-        ``enqueue`` puts ``ticket`` in the queue behind them)."""
+        ``enqueue`` puts ``ticket`` in the queue behind them).
+
+        ``peak``: by the peak of every gateway's holders (:class:`~.view.PeakView`) where the
+        whole caps do not fit; the commit lands only if no holder came since the snapshot, else
+        the snapshot is read again (at most ``MAX_CONFLICTS`` times, then whole caps). The
+        holder gets a progress record (``follow``: its progress will be published), so that
+        every gateway counts it by the peak too."""
         if need is None:
             need = self.pricing.need_tokens(prompt_tokens, output_cap)
         if ticket is None:
             ticket = self.ticket(need)
         most = self.pricing.max_concurrency or 0
-        args = (self.lease.id, ticket, need, output_cap, self.usable_tokens, most, int(enqueue))
-        status, now_ms, seen = await self.run(ADMIT, *args)
-        if status == -1:  # our lease lapsed (or Redis lost it): renew, then try once more
-            await self.renew()
-            status, now_ms, seen = await self.run(ADMIT, *args)
+        args: tuple[Any, ...] = (
+            self.lease.id, ticket, need, output_cap, self.usable_tokens, most, int(enqueue)
+        )  # fmt: skip
+        if peak:
+            args += (prompt_tokens, int(follow))
+        status, now_ms, seen = 2, 0, None
+        for _ in range(MAX_CONFLICTS if peak else 0):
+            view = await self.peak_view()
+            head = view.tickets[0] if view.tickets else ticket
+            grown = ""
+            if head == ticket and view.fits(prompt_tokens, output_cap, need):
+                grown = view.grown
+            status, now_ms, seen = await self._admit(*args, grown)
+            if status != 2:
+                break
+        if status == 2:
+            status, now_ms, seen = await self._admit(*args, *([""] if peak else []))
         self.seen = SharedState.parse(seen)
         if status != 1:
             return None
         return self.adopt(ticket, prompt_tokens, output_cap, need, int(now_ms) / 1000)
+
+    async def _admit(self, *args: Any) -> tuple[int, int, Any]:
+        status, now_ms, seen = await self.run(ADMIT, *args)
+        if status == -1:  # our lease lapsed (or Redis lost it): renew, then try once more
+            await self.renew()
+            status, now_ms, seen = await self.run(ADMIT, *args)
+        return int(status), int(now_ms), seen
+
+    async def peak_view(self) -> PeakView:
+        """Every gateway's holders and their progress now, as the peak rule counts them."""
+        view = PeakView.parse(await self.run(PEAK_SNAPSHOT), self.pricing)
+        queued = sum(int(t.rsplit(":", 1)[1]) for t in view.tickets)
+        self.seen = SharedState(view.reserved, len(view.records), queued)
+        return view
+
+    def field_of(self, handle: Handle) -> str | None:
+        """The reservation's name in Redis of ``handle`` (None once released here)."""
+        entry = self._fields.get(handle.id)
+        return entry[1] if entry is not None and entry[0] is handle else None
+
+    async def publish(self, entries: list[tuple[str, int, int, bool, int, float, float]]) -> int:
+        """Publish holders' progress: per holder (reservation, prompt, counted, tracked,
+        generated (-1: none), seconds since that count was read, since the first was), in one
+        script; returns how many first counts it published."""
+        args: list[Any] = [self.lease.id]
+        for field, prompt, counted, tracked, generated, age, first_age in entries:
+            args += [
+                field, prompt, counted, int(tracked), generated,
+                max(0, round(age * 1000)), max(0, round(first_age * 1000)),
+            ]  # fmt: skip
+        return int(await self.run(PROGRESS, *args))
 
     def adopt(
         self, ticket: str, prompt_tokens: int, output_cap: int, need: int, admitted: float

@@ -9,6 +9,13 @@ subscription is down) they are seen by polling, ``POLL_SECONDS`` apart.
 The in-process ledger it is given (``ledger``) mirrors this process's own reservations (its
 metrics are this process's); admission and the room advertised (:meth:`SharedQueue.headroom`)
 are the shared ledger's.
+
+Under the peak rule (the mirror configured for it and in force: the engine qualifies, and the
+watch sees it in lockstep), admission is by the peak of every gateway's holders
+(:class:`~.view.PeakView`), and this process publishes its own holders' progress, relayed into
+the mirror, to Redis (:meth:`SharedQueue.publish`): its first token at once, then every
+``PUBLISH_TOKENS`` tokens or ``PUBLISH_SECONDS``, whichever comes first. Otherwise every holder
+counts at its whole cap, as the seed's rule has it.
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ from collections.abc import Callable, Hashable
 
 import anyio
 
+from ..admission.holders import slow_since
 from ..admission.ledger import Handle, Headroom, KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable, Rejected, wait_limit
 from .ledger import RedisLedger, Wakeups
+from .view import PUBLISH_TOKENS, PeakView
 
 __all__ = ["FALLBACK_POLL_SECONDS", "POLL_SECONDS", "SharedQueue", "Wake"]
 
@@ -30,6 +39,9 @@ POLL_SECONDS = 0.02
 #: How often it looks again while subscribed: only a message lost (a subscription that dropped
 #: and came back) waits this long.
 FALLBACK_POLL_SECONDS = 0.5
+#: How old the last view of every gateway's holders may grow, while any holds, before the
+#: publisher reads it again (routing's room, and what explains the engine's books).
+VIEW_SECONDS = 1.0
 
 
 class Wake:
@@ -64,6 +76,21 @@ class SharedQueue(AdmissionQueue):
         self._wakeups = wakeups
         if wakeups is not None:
             wakeups.watch(shared, self.notify)
+        #: Called when progress should be published before the interval is up (set by the
+        #: process's publisher, see :meth:`publish`).
+        self.publish_soon: Callable[[], None] | None = None
+        #: mirror handle id -> (tracked, generated) as last published
+        self._published: dict[int, tuple[bool, int]] = {}
+        #: The last view of every gateway's holders, and when it was read (``time.monotonic``).
+        self._view: tuple[PeakView, float] | None = None
+        ledger.elsewhere = self._explained_elsewhere
+
+    @property
+    def on_peak(self) -> bool:
+        """Whether admission is by the peak of every gateway's holders now: the mirror is
+        configured for it and it is in force (else whole caps, as the seed's rule)."""
+        ledger = self.ledger
+        return ledger.rule == "peak" and ledger.strategy == "reserve" and not ledger.caps_reason
 
     @property
     def poll_seconds(self) -> float:
@@ -85,10 +112,18 @@ class SharedQueue(AdmissionQueue):
         return self.shared.seen.reserved, self.shared.seen.inflight
 
     def room(self) -> tuple[int, int]:
-        """The shared budget's room (whole caps: the shared ledger counts them) and every
-        gateway's requests in flight, as last heard from Redis."""
+        """The shared budget's room (by the peak as of the last view under the peak rule, else
+        whole caps) and every gateway's requests in flight, as last heard from Redis."""
         reserved, inflight = self.load()
-        return self.ledger.usable_tokens - reserved, inflight
+        return self._free(reserved), inflight
+
+    def _free(self, reserved: int) -> int:
+        """Room for a newcomer with ``reserved`` held in all: the last view's under the peak
+        rule, when it is at least as large."""
+        free = self.ledger.usable_tokens - reserved
+        if self._view is not None and self.on_peak:
+            free = max(free, self._view[0].room())
+        return free
 
     async def refresh(self) -> None:
         """Read the shared totals from Redis (for ``/metrics``)."""
@@ -112,7 +147,7 @@ class SharedQueue(AdmissionQueue):
         if link is not None and link[0] is releasing and not releasing.released:
             reserved -= releasing.reserved_tokens
             inflight -= 1
-        free = pricing.usable_tokens - reserved - seen.queued
+        free = self._free(reserved) - seen.queued
         if pricing.max_concurrency is not None and inflight >= pricing.max_concurrency:
             free = 0
         ends = []
@@ -137,8 +172,58 @@ class SharedQueue(AdmissionQueue):
                 del self._links[key]
                 self.ledger.release(mine)
 
+    def progress(self, handle: Handle, generated: int) -> None:
+        """The mirror's :meth:`~AdmissionQueue.progress`; its first count, or tokens enough
+        since the last published, are published soon (see :meth:`publish`)."""
+        super().progress(handle, generated)
+        if not handle.tracked or self.publish_soon is None or handle.id not in self._links:
+            return
+        _, published = self._published.get(handle.id, (True, -1))
+        if published < 0 or (handle.generated or 0) - published >= PUBLISH_TOKENS:
+            self.publish_soon()
+
+    async def publish(self) -> None:
+        """Publish the progress of this process's holders that changed since last published
+        (each one's count, whether it is still followed: not once its relay has let it go, or
+        waited on a slow client); read every gateway's holders again when the last view is
+        old. Raises :class:`LedgerUnavailable` when Redis is away (then all at the next call)."""
+        mirror, now = self.ledger, self._clock()
+        entries = []
+        changed: dict[int, tuple[bool, int]] = {}
+        links = list(self._links.items()) if mirror.tracks_progress else []
+        for key, (mine, held) in links:
+            field = self.shared.field_of(held)
+            if field is None or mine.released:
+                continue
+            tracked = mine.tracked and slow_since(mine, now, mirror.relay_lag) is None
+            generated = -1 if mine.generated is None else mine.generated
+            if (tracked, generated) == self._published.get(key, (True, -1)):
+                continue
+            changed[key] = (tracked, generated)
+            age = now - mine.seen_at if generated >= 0 else 0.0
+            first_age = now - mine.first_seen_at if generated >= 0 else 0.0
+            entries.append(
+                (field, mine.prompt_tokens, mine.counted_output, tracked, generated, age, first_age)
+            )
+        if entries:
+            await self.shared.publish(entries)
+            self._published.update(changed)
+        old = self._view is None or time.monotonic() - self._view[1] > VIEW_SECONDS
+        if old and self.on_peak and self.shared.seen.inflight:
+            self._view = (await self.shared.peak_view(), time.monotonic())
+
+    def _explained_elsewhere(self, now: float) -> int:
+        """What other gateways' holders may hold in the engine at ``now`` (this process's
+        monotonic clock), from the last view (0 without one, or off the peak rule: the engine's
+        books then only shrink the room)."""
+        if self._view is None or not self.on_peak:
+            return 0
+        view, read = self._view
+        return view.explained_elsewhere(self.shared.lease.id, view.now + max(0.0, now - read))
+
     async def release(self, handle: Handle) -> None:
         link = self._links.pop(handle.id, None)
+        self._published.pop(handle.id, None)
         self.ledger.release(handle)
         if link is not None and link[0] is handle:
             with anyio.CancelScope(shield=True):
@@ -152,13 +237,16 @@ class SharedQueue(AdmissionQueue):
         *,
         client: Hashable | None = None,
         max_wait: float | None = None,
-        prefix: tuple[Hashable, ...] = (),  # the shared ledger counts whole caps: unused
+        # No prefix shared across processes, no forecast: the shared ledger's peak is the
+        # exact rule, each prompt counted whole.
+        prefix: tuple[Hashable, ...] = (),
         tenant: str | None = None,  # no fair shares on the shared ledger (the gateway refuses)
         priority: int = 0,
-        model: str | None = None,  # the shared ledger counts whole caps: no forecast
+        model: str | None = None,
         follow: bool = False,
-        # The shared ledger counts a request once against the running cap: it counts whole
-        # caps, so sequences waiting in the engine hold no KV it has not reserved.
+        # The shared ledger counts a request once against the running cap; a request of
+        # several sequences is never followed, so it counts whole under either rule and
+        # sequences waiting in the engine hold no KV it has not reserved.
         sequences: int = 1,
     ) -> Handle:
         need = self.ledger.need_tokens(prompt_tokens, output_cap)
@@ -167,7 +255,9 @@ class SharedQueue(AdmissionQueue):
         self._wakes.append(wake)
         limit = wait_limit(self.max_wait, max_wait)
         try:
-            return await self._acquire(prompt_tokens, output_cap, need, ticket, wake, limit)
+            return await self._acquire(
+                prompt_tokens, output_cap, need, ticket, wake, limit, follow=follow
+            )
         except LedgerUnavailable:
             if self._on_refused is not None:
                 self._on_refused()
@@ -184,6 +274,8 @@ class SharedQueue(AdmissionQueue):
         ticket: str,
         wake: Wake,
         limit: float,
+        *,
+        follow: bool = False,
     ) -> Handle:
         shared = self.shared
         enqueue = limit > 0
@@ -191,12 +283,16 @@ class SharedQueue(AdmissionQueue):
         queued = False
         try:
             while True:
+                peak = self.on_peak
                 held = await shared.try_admit(
-                    prompt_tokens, output_cap, need=need, ticket=ticket, enqueue=enqueue
-                )
+                    prompt_tokens, output_cap, need=need, ticket=ticket, enqueue=enqueue,
+                    peak=peak, follow=follow and peak,
+                )  # fmt: skip
                 if held is not None:
                     queued = False
-                    return await self._link(held, prompt_tokens, output_cap, need)
+                    return await self._link(
+                        held, prompt_tokens, output_cap, need, follow=follow and peak
+                    )
                 queued = enqueue
                 remaining = deadline - self._clock()
                 if remaining <= 0:
@@ -215,9 +311,12 @@ class SharedQueue(AdmissionQueue):
                 with anyio.CancelScope(shield=True):
                     await shared.leave(ticket)
 
-    async def _link(self, held: Handle, prompt_tokens: int, output_cap: int, need: int) -> Handle:
-        """This process's mirror of the shared reservation ``held``; cancelled on the way (its
-        client gone), ``held`` is given back rather than left to a lease that lives on."""
+    async def _link(
+        self, held: Handle, prompt_tokens: int, output_cap: int, need: int, *, follow: bool = False
+    ) -> Handle:
+        """This process's mirror of the shared reservation ``held`` (``follow``: its progress is
+        relayed into it, and published); cancelled on the way (its client gone), ``held`` is
+        given back rather than left to a lease that lives on."""
         try:
             await self.shared.keep_fresh()
         except BaseException:
@@ -225,11 +324,13 @@ class SharedQueue(AdmissionQueue):
                 await self.shared.release(held)
             raise
         mine = self.ledger.try_admit(
-            prompt_tokens, output_cap, now=self._clock(), count_rejection=False, need=need
-        )
-        if mine is None:  # cannot happen while this process's share is within the shared one
+            prompt_tokens, output_cap, now=self._clock(), count_rejection=False, need=need,
+            follow=follow, admitted=True,
+        )  # fmt: skip
+        if mine is None:  # cannot happen: admitted by the shared ledger, it is held here
             with anyio.CancelScope(shield=True):
                 await self.shared.release(held)
             raise Rejected(need=need, retry_after=1.0, queued_ahead=0)
         self._links[mine.id] = (mine, held)
+        self._published[mine.id] = (follow, -1)  # what its admission wrote
         return mine

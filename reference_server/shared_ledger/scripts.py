@@ -6,7 +6,8 @@ waiting tickets in arrival order), ``queued`` (their needs summed), ``seq`` (the
 ``leases`` (a sorted set: lease -> expiry in ms of the Redis clock), ``occupancy`` (a hash: the
 time integrals the speed measurement reads, see ``OCCUPANCY``), ``config`` (the budget's
 fingerprint), ``gone`` (the leases swept for expiring, remembered for an hour), ``version`` (bumped
-by every change), and for fair shares ``fair`` and ``tickets`` (see below); and one pub/sub
+by every change), ``progress`` and ``grown`` for the peak rule (see below), and for fair shares
+``fair`` and ``tickets`` (see further below); and one pub/sub
 channel, ``released``, told of every change as ``"wake reserved holders queued"``: the totals after
 it (tokens reserved, reservations, tokens the queue waits for), and ``wake`` 1 when the change may
 let a waiter in (a release, a lease swept, a ticket leaving the queue or admitted from
@@ -31,6 +32,8 @@ __all__ = [
     "KEY_NAMES",
     "LEAVE",
     "OCCUPANCY",
+    "PEAK_SNAPSHOT",
+    "PROGRESS",
     "RELEASE",
     "RENEW",
     "RESTORE",
@@ -42,7 +45,7 @@ DEFAULT_LEASE_SECONDS = 5.0
 
 KEY_NAMES = (
     "holders", "reserved", "queue", "seq", "leases", "config", "gone", "released", "queued",
-    "occupancy", "version", "fair", "tickets",
+    "occupancy", "version", "fair", "tickets", "progress", "grown",
 )  # fmt: skip
 
 _PRELUDE = """
@@ -76,6 +79,7 @@ local function drop_lease(lease, now)
       local tokens = string.match(all[i + 1], '^%S+ (%d+)')
       charge(all[i + 1], now, 0)
       redis.call('HDEL', KEYS[1], all[i])
+      redis.call('HDEL', KEYS[14], all[i])
       redis.call('DECRBY', KEYS[2], tokens)
     end
   end
@@ -135,9 +139,14 @@ local function holder(field)
 end
 """
 
-#: ARGV: lease, ticket, need, cap, usable, max_concurrency (0: none), enqueue (1/0).
-#: Returns {1, now, state} admitted, {0, now, state} not now (queued when asked), {-1, now, state}
-#: the lease is gone; ``state`` is ``"reserved holders queued"`` after it.
+#: ARGV: lease, ticket, need, cap, usable, max_concurrency (0: none), enqueue (1/0), and for the
+#: peak rule: prompt tokens ('' for none: no progress record), tracked (1/0), and ``grown`` as
+#: read by the snapshot on which the admitting gateway found that it fits ('': it did not, or
+#: whole caps). Admitted when the whole caps fit, or when the peak did and no holder has come
+#: since that snapshot (see ``PEAK_SNAPSHOT``); the ticket must be at the head of the queue
+#: either way. Returns {1, now, state} admitted, {0, now, state} not now (queued when asked),
+#: {2, now, state} a holder came since the snapshot (read again), {-1, now, state} the lease is
+#: gone; ``state`` is ``"reserved holders queued"`` after it.
 ADMIT = (
     _PRELUDE
     + """
@@ -154,9 +163,21 @@ local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
 if head == nil or head == ticket then
   local reserved = tonumber(redis.call('GET', KEYS[2]) or '0')
   local most = tonumber(ARGV[6])
-  if reserved + need <= tonumber(ARGV[5])
-      and (most == 0 or redis.call('HLEN', KEYS[1]) < most) then
+  local read = ARGV[10] or ''
+  local fits = reserved + need <= tonumber(ARGV[5])
+  if not fits and read ~= '' then
+    if (redis.call('GET', KEYS[15]) or '0') ~= read then
+      return {2, now, state()}
+    end
+    fits = true
+  end
+  if fits and (most == 0 or redis.call('HLEN', KEYS[1]) < most) then
     redis.call('HSET', KEYS[1], ticket, lease .. ' ' .. need .. ' ' .. ARGV[4] .. ' ' .. now)
+    if (ARGV[8] or '') ~= '' then
+      redis.call('HSET', KEYS[14], ticket,
+                 ARGV[8] .. ' ' .. ARGV[4] .. ' ' .. ARGV[9] .. ' -1 ' .. now .. ' ' .. now)
+    end
+    redis.call('INCR', KEYS[15])
     redis.call('HINCRBY', KEYS[10], 'admitted', 1)
     redis.call('INCRBY', KEYS[2], need)
     local next_may_fit = dequeue(ticket) and redis.call('ZCARD', KEYS[3]) > 0
@@ -183,6 +204,7 @@ if not tokens then
 end
 charge(redis.call('HGET', KEYS[1], ARGV[1]), now_ms(), 0)
 redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[14], ARGV[1])
 redis.call('DECRBY', KEYS[2], tokens)
 tell(1)
 return tokens
@@ -216,6 +238,7 @@ local held = redis.call('HGET', KEYS[1], ticket)
 if held then
   charge(held, now, 0)
   redis.call('HDEL', KEYS[1], ticket)
+  redis.call('HDEL', KEYS[14], ticket)
   redis.call('DECRBY', KEYS[2], string.match(held, '^%S+ (%d+)'))
   tell(1)
   return 3
@@ -256,6 +279,7 @@ tick(now_ms())
 for i = 1, #ARGV, 2 do
   if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
     redis.call('INCRBY', KEYS[2], string.match(ARGV[i + 1], '^%S+ (%d+)'))
+    redis.call('INCR', KEYS[15])
   end
 end
 return 1
@@ -376,6 +400,7 @@ for j = admit_a, admit_b, 3 do
   redis.call('HSET', KEYS[1], ticket,
              owner .. ' ' .. need .. ' ' .. ARGV[j + 1] .. ' ' .. now .. ' ' .. ARGV[j + 2])
   redis.call('INCRBY', KEYS[2], need)
+  redis.call('INCR', KEYS[15])
   redis.call('HINCRBY', KEYS[10], 'admitted', 1)
   redis.call('HINCRBY', KEYS[12], 'admitted:' .. ARGV[j + 2], 1)
 end
@@ -394,5 +419,78 @@ if vtime and vtime ~= '' then
 end
 tell((admit_b >= admit_a or refuse_b >= refuse_a) and 1 or 0)
 return {1, now, state()}
+"""
+)
+
+# --- the peak rule (``--admission-rule peak``): the holders' progress, shared ------------------
+#
+# ``progress`` (a hash: reservation -> ``"prompt counted tracked generated seen_ms first_ms"``):
+# what the peak rule needs of a holder besides its reservation: its prompt, the output it is
+# counted to, whether its progress is followed (1/0), the tokens relayed so far (-1: none yet),
+# when the latest and the first of them were read (ms of the Redis clock). Written at admission
+# (ADMIT, given the prompt), then by the process that relays the holder (PROGRESS), in batches;
+# it goes with its holder (release, leave, lease swept). A holder without one counts whole.
+# ``grown`` counts admissions and restores only: the set of holders grew. A gateway admits by the
+# peak on a snapshot (PEAK_SNAPSHOT) and ADMIT lands it only if ``grown`` has not moved since.
+# Releases and progress do not move it, for they only make a stale view safer: a holder gone
+# since holds nothing, and one whose progress the view missed is counted by the view at most
+# the relay's margin past its count from the time it was read (the margin covers what it made
+# since), and with as many steps left as from that count, never fewer than it really has (its
+# count only grows): so the peak the view computed bounds the truth.
+
+#: Returns {now, grown, reserved, holders (flat), progress (flat), waiting tickets in order}.
+PEAK_SNAPSHOT = (
+    _PRELUDE
+    + """
+local now = now_ms()
+sweep(now)
+return {now, tonumber(redis.call('GET', KEYS[15]) or '0'),
+        tonumber(redis.call('GET', KEYS[2]) or '0'), redis.call('HGETALL', KEYS[1]),
+        redis.call('HGETALL', KEYS[14]), redis.call('ZRANGE', KEYS[3], 0, -1)}
+"""
+)
+
+#: ARGV: lease, then per holder: reservation, prompt, counted, tracked (1/0), generated (-1:
+#: none), age_ms of that count, age_ms of the first count (the ages on the publisher's own
+#: clock: durations, which every clock agrees on; the stamps are the Redis clock's ``now`` less
+#: them). A holder of another lease, or gone, is skipped; an older count than the one kept
+#: never replaces it (a retry, or batches crossing). Returns how many holders had their first
+#: count published; then waiters everywhere are woken (a holder past its first token counts
+#: less), without bumping ``version``: progress decides nothing for the fair shares.
+PROGRESS = (
+    _PRELUDE
+    + """
+local now = now_ms()
+sweep(now)
+local prefix = ARGV[1] .. ':'
+local first = 0
+for i = 2, #ARGV, 7 do
+  local field = ARGV[i]
+  if string.sub(field, 1, #prefix) == prefix and redis.call('HEXISTS', KEYS[1], field) == 1 then
+    local kept = redis.call('HGET', KEYS[14], field)
+    local had, tracked_before = -1, '1'
+    if kept then
+      local t, g = string.match(kept, '^%S+ %S+ (%S+) (%S+)')
+      had, tracked_before = tonumber(g), t
+    end
+    local generated = tonumber(ARGV[i + 4])
+    if generated > had or ARGV[i + 3] ~= tracked_before then
+      local seen = now - math.max(0, tonumber(ARGV[i + 5]))
+      local first_at = now - math.max(0, tonumber(ARGV[i + 6]))
+      if had >= 0 then
+        first_at = tonumber(string.match(kept, '^%S+ %S+ %S+ %S+ %S+ (%S+)$'))
+      elseif generated >= 0 then
+        first = first + 1
+      end
+      redis.call('HSET', KEYS[14], field, ARGV[i + 1] .. ' ' .. ARGV[i + 2] .. ' '
+                 .. ARGV[i + 3] .. ' ' .. math.max(generated, had) .. ' ' .. seen .. ' '
+                 .. first_at)
+    end
+  end
+end
+if first > 0 then
+  redis.call('PUBLISH', KEYS[8], '1 ' .. state())
+end
+return first
 """
 )

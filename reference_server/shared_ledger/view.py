@@ -1,0 +1,199 @@
+"""The shared ledger's holders as the peak rule sees them: every gateway's, from their records in
+Redis, counted by the in-process ledger itself. Pure: no Redis, no clock of its own (times are
+the Redis clock's, in seconds).
+
+A holder's record is its reservation (``holders``) and, under the peak rule, its progress
+(``progress``, see :mod:`.scripts`): relayed and published in batches by the process that
+relays it. :class:`PeakView` rebuilds each holder as a :class:`~..admission.values.Handle` of a
+scratch :class:`~..admission.ledger.KVAdmissionController` on the peak rule, so the decision is
+the in-process ledger's (``as_holder``, ``peak``, its margins), taken over every process's
+holders; nothing of it is copied here or into Lua.
+
+The relay's margin (``relay_lag``) grows by the publish interval: a count is published at the
+latest one interval after it was read (its stamp is when it was read, but a holder whose relay
+has begun to wait on its client, or let its progress go, says so only at the next publish).
+
+>>> # view = PeakView.parse(raw, pricing)   # raw: PEAK_SNAPSHOT's answer
+>>> # view.fits(prompt_tokens, output_cap, need)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..admission.holders import explained, freshest
+from ..admission.ledger import Handle, KVAdmissionController
+
+__all__ = ["PUBLISH_SECONDS", "PUBLISH_TOKENS", "PeakView", "Record", "shared_relay_lag"]
+
+#: Seconds between two publishes of a process's holders' progress at most: one script per
+#: process for all its holders, so ten a second whatever the load; it adds this much to the
+#: relay's margin (a few tokens per holder at the speeds of CPU and GPU engines alike).
+PUBLISH_SECONDS = 0.1
+#: Tokens a holder may make before its progress is published sooner than the interval (its
+#: first token is published at once: it ends its whole-cap count).
+PUBLISH_TOKENS = 16
+
+
+def shared_relay_lag(relay_lag: float, publish_seconds: float = PUBLISH_SECONDS) -> float:
+    """The relay's margin over the shared view: the relay's own lag and the publish interval."""
+    return relay_lag + publish_seconds
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Record:
+    """One holder as Redis keeps it. ``prompt`` None: no progress record (admitted on whole
+    caps, or by a gateway that publishes none): it counts whole. ``generated`` None: no token
+    relayed yet."""
+
+    field: str
+    lease: str
+    tokens: int
+    cap: int
+    admitted_at: float
+    prompt: int | None = None
+    counted: int = 0
+    tracked: bool = False
+    generated: int | None = None
+    seen_at: float = 0.0
+    first_seen_at: float = 0.0
+
+    @classmethod
+    def parse(cls, field: str, value: str, progress: str | None) -> Record:
+        """From a ``holders`` value (``"lease tokens cap admitted_ms [tenant]"``) and its
+        ``progress`` value, if any."""
+        lease, tokens, cap, admitted = value.split(" ", 4)[:4]
+        base = {
+            "field": field,
+            "lease": lease,
+            "tokens": int(tokens),
+            "cap": int(cap),
+            "admitted_at": int(admitted) / 1000,
+        }
+        if progress is None:
+            return cls(**base)  # type: ignore[arg-type]
+        prompt, counted, tracked, generated, seen, first = progress.split(" ")
+        return cls(
+            **base,  # type: ignore[arg-type]
+            prompt=int(prompt),
+            counted=int(counted),
+            tracked=tracked == "1",
+            generated=None if int(generated) < 0 else int(generated),
+            seen_at=int(seen) / 1000,
+            first_seen_at=int(first) / 1000,
+        )
+
+
+class PeakView:
+    """Every gateway's holders at one moment (``now``, Redis clock), with ``grown`` (the
+    admissions counter the commit compares) and the waiting ``tickets``, modelled by a scratch
+    ledger on the peak rule priced as ``pricing``."""
+
+    def __init__(
+        self,
+        *,
+        now: float,
+        grown: str,
+        records: Iterable[Record],
+        tickets: Sequence[str] = (),
+        pricing: KVAdmissionController,
+        publish_seconds: float = PUBLISH_SECONDS,
+    ) -> None:
+        self.now = now
+        self.grown = grown
+        self.tickets = list(tickets)
+        self.records = sorted(records, key=lambda r: r.admitted_at)
+        p = pricing
+        self.model = KVAdmissionController(
+            total_kv_tokens=p.total_kv_tokens,
+            context_window=p.context_window,
+            decode_rate=p.decode_rate,
+            throughput=p.throughput,
+            safety_fraction=p.safety_fraction,
+            block_size=p.block_size,
+            max_concurrency=p.max_concurrency,
+            release_margin=p.release_margin,
+            strategy=p.strategy,
+            rule="peak",
+            relay_lag=shared_relay_lag(p.relay_lag, publish_seconds),
+        )
+        #: reservation -> its handle in the model
+        self.handles: dict[str, Handle] = {}
+        # In order of admission, each at its own admission (the model's Retry-After drains so).
+        for record in self.records:
+            handle = self.model.try_admit(
+                record.prompt or 0, record.cap, now=min(record.admitted_at, now),
+                need=record.tokens, follow=record.prompt is not None and record.tracked,
+                admitted=True,
+            )  # fmt: skip
+            assert handle is not None  # admitted=True holds whatever the budget says
+            if handle.tracked:
+                handle.counted_output = min(max(0, record.counted), record.cap)
+                handle.generated = record.generated
+                handle.seen_at = record.seen_at
+                handle.first_seen_at = record.first_seen_at
+            self.handles[record.field] = handle
+
+    @classmethod
+    def parse(
+        cls,
+        raw: list[Any],
+        pricing: KVAdmissionController,
+        publish_seconds: float = PUBLISH_SECONDS,
+    ) -> PeakView:
+        """From ``PEAK_SNAPSHOT``'s answer."""
+        holders = [_text(x) for x in raw[3]]
+        progress = [_text(x) for x in raw[4]]
+        kept = dict(zip(progress[0::2], progress[1::2], strict=True))
+        records = [
+            Record.parse(field, value, kept.get(field))
+            for field, value in zip(holders[0::2], holders[1::2], strict=True)
+        ]
+        return cls(
+            now=int(raw[0]) / 1000,
+            grown=_text(raw[1]),
+            records=records,
+            tickets=[_text(t) for t in raw[5]],
+            pricing=pricing,
+            publish_seconds=publish_seconds,
+        )
+
+    @property
+    def reserved(self) -> int:
+        """Every holder's whole reservation, summed."""
+        return sum(r.tokens for r in self.records)
+
+    def fits(self, prompt_tokens: int, output_cap: int, need: int) -> bool:
+        """Whether a newcomer (counted whole until its first token is published) fits now by
+        the peak of every holder's trajectory, and the running cap."""
+        handle = self.model.try_admit(
+            prompt_tokens, output_cap, now=self.now, need=need, count_rejection=False
+        )
+        if handle is None:
+            return False
+        self.model.release(handle)  # the model is a view: the commit is Redis's
+        return True
+
+    def room(self) -> int:
+        """Tokens a newcomer may take now by the peak (routing's figure)."""
+        return self.model.room(self.now)[0]
+
+    def explained_elsewhere(self, lease: str, at: float) -> int:
+        """The most KV the holders of other leases than ``lease`` may hold in the engine at
+        ``at`` (Redis clock, no earlier than :attr:`now`): each at its count and what it may
+        have made since it was read (see :func:`~..admission.holders.explained`)."""
+        others = [h for f, h in self.handles.items() if not f.startswith(lease + ":")]
+        if not others:
+            return 0
+        fresh = max(at, freshest(others, self.now))
+        model = self.model
+        return explained(
+            others, fresh, fresh, decode_rate=model.decode_rate, relay_lag=model.relay_lag,
+            block_size=model.block_size,
+        )  # fmt: skip
