@@ -1,0 +1,255 @@
+"""The peak rule on the shared ledger, on a real Redis: holders' progress published and read back,
+two gateways admitting by the peak of each other's holders, the compare-and-set that refuses a
+decision taken on a set of holders that has grown since, and a dead gateway's holders counted
+from their last published progress until its lease lapses."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from reference_server.admission.holders import as_holder, freshest
+from reference_server.admission.ledger import KVAdmissionController
+from reference_server.shared_ledger.connection import connect
+from reference_server.shared_ledger.ledger import Lease, RedisLedger
+from reference_server.shared_ledger.queue import SharedQueue
+from reference_server.shared_ledger.view import PeakView
+from tests.helpers.redis_server import RedisServer
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # redis-py's asyncio client
+
+
+def pricing(**kw: object) -> KVAdmissionController:
+    """9,000 usable tokens in blocks of 16, 100 tokens/s: three requests of prompt 100 and cap
+    4,000 (4,112 tokens each) do not fit on whole caps, two do."""
+    settings: dict[str, object] = {
+        "total_kv_tokens": 10_000,
+        "context_window": 8192,
+        "decode_rate": 100.0,
+        "rule": "peak",
+    }
+    settings.update(kw)
+    return KVAdmissionController(**settings)  # type: ignore[arg-type]
+
+
+_OPEN: list[RedisLedger] = []
+
+
+async def gateway(server: RedisServer, *, ttl: float = 5.0) -> RedisLedger:
+    """One gateway process's shared ledger of upstream ``u``."""
+    ledger = RedisLedger(connect(server.url), name="u", pricing=pricing(), lease=Lease(ttl=ttl))
+    _OPEN.append(ledger)
+    await ledger.join()
+    return ledger
+
+
+@pytest.fixture
+async def closing() -> AsyncIterator[None]:
+    yield
+    while _OPEN:
+        await _OPEN.pop().aclose()
+
+
+async def holding(ledger: RedisLedger, generated: int | None, *, cap: int = 4000) -> str:
+    """Admit a followed holder (prompt 100) by the peak and publish ``generated`` as read just
+    now (None: nothing yet); its reservation's name."""
+    handle = await ledger.try_admit(100, cap, peak=True, follow=True)
+    assert handle is not None
+    field = ledger.field_of(handle)
+    assert field is not None
+    if generated is not None:
+        await ledger.publish([(field, 100, cap, True, generated, 0.0, 0.0)])
+    return field
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_progress_is_published_and_read_back_and_goes_with_its_holder(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server)
+    b = await gateway(redis_server)
+    handle = await a.try_admit(100, 4000, peak=True, follow=True)
+    assert handle is not None
+    field = a.field_of(handle)
+    assert field is not None
+    (record,) = (await b.peak_view()).records
+    assert (record.prompt, record.counted, record.tracked) == (100, 4000, True)
+    assert record.generated is None
+    assert await a.publish([(field, 100, 4000, True, 7, 0.05, 0.2)]) == 1  # its first count
+    view = await b.peak_view()
+    (record,) = view.records
+    assert record.generated == 7
+    assert view.now - 0.2 <= record.seen_at - 0.05 <= view.now  # stamped when it was read
+    assert record.first_seen_at <= record.seen_at
+    assert await a.publish([(field, 100, 4000, True, 5, 0.0, 0.0)]) == 0  # an older batch
+    assert (await b.peak_view()).records[0].generated == 7
+    assert await b.publish([(field, 100, 4000, True, 9, 0.0, 0.0)]) == 0  # not b's holder
+    assert (await b.peak_view()).records[0].generated == 7
+    await a.publish([(field, 100, 4000, False, 7, 0.0, 0.0)])  # its relay let it go
+    view = await b.peak_view()
+    assert not view.records[0].tracked
+    assert view.handles[field].reserved_tokens == 4112
+    assert (
+        as_holder(view.handles[field], view.now, decode_rate=100.0, relay_lag=0.25).held == 4112
+    )  # counted whole
+    await a.release(handle)
+    assert (await b.peak_view()).records == []
+    assert await a.client.hlen("{kvclient:u}:progress") == 0
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_two_gateways_admit_by_the_peak_of_each_others_holders(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server)
+    b = await gateway(redis_server)
+    await holding(a, 3950)  # near its end
+    await holding(b, None)  # before its first token: whole
+    assert await b.try_admit(100, 4000, peak=True) is None  # 3 x 4,112 on caps; 2 whole by the peak
+    late = await a.peak_view()
+    b_field = next(r.field for r in late.records if r.lease == b.lease.id)
+    await b.publish([(b_field, 100, 4000, True, 10, 0.0, 0.0)])  # b's holder has begun
+    assert await b.try_admit(100, 4000) is None  # whole caps still refuse
+    third = await b.try_admit(100, 4000, peak=True)
+    assert third is not None  # the one near its end leaves room before the other grows
+    assert (await a.peak_view()).reserved == 3 * 4112 > a.usable_tokens
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_decision_on_a_set_of_holders_grown_since_is_read_again(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server)
+    b = await gateway(redis_server)
+    await holding(a, 3950)
+    await holding(b, 10)
+    reads = 0
+    real = a.peak_view
+
+    async def racing() -> PeakView:  # b admits between a's snapshot and a's commit
+        nonlocal reads
+        view = await real()
+        reads += 1
+        if reads == 1:
+            assert view.fits(100, 4000, 4112)
+            assert await b.try_admit(100, 4000, peak=True) is not None
+        return view
+
+    a.peak_view = racing  # type: ignore[method-assign]
+    assert await a.try_admit(100, 4000, peak=True) is None  # read again: no room left
+    assert reads == 2
+    assert (await b.peak_view()).reserved == 3 * 4112
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_release_or_progress_since_the_snapshot_does_not_undo_its_decision(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server)
+    b = await gateway(redis_server)
+    await holding(a, 3950)
+    b_field = await holding(b, 10)
+    extra = await b.try_admit(0, 16)  # a small holder on whole caps
+    assert extra is not None
+    real = a.peak_view
+    reads = 0
+
+    async def racing() -> PeakView:
+        nonlocal reads
+        view = await real()
+        reads += 1
+        await b.release(extra)
+        await b.publish([(b_field, 100, 4000, True, 20, 0.0, 0.0)])
+        return view
+
+    a.peak_view = racing  # type: ignore[method-assign]
+    assert await a.try_admit(100, 4000, peak=True) is not None
+    assert reads == 1
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_dead_gateways_holders_count_from_their_last_progress_until_its_lease_lapses(
+    redis_server: RedisServer, closing: None
+) -> None:
+    dead = await gateway(redis_server, ttl=1.5)  # never renewed: it dies with its holder early
+    alive = await gateway(redis_server)
+    dead_field = await holding(dead, 10)
+    published = (await alive.peak_view()).records[0].seen_at
+    for _ in range(100):  # until 0.4 s of the Redis clock have passed (1 s at most)
+        view = await alive.peak_view()
+        if view.now - published >= 0.4:
+            break
+        await anyio.sleep(0.01)
+    await holding(alive, 3950)  # read just now: the dead holder's count is 0.4 s older
+    view = await alive.peak_view()
+    handles = view.model.live_handles()
+    fresh = freshest(handles, view.now)
+    dead_one = as_holder(
+        view.handles[dead_field], fresh, decode_rate=100.0, relay_lag=view.model.relay_lag
+    )
+    # Its count, and what it could have made at twice the speed in the 0.4 s and the margin.
+    assert dead_one.held >= 100 + 10 + 2 * 100 * (0.4 + 0.35)
+    assert dead_one.steps_left == 4000 - 10 + 1  # counted from its last count
+    for _ in range(300):  # the lease is 1.5 s; 3 s at most
+        if len((await alive.peak_view()).records) == 1:
+            break
+        await anyio.sleep(0.01)
+    (record,) = (await alive.peak_view()).records
+    assert record.lease == alive.lease.id
+    assert await alive.client.hlen("{kvclient:u}:progress") == 1
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_the_shared_queue_publishes_what_its_relay_reads(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server)
+    b = await gateway(redis_server)
+    queue = SharedQueue(a.pricing, a, max_wait=0)
+    wakes: list[int] = []
+    queue.publish_soon = lambda: wakes.append(1)
+    assert queue.on_peak
+    mine = await queue.acquire(100, 4000, follow=True)
+    assert mine.tracked
+    queue.progress(mine, 1)
+    assert wakes == [1]  # the first token: at once
+    await queue.publish()
+    assert (await b.peak_view()).records[0].generated == 1
+    queue.progress(mine, 5)
+    queue.progress(mine, 16)
+    assert wakes == [1]  # a few more: at the interval
+    await queue.publish()
+    assert (await b.peak_view()).records[0].generated == 16
+    queue.progress(mine, 16 + 16)
+    assert wakes == [1, 1]  # tokens enough
+    a.pricing.unfollow(mine)
+    await queue.publish()
+    assert not (await b.peak_view()).records[0].tracked
+    await queue.release(mine)
+    assert (await b.peak_view()).records == []
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_off_the_peak_rule_the_shared_queue_counts_whole_caps(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server)
+    queue = SharedQueue(a.pricing, a, max_wait=0)
+    a.pricing.engine_unseen("its /metrics could not be reached")
+    assert not queue.on_peak
+    first = await queue.acquire(100, 4000, follow=True)
+    (record,) = (await a.peak_view()).records
+    assert record.prompt is None  # no progress record: whole, wherever it is read
+    await queue.release(first)
