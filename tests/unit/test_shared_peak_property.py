@@ -1,0 +1,280 @@
+"""The shared ledger's peak rule as a property, pure (no Redis): holders spread over several
+gateway processes that publish their progress late and unevenly, admissions decided by
+different processes from snapshots (:class:`~reference_server.shared_ledger.view.PeakView`)
+and landed by the compare-and-set on ``grown``, a process killed mid-stream whose holders run
+on in the engine until its lease lapses: the lockstep engine's pool never overflows, and the
+ledger returns to 0.
+
+``_Store`` stands for the scripts' state as far as the property needs it (the holders, their
+progress records, ``grown`` and the caps' sum, the lease sweep); the decision is the
+production view's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reference_server.admission.ledger import KVAdmissionController
+from reference_server.shared_ledger.view import PUBLISH_TOKENS, PeakView, Record
+from tests.helpers.lockstep import LockstepEngine, Seq
+
+_DT = 0.01  # seconds a decode step takes: one token a step, 100 tokens/s
+
+
+class _Store:
+    """The shared ledger's state in Redis, as the scripts keep it (see the module)."""
+
+    def __init__(self, usable: int) -> None:
+        self.usable = usable
+        self.records: dict[str, Record] = {}
+        self.grown = 0
+
+    def view(self, now: float, pricing: KVAdmissionController, publish_seconds: float) -> PeakView:
+        return PeakView(
+            now=now, grown=str(self.grown), records=self.records.values(), pricing=pricing,
+            publish_seconds=publish_seconds,
+        )  # fmt: skip
+
+    def admit(self, record: Record, grown: str | None) -> bool | None:
+        """ADMIT: on whole caps, or by the peak read at ``grown`` if no holder came since;
+        None: one did (read again)."""
+        if sum(r.tokens for r in self.records.values()) + record.tokens <= self.usable:
+            pass
+        elif grown is None:
+            return False
+        elif grown != str(self.grown):
+            return None
+        self.records[record.field] = record
+        self.grown += 1
+        return True
+
+    def publish(self, name: str, generated: int, read_at: float, first_at: float) -> None:
+        """PROGRESS: stamped when the count was read; an older count never replaces a newer."""
+        kept = self.records.get(name)
+        if kept is None or (kept.generated is not None and kept.generated >= generated):
+            return
+        first = kept.first_seen_at if kept.generated is not None else first_at
+        self.records[name] = Record(
+            field=kept.field, lease=kept.lease, tokens=kept.tokens, cap=kept.cap,
+            admitted_at=kept.admitted_at, prompt=kept.prompt, counted=kept.counted,
+            tracked=True, generated=generated, seen_at=read_at, first_seen_at=first,
+        )  # fmt: skip
+
+    def sweep(self, lease: str) -> None:
+        for name in [n for n, r in self.records.items() if r.lease == lease]:
+            del self.records[name]
+
+
+@dataclass
+class _Held:
+    """One holder as its own process relays it."""
+
+    seq: Seq
+    name: str
+    late: int
+    history: list[int] = field(default_factory=list)
+    read: int | None = None
+    read_at: float = 0.0
+    first_at: float = 0.0
+    published: int | None = None
+
+
+@dataclass
+class _Process:
+    lease: str
+    every: int  # steps between two publishes at most
+    alive: bool = True
+    lapses_at: int | None = None
+    held: dict[int, _Held] = field(default_factory=dict)
+
+
+@dataclass
+class _Decision:
+    """A newcomer a process decided on from a snapshot, committed ``at`` a later step."""
+
+    process: _Process
+    request: dict[str, int]
+    view: PeakView
+    fits: bool
+    at: int
+
+
+@st.composite
+def spread(draw: st.DrawFn) -> dict[str, object]:
+    processes = draw(st.integers(2, 4))
+    requests = []
+    for i in range(draw(st.integers(1, 20))):
+        cap = draw(st.integers(1, 300))
+        requests.append(
+            {
+                "id": i,
+                "arrival": draw(st.integers(0, 150)),
+                "prompt": draw(st.integers(1, 60)),
+                "cap": cap,
+                "length": draw(st.one_of(st.just(cap), st.just(cap), st.integers(1, cap))),
+                "process": draw(st.integers(0, processes - 1)),
+                "late": draw(st.integers(0, 4)),  # steps its counts reach its relay late
+                "slow": draw(st.integers(0, 3)),  # steps between its snapshot and its commit
+            }
+        )
+    return {
+        "requests": requests,
+        "block": draw(st.sampled_from([1, 4, 16])),
+        "kv": draw(st.integers(600, 2500)),
+        "delay": 4,
+        "every": [draw(st.integers(1, 12)) for _ in range(processes)],
+        "release_delay": draw(st.integers(0, 3)),
+        "kill": draw(
+            st.one_of(st.none(), st.tuples(st.integers(0, processes - 1), st.integers(0, 300)))
+        ),
+        "lease_steps": draw(st.integers(1, 120)),
+    }
+
+
+@dataclass
+class _Ran:
+    engine: LockstepEngine
+    store: _Store
+    usable: int
+    admitted: int = 0
+    dropped: int = 0  # the killed process's requests it never admitted
+    most_running: int = 0
+    conflicts: int = 0  # commits refused for a holder admitted since their snapshot
+
+
+def _run(work: dict[str, object]) -> _Ran:
+    """Steps the engine with the processes admitting by the shared peak."""
+    block, kv = int(work["block"]), int(work["kv"])  # type: ignore[call-overload]
+    every: list[int] = work["every"]  # type: ignore[assignment]
+    pricing = KVAdmissionController(
+        total_kv_tokens=kv, context_window=10_000, decode_rate=1 / _DT, block_size=block,
+        rule="peak", relay_lag=int(work["delay"]) * _DT,  # type: ignore[call-overload]
+    )  # fmt: skip
+    publish_seconds = max(every) * _DT  # the interval actually used
+    store = _Store(pricing.usable_tokens)
+    engine = LockstepEngine(block, share=False)
+    processes = [_Process(lease=f"p{i}", every=n) for i, n in enumerate(every)]
+    pending = sorted(work["requests"], key=lambda r: (r["arrival"], r["id"]))  # type: ignore[arg-type]
+    waiting: list[dict[str, int]] = []
+    deciding: list[_Decision] = []
+    kill: tuple[int, int] | None = work["kill"]  # type: ignore[assignment]
+    lease_steps = int(work["lease_steps"])  # type: ignore[call-overload]
+    release_delay = int(work["release_delay"])  # type: ignore[call-overload]
+    ended: dict[int, int] = {}
+    ids = itertools.count()
+    ran = _Ran(engine, store, pricing.usable_tokens)
+    step = 0
+    while pending or waiting or deciding or store.records:
+        now = step * _DT
+        while pending and pending[0]["arrival"] <= step:
+            waiting.append(pending.pop(0))
+        for process in processes:  # a lapsed lease: swept, and the engine lets its holders go
+            if process.lapses_at == step:
+                store.sweep(process.lease)
+                for held in process.held.values():
+                    engine.running.pop(held.seq.id, None)
+                process.held.clear()
+        # Each live process decides on its own first waiter from a snapshot of its own.
+        busy = {id(d.request) for d in deciding}
+        for process in processes:
+            mine = [r for r in waiting if processes[r["process"]] is process]
+            if not process.alive:
+                ran.dropped += len(mine)
+                waiting = [r for r in waiting if r not in mine]
+                continue
+            request = next((r for r in mine if id(r) not in busy), None)
+            if request is None:
+                continue
+            view = store.view(now, pricing, publish_seconds)
+            need = pricing.need_tokens(request["prompt"], request["cap"])
+            fits = view.fits(request["prompt"], request["cap"], need)
+            deciding.append(_Decision(process, request, view, fits, step + request["slow"]))
+        # The commits due, in the order their snapshots were read.
+        for decision in [d for d in deciding if d.at <= step]:
+            deciding.remove(decision)
+            process, request = decision.process, decision.request
+            if not process.alive:
+                continue  # dropped with the process's waiters
+            need = pricing.need_tokens(request["prompt"], request["cap"])
+            name = f"{process.lease}:{next(ids)}:{need}"
+            record = Record(
+                field=name, lease=process.lease, tokens=need, cap=request["cap"],
+                admitted_at=now, prompt=request["prompt"], counted=request["cap"], tracked=True,
+            )  # fmt: skip
+            landed = store.admit(record, decision.view.grown if decision.fits else None)
+            if not landed:
+                ran.conflicts += landed is None
+                continue  # not now, or read again: it stays waiting
+            waiting.remove(request)
+            ran.admitted += 1
+            seq = Seq(request["id"], [0] * request["prompt"], request["cap"], request["length"])
+            process.held[seq.id] = _Held(seq, name, request["late"])
+            engine.schedule(seq)
+        ran.most_running = max(ran.most_running, len(engine.running))
+        for seq in engine.step():
+            ended[seq.id] = step
+        step += 1
+        now = step * _DT
+        if kill is not None and step == kill[1] and processes[kill[0]].alive:
+            victim = processes[kill[0]]
+            victim.alive, victim.lapses_at = False, step + lease_steps
+        for process in processes:
+            if not process.alive:
+                continue  # its holders run on in the engine; nothing of them reaches Redis
+            for sid, held in list(process.held.items()):
+                running = engine.running.get(sid)
+                held.history.append(running.generated if running else -1)
+                if sid in ended and step - ended[sid] > release_delay:
+                    del store.records[held.name]
+                    del process.held[sid]
+                    continue
+                count = held.history[-1 - held.late] if len(held.history) > held.late else 0
+                if count > 0 and sid not in ended and count > (held.read or 0):
+                    if held.read is None:
+                        held.first_at = now
+                    held.read, held.read_at = count, now
+                if held.read is None or held.read == held.published:
+                    continue
+                due = step % process.every == 0 or held.published is None
+                if due or held.read - (held.published or 0) >= PUBLISH_TOKENS:
+                    store.publish(held.name, held.read, held.read_at, held.first_at)
+                    held.published = held.read
+        assert engine.used() <= pricing.usable_tokens, f"overflow at step {step}"
+        assert step < 100_000
+    return ran
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spread())
+def test_processes_sharing_the_peak_never_overflow_a_lockstep_engine(
+    work: dict[str, object],
+) -> None:
+    ran = _run(work)
+    assert ran.engine.peak_used <= ran.usable
+    assert ran.store.records == {}  # the ledger returns to 0
+    assert ran.admitted + ran.dropped == len(work["requests"])  # type: ignore[arg-type]
+    if work["kill"] is None:
+        assert ran.dropped == 0
+
+
+def test_the_shared_peak_runs_more_at_once_than_whole_caps() -> None:
+    """Two processes, requests that end at different times, two at a time: more run at once
+    than on caps, and a decision of one process is read again when the other's landed first."""
+    requests = [
+        {"id": i, "arrival": 20 * (i // 2), "prompt": 10, "cap": 200, "length": 200,
+         "process": i % 2, "late": 1, "slow": 0}
+        for i in range(12)
+    ]  # fmt: skip
+    work: dict[str, object] = {
+        "requests": requests, "block": 1, "kv": 700, "delay": 2, "every": [3, 7],
+        "release_delay": 1, "kill": None, "lease_steps": 50,
+    }  # fmt: skip
+    ran = _run(work)
+    assert ran.admitted == 12
+    assert ran.usable // 210 == 3  # on whole caps, three at once
+    assert ran.most_running > 3
+    assert ran.conflicts > 0
