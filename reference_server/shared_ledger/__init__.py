@@ -5,7 +5,8 @@ admits against one budget (``kvclient gateway --ledger redis://...``). Apart fro
 - :mod:`.ledger`: :class:`~.ledger.RedisLedger`, the leases, the pub/sub wake-ups;
 - :mod:`.connection`: reaching Redis (``redis://``, ``rediss://``, ``redis+sentinel://``);
 - :mod:`.queue`: :class:`~.queue.SharedQueue`, the FIFO queue across processes;
-- :mod:`.scripts`: the Lua scripts, each operation one atomic script.
+- :mod:`.scripts`: the Lua scripts, each operation one atomic script;
+- :mod:`.view`: every gateway's holders as the peak rule counts them (pure).
 
 Nothing is imported here: redis is needed only when a ledger is shared.
 """

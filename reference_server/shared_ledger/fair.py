@@ -413,10 +413,10 @@ class SharedFairQueue(SharedQueue):
         *,
         client: Hashable | None = None,
         max_wait: float | None = None,
-        prefix: tuple[Hashable, ...] = (),  # the shared ledger counts whole caps: unused
+        prefix: tuple[Hashable, ...] = (),  # fair shares count whole caps: unused
         tenant: str | None = None,
         priority: int = 0,
-        model: str | None = None,  # the shared ledger counts whole caps: no forecast
+        model: str | None = None,  # fair shares count whole caps: no forecast
         follow: bool = False,
         # The shared ledger counts a request once against the running cap: it counts whole
         # caps, so sequences waiting in the engine hold no KV it has not reserved.
