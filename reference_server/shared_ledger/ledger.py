@@ -481,16 +481,21 @@ class RedisLedger:
             await self.refresh()
 
     async def retry_after(
-        self, need: int, *, duration: float = 0.0, ticket: str | None = None
+        self, need: int, *, duration: float = 0.0, ticket: str | None = None, peak: bool = False
     ) -> tuple[float, int]:
         """(seconds until ``need`` fits, tickets waiting ahead of ``ticket``), from every
         holder's worst-case end in the shared state, whichever gateway holds it, by the
-        in-process ledger's own estimate. Those waiting ahead count as load."""
-        snap, model = await self.refresh()
-        names = snap.tickets
+        in-process ledger's own estimate (``peak``: by the peak rule, every holder counted
+        from its published progress). Those waiting ahead count as load."""
+        if peak:
+            view = await self.peak_view()
+            model, now, names = view.model, view.now, view.tickets
+        else:
+            snap, model = await self.refresh()
+            now, names = snap.now, snap.tickets
         ahead = names.index(ticket) if ticket in names else len(names)
-        need += sum(snap.waiting[:ahead])
-        return model.retry_after(need, snap.now, duration=duration), ahead
+        need += sum(int(t.rsplit(":", 1)[1]) for t in names[:ahead])
+        return model.retry_after(need, now, duration=duration), ahead
 
     def model(self, snap: Snapshot) -> KVAdmissionController:
         """An in-process ledger holding every gateway's holders of ``snap`` (on the Redis clock),

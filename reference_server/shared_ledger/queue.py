@@ -302,8 +302,9 @@ class SharedQueue(AdmissionQueue):
                 if wake.event.is_set():
                     wake.event = anyio.Event()
             wait, ahead = await shared.retry_after(
-                need, duration=output_cap / self.ledger.decode_rate, ticket=ticket
-            )
+                need, duration=output_cap / self.ledger.decode_rate, ticket=ticket,
+                peak=self.on_peak,
+            )  # fmt: skip
             self.ledger.record_rejection(need, wait)
             raise Rejected(need=need, retry_after=wait, queued_ahead=ahead)
         finally:

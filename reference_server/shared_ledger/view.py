@@ -19,6 +19,7 @@ has begun to wait on its client, or let its progress go, says so only at the nex
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +94,8 @@ class Record:
 class PeakView:
     """Every gateway's holders at one moment (``now``, Redis clock), with ``grown`` (the
     admissions counter the commit compares) and the waiting ``tickets``, modelled by a scratch
-    ledger on the peak rule priced as ``pricing``."""
+    ledger on the peak rule priced as ``pricing`` (built when first asked: a waiter that is not
+    at the head of the queue needs only the tickets)."""
 
     def __init__(
         self,
@@ -108,9 +110,16 @@ class PeakView:
         self.now = now
         self.grown = grown
         self.tickets = list(tickets)
+        self._handles: dict[str, Handle] = {}
         self.records = sorted(records, key=lambda r: r.admitted_at)
-        p = pricing
-        self.model = KVAdmissionController(
+        self._pricing = pricing
+        self._publish_seconds = publish_seconds
+
+    @functools.cached_property
+    def model(self) -> KVAdmissionController:
+        """The scratch ledger holding every record's handle (see :attr:`handles`)."""
+        p = self._pricing
+        model = KVAdmissionController(
             total_kv_tokens=p.total_kv_tokens,
             context_window=p.context_window,
             decode_rate=p.decode_rate,
@@ -121,14 +130,12 @@ class PeakView:
             release_margin=p.release_margin,
             strategy=p.strategy,
             rule="peak",
-            relay_lag=shared_relay_lag(p.relay_lag, publish_seconds),
+            relay_lag=shared_relay_lag(p.relay_lag, self._publish_seconds),
         )
-        #: reservation -> its handle in the model
-        self.handles: dict[str, Handle] = {}
         # In order of admission, each at its own admission (the model's Retry-After drains so).
         for record in self.records:
-            handle = self.model.try_admit(
-                record.prompt or 0, record.cap, now=min(record.admitted_at, now),
+            handle = model.try_admit(
+                record.prompt or 0, record.cap, now=min(record.admitted_at, self.now),
                 need=record.tokens, follow=record.prompt is not None and record.tracked,
                 admitted=True,
             )  # fmt: skip
@@ -138,7 +145,14 @@ class PeakView:
                 handle.generated = record.generated
                 handle.seen_at = record.seen_at
                 handle.first_seen_at = record.first_seen_at
-            self.handles[record.field] = handle
+            self._handles[record.field] = handle
+        return model
+
+    @property
+    def handles(self) -> dict[str, Handle]:
+        """reservation -> its handle in the :attr:`model`."""
+        _ = self.model
+        return self._handles
 
     @classmethod
     def parse(

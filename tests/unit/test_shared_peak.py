@@ -253,3 +253,19 @@ async def test_off_the_peak_rule_the_shared_queue_counts_whole_caps(
     (record,) = (await a.peak_view()).records
     assert record.prompt is None  # no progress record: whole, wherever it is read
     await queue.release(first)
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_retry_after_by_the_peak_counts_every_gateways_progress(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server)
+    b = await gateway(redis_server)
+    await holding(a, 3950)  # 50 tokens from its end: half a second
+    await holding(b, None)  # whole
+    assert await b.try_admit(100, 4000, peak=True) is None
+    by_peak, _ = await b.retry_after(4112, peak=True)
+    by_caps, _ = await b.retry_after(4112)
+    assert 0 < by_peak <= 1.0  # the one near its end leaves room
+    assert by_caps > 30  # its whole cap's worth, at 100 tokens/s
