@@ -299,16 +299,17 @@ class RedisLedger:
         ticket: str | None = None,
         enqueue: bool = False,
         peak: bool = False,
-        follow: bool = False,
+        follow: bool | None = None,
     ) -> Handle | None:
         """Reserve in the shared budget, or None: it does not fit, or others wait ahead (then
         ``enqueue`` puts ``ticket`` in the queue behind them).
 
         ``peak``: by the peak of every gateway's holders (:class:`~.view.PeakView`) where the
         whole caps do not fit; the commit lands only if no holder came since the snapshot, else
-        the snapshot is read again (at most ``MAX_CONFLICTS`` times, then whole caps). The
-        holder gets a progress record (``follow``: its progress will be published), so that
-        every gateway counts it by the peak too."""
+        the snapshot is read again (at most ``MAX_CONFLICTS`` times, then whole caps).
+        ``follow`` (not None): the holder gets a progress record, its progress published (True)
+        or not (False), so that every gateway counts it by the peak; None: it has none, and
+        counts whole wherever it is read."""
         if need is None:
             need = self.pricing.need_tokens(prompt_tokens, output_cap)
         if ticket is None:
@@ -317,8 +318,8 @@ class RedisLedger:
         args: tuple[Any, ...] = (
             self.lease.id, ticket, need, output_cap, self.usable_tokens, most, int(enqueue)
         )  # fmt: skip
-        if peak:
-            args += (prompt_tokens, int(follow))
+        if peak or follow is not None:
+            args += (prompt_tokens, int(bool(follow)))
         status, now_ms, seen = 2, 0, None
         for _ in range(MAX_CONFLICTS if peak else 0):
             view = await self.peak_view()
@@ -330,7 +331,7 @@ class RedisLedger:
             if status != 2:
                 break
         if status == 2:
-            status, now_ms, seen = await self._admit(*args, *([""] if peak else []))
+            status, now_ms, seen = await self._admit(*args, "")
         self.seen = SharedState.parse(seen)
         if status != 1:
             return None

@@ -283,15 +283,17 @@ class SharedQueue(AdmissionQueue):
         queued = False
         try:
             while True:
-                peak = self.on_peak
+                # Followed while the mirror tracks progress, on the peak or on caps for now:
+                # once back on the peak, every gateway counts it by its progress.
+                tracks = self.ledger.tracks_progress
                 held = await shared.try_admit(
                     prompt_tokens, output_cap, need=need, ticket=ticket, enqueue=enqueue,
-                    peak=peak, follow=follow and peak,
+                    peak=self.on_peak, follow=follow if tracks else None,
                 )  # fmt: skip
                 if held is not None:
                     queued = False
                     return await self._link(
-                        held, prompt_tokens, output_cap, need, follow=follow and peak
+                        held, prompt_tokens, output_cap, need, follow=follow and tracks
                     )
                 queued = enqueue
                 remaining = deadline - self._clock()
@@ -333,5 +335,5 @@ class SharedQueue(AdmissionQueue):
                 await self.shared.release(held)
             raise Rejected(need=need, retry_after=1.0, queued_ahead=0)
         self._links[mine.id] = (mine, held)
-        self._published[mine.id] = (follow, -1)  # what its admission wrote
+        self._published[mine.id] = (mine.tracked, -1)  # what its admission wrote
         return mine

@@ -12,6 +12,7 @@ import pytest
 
 from reference_server.admission.holders import as_holder, freshest
 from reference_server.admission.ledger import KVAdmissionController
+from reference_server.admission.queue import Rejected
 from reference_server.shared_ledger.connection import connect
 from reference_server.shared_ledger.ledger import Lease, RedisLedger
 from reference_server.shared_ledger.queue import SharedQueue
@@ -242,7 +243,7 @@ async def test_the_shared_queue_publishes_what_its_relay_reads(
 
 @pytest.mark.redis
 @pytest.mark.anyio
-async def test_off_the_peak_rule_the_shared_queue_counts_whole_caps(
+async def test_off_the_peak_rule_for_now_the_shared_queue_admits_on_caps_and_still_follows(
     redis_server: RedisServer, closing: None
 ) -> None:
     a = await gateway(redis_server)
@@ -250,9 +251,28 @@ async def test_off_the_peak_rule_the_shared_queue_counts_whole_caps(
     a.pricing.engine_unseen("its /metrics could not be reached")
     assert not queue.on_peak
     first = await queue.acquire(100, 4000, follow=True)
+    second = await queue.acquire(100, 4000, follow=True)
+    for handle, made in ((first, 3950), (second, 10)):
+        queue.progress(handle, made)
+    await queue.publish()
+    with pytest.raises(Rejected):  # the peak would let it in (see above): whole caps do not
+        await queue.acquire(100, 4000, follow=True)
+    records = (await a.peak_view()).records
+    assert [r.generated for r in records] == [3950, 10]  # followed all the same
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_off_the_peak_rule_for_good_a_holder_has_no_progress_record(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server)
+    queue = SharedQueue(a.pricing, a, max_wait=0)
+    a.pricing.set_caps_for_good("this engine does not report each stream's progress exactly")
+    held = await queue.acquire(100, 4000, follow=True)
+    assert not held.tracked
     (record,) = (await a.peak_view()).records
     assert record.prompt is None  # no progress record: whole, wherever it is read
-    await queue.release(first)
 
 
 @pytest.mark.redis
