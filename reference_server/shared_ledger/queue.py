@@ -209,16 +209,19 @@ class SharedQueue(AdmissionQueue):
             await self.shared.publish(entries)
             self._published.update(changed)
         old = self._view is None or time.monotonic() - self._view[1] > VIEW_SECONDS
-        if old and self.on_peak and self.shared.seen.inflight:
+        if old and mirror.tracks_progress and self.shared.seen.inflight:
             self._view = (await self.shared.peak_view(), time.monotonic())
 
     def _explained_elsewhere(self, now: float) -> int:
         """What other gateways' holders may hold in the engine at ``now`` (this process's
-        monotonic clock), from the last view (0 without one, or off the peak rule: the engine's
-        books then only shrink the room)."""
-        if self._view is None or not self.on_peak:
+        monotonic clock), from the last view; 0 without one fresh enough (then the engine's
+        books may take theirs for someone unseen's: whole caps while it lasts, the safe way).
+        Called under the mirror's lock: it must not call back into the mirror."""
+        if self._view is None:
             return 0
         view, read = self._view
+        if now - read > 3 * VIEW_SECONDS:
+            return 0
         return view.explained_elsewhere(self.shared.lease.id, view.now + max(0.0, now - read))
 
     async def release(self, handle: Handle) -> None:

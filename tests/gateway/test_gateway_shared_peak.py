@@ -1,22 +1,25 @@
-"""Two gateways on one real Redis (``--ledger``) under the peak rule, in front of the scripted
-lockstep engine of ``test_gateway_peak.py``: each publishes its holders' progress, and a
+"""Gateways on one real Redis (``--ledger``) under the peak rule: in front of the scripted
+lockstep engine of ``test_gateway_peak.py``, each publishes its holders' progress and a
 newcomer at one is admitted beside the other's holders whose whole caps would have left no
-room."""
+room; in front of the reference server admitting on prompts, three never make it OOM."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from reference_server import running_server
 from reference_server.gateway import GatewayConfig
 from reference_server.testing import running_gateway
-from tests.gateway.test_gateway_shared import shared_reserved
+from tests.gateway.test_gateway_shared import OOMING, _overload, gateway_process, shared_reserved
 from tests.helpers.redis_server import RedisServer
-from tests.helpers.servers import wait_for
+from tests.helpers.servers import at_zero, wait_for
 from tests.helpers.upstreams import RATE, LockstepUpstream, scripted_upstream
 
 pytestmark = pytest.mark.redis
@@ -71,3 +74,29 @@ def test_a_newcomer_at_one_gateway_runs_beside_the_others_holders(
         assert made_by_a == 400
     else:
         assert made_by_a < 400 - 40  # well before A's end (0.2 s of its tokens)
+
+
+@pytest.mark.slow
+def test_three_gateways_by_the_shared_peak_never_oom_an_engine_that_admits_on_prompts(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The seed's mix at overload through three gateway processes on one Redis, in front of the
+    reference server admitting on prompt length alone (it OOMs when overrun) and running 16
+    sequences at once: by the peak of every gateway's holders, no OOM, and the ledger at 0."""
+    with running_server(**OOMING, max_running=16) as upstream, ExitStack() as stack:
+        urls = [
+            stack.enter_context(
+                gateway_process(
+                    upstream.base_url, "--ledger", redis_server.url, "--max-queue-wait", "30"
+                )
+            )[1]
+            for _ in range(3)
+        ]
+        healths = [httpx.get(url + "/health").json()["upstreams"][0] for url in urls]
+        summaries = _overload(urls, tmp_path)
+        wait_for(lambda: at_zero(upstream), timeout=30)
+        wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url) == (0, 0))
+        metrics = upstream.metrics()
+    assert [h["admission"] for h in healths] == ["peak"] * 3, healths
+    assert all(s["failed"] == 0 for s in summaries), summaries
+    assert metrics["kv_oom_events_total"] == 0

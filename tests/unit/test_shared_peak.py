@@ -289,3 +289,23 @@ async def test_retry_after_by_the_peak_counts_every_gateways_progress(
     by_caps, _ = await b.retry_after(4112)
     assert 0 < by_peak <= 1.0  # the one near its end leaves room
     assert by_caps > 30  # its whole cap's worth, at 100 tokens/s
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_the_engines_books_count_the_other_gateways_holders(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server)
+    b = await gateway(redis_server)
+    await holding(b, 200)
+    queue = SharedQueue(a.pricing, a, max_wait=0)
+    mine = await queue.acquire(100, 4000, follow=True)
+    queue.progress(mine, 100)
+    await queue.publish()  # and a view of every gateway's holders
+    now = queue.now()
+    # b's holder (300 tokens, and its margin) and this one's (200): nothing unexplained.
+    assert a.pricing.engine_used(496, now - 0.1, now) == 0
+    assert a.pricing.caps_reason is None
+    assert a.pricing.engine_used(496 + 2000, now - 0.1, now) > 0  # someone unseen
+    assert a.pricing.caps_reason is not None
