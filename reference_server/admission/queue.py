@@ -144,6 +144,11 @@ class AdmissionQueue:
         if self.ledger.progress(handle, generated, self._clock()):
             self.notify()
 
+    async def look_elsewhere(self) -> None:
+        """Read what other processes sharing this queue's budget hold, just before and just
+        after the engine's books are read (see the shared ledger's queue): nothing to read
+        here, this process's holders are all there are."""
+
     async def release(self, handle: Handle) -> None:
         """Give ``handle``'s reservation back and let the head of the queue try again."""
         self.ledger.release(handle, self._clock())

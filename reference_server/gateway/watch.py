@@ -18,6 +18,7 @@ Two tasks per upstream while the gateway serves:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Protocol
@@ -142,9 +143,15 @@ class EngineWatch:
             known = upstream.known
             if known is None:
                 continue
+            # Other processes' holders, read on both sides of the engine's figures: each one
+            # admitted before them is in the second read, each let go since in the first.
+            with contextlib.suppress(LedgerUnavailable):
+                await known.queue.look_elsewhere()
             started = time.monotonic()
             text = await self._read()
             now = time.monotonic()
+            with contextlib.suppress(LedgerUnavailable):
+                await known.queue.look_elsewhere()
             if text is not None:
                 self.seen(text, now, started=started)
             self.scraped.set()

@@ -21,6 +21,7 @@ counts at its whole cap, as the seed's rule has it.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 
 import anyio
@@ -29,7 +30,7 @@ from ..admission.holders import slow_since
 from ..admission.ledger import Handle, Headroom, KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable, Rejected, wait_limit
 from .ledger import RedisLedger, Wakeups
-from .view import PUBLISH_TOKENS, PeakView
+from .view import PUBLISH_TOKENS, PeakView, explained_elsewhere
 
 __all__ = ["FALLBACK_POLL_SECONDS", "POLL_SECONDS", "SharedQueue", "Wake"]
 
@@ -81,8 +82,9 @@ class SharedQueue(AdmissionQueue):
         self.publish_soon: Callable[[], None] | None = None
         #: mirror handle id -> (tracked, generated) as last published
         self._published: dict[int, tuple[bool, int]] = {}
-        #: The last view of every gateway's holders, and when it was read (``time.monotonic``).
-        self._view: tuple[PeakView, float] | None = None
+        #: The last two views of every gateway's holders, and when each was read
+        #: (``time.monotonic``): see :meth:`look_elsewhere`.
+        self._views: deque[tuple[PeakView, float]] = deque(maxlen=2)
         ledger.elsewhere = self._explained_elsewhere
 
     @property
@@ -121,8 +123,8 @@ class SharedQueue(AdmissionQueue):
         """Room for a newcomer with ``reserved`` held in all: the last view's under the peak
         rule, when it is at least as large."""
         free = self.ledger.usable_tokens - reserved
-        if self._view is not None and self.on_peak:
-            free = max(free, self._view[0].room())
+        if self._views and self.on_peak:
+            free = max(free, self._views[-1][0].room())
         return free
 
     async def refresh(self) -> None:
@@ -208,21 +210,26 @@ class SharedQueue(AdmissionQueue):
         if entries:
             await self.shared.publish(entries)
             self._published.update(changed)
-        old = self._view is None or time.monotonic() - self._view[1] > VIEW_SECONDS
-        if old and mirror.tracks_progress and self.shared.seen.inflight:
-            self._view = (await self.shared.peak_view(), time.monotonic())
+        old = not self._views or time.monotonic() - self._views[-1][1] > VIEW_SECONDS
+        if old and self.shared.seen.inflight:
+            await self.look_elsewhere()
+
+    async def look_elsewhere(self) -> None:
+        """Read every gateway's holders (kept with the one read before: the engine's books are
+        read between two such reads, see ``watch.py``); only while the mirror follows progress."""
+        if self.ledger.tracks_progress:
+            self._views.append((await self.shared.peak_view(), time.monotonic()))
 
     def _explained_elsewhere(self, now: float) -> int:
         """What other gateways' holders may hold in the engine at ``now`` (this process's
-        monotonic clock), from the last view; 0 without one fresh enough (then the engine's
-        books may take theirs for someone unseen's: whole caps while it lasts, the safe way).
-        Called under the mirror's lock: it must not call back into the mirror."""
-        if self._view is None:
+        monotonic clock), from the last two views; 0 without one fresh enough (then the
+        engine's books may take theirs for someone unseen's: whole caps while it lasts, the
+        safe way). Called under the mirror's lock: it must not call back into the mirror."""
+        if not self._views or now - self._views[-1][1] > 3 * VIEW_SECONDS:
             return 0
-        view, read = self._view
-        if now - read > 3 * VIEW_SECONDS:
-            return 0
-        return view.explained_elsewhere(self.shared.lease.id, view.now + max(0.0, now - read))
+        view, read = self._views[-1]
+        at = view.now + max(0.0, now - read)
+        return explained_elsewhere([v for v, _ in self._views], self.shared.lease.id, at)
 
     async def release(self, handle: Handle) -> None:
         link = self._links.pop(handle.id, None)

@@ -27,7 +27,14 @@ from typing import Any
 from ..admission.holders import explained, freshest
 from ..admission.ledger import Handle, KVAdmissionController
 
-__all__ = ["PUBLISH_SECONDS", "PUBLISH_TOKENS", "PeakView", "Record", "shared_relay_lag"]
+__all__ = [
+    "PUBLISH_SECONDS",
+    "PUBLISH_TOKENS",
+    "PeakView",
+    "Record",
+    "explained_elsewhere",
+    "shared_relay_lag",
+]
 
 #: Seconds between two publishes of a process's holders' progress at most: one script per
 #: process for all its holders, so ten a second whatever the load; it adds this much to the
@@ -198,16 +205,23 @@ class PeakView:
         """Tokens a newcomer may take now by the peak (routing's figure)."""
         return self.model.room(self.now)[0]
 
-    def explained_elsewhere(self, lease: str, at: float) -> int:
-        """The most KV the holders of other leases than ``lease`` may hold in the engine at
-        ``at`` (Redis clock, no earlier than :attr:`now`): each at its count and what it may
-        have made since it was read (see :func:`~..admission.holders.explained`)."""
-        others = [h for f, h in self.handles.items() if not f.startswith(lease + ":")]
-        if not others:
-            return 0
-        fresh = max(at, freshest(others, self.now))
-        model = self.model
-        return explained(
-            others, fresh, fresh, decode_rate=model.decode_rate, relay_lag=model.relay_lag,
-            block_size=model.block_size,
-        )  # fmt: skip
+
+def explained_elsewhere(views: Sequence[PeakView], lease: str, at: float) -> int:
+    """The most KV the holders of other leases than ``lease`` in any of ``views`` (oldest
+    first; each holder as the latest one has it) may hold in the engine at ``at`` (Redis
+    clock): each at its count and what it may have made since it was read (see
+    :func:`~..admission.holders.explained`). A holder let go since an older view is still
+    counted: the engine's figures may show it a moment longer."""
+    if not views:
+        return 0
+    held: dict[str, Handle] = {}
+    for view in views:
+        held.update((f, h) for f, h in view.handles.items() if not f.startswith(lease + ":"))
+    if not held:
+        return 0
+    model = views[-1].model
+    fresh = max(at, freshest(held.values(), at))
+    return explained(
+        list(held.values()), fresh, fresh, decode_rate=model.decode_rate,
+        relay_lag=model.relay_lag, block_size=model.block_size,
+    )  # fmt: skip
