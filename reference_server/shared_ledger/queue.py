@@ -172,6 +172,7 @@ class SharedQueue(AdmissionQueue):
         for key, (mine, shared) in list(self._links.items()):
             if id(shared) in gone:
                 del self._links[key]
+                self._published.pop(key, None)
                 self.ledger.release(mine)
 
     def progress(self, handle: Handle, generated: int) -> None:

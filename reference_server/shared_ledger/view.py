@@ -201,9 +201,14 @@ class PeakView:
         self.model.release(handle)  # the model is a view: the commit is Redis's
         return True
 
-    def room(self) -> int:
-        """Tokens a newcomer may take now by the peak (routing's figure)."""
+    @functools.cached_property
+    def _room(self) -> int:
         return self.model.room(self.now)[0]
+
+    def room(self) -> int:
+        """Tokens a newcomer may take now by the peak (routing's figure, and the room shown),
+        worked out once per view."""
+        return self._room
 
 
 def explained_elsewhere(views: Sequence[PeakView], lease: str, at: float) -> int:

@@ -309,3 +309,18 @@ async def test_the_engines_books_count_the_other_gateways_holders(
     assert a.pricing.caps_reason is None
     assert a.pricing.engine_used(496 + 2000, now - 0.1, now) > 0  # someone unseen
     assert a.pricing.caps_reason is not None
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_the_room_shown_is_the_peaks(redis_server: RedisServer, closing: None) -> None:
+    a = await gateway(redis_server)
+    b = await gateway(redis_server)
+    await holding(b, 3950)
+    queue = SharedQueue(a.pricing, a, max_wait=0)
+    mine = await queue.acquire(100, 4000, follow=True)
+    queue.progress(mine, 10)
+    await queue.publish()
+    on_caps = a.usable_tokens - 2 * 4112
+    assert queue.room()[0] > on_caps + 3000  # the one near its end leaves room soon
+    assert queue.headroom().free == queue.room()[0]
