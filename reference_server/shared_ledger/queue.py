@@ -210,7 +210,7 @@ class SharedQueue(AdmissionQueue):
             )
         if entries:
             await self.shared.publish(entries)
-            self._published.update(changed)
+            self._published.update((k, v) for k, v in changed.items() if k in self._links)
         old = not self._views or time.monotonic() - self._views[-1][1] > VIEW_SECONDS
         if old and self.shared.seen.inflight:
             await self.look_elsewhere()

@@ -75,7 +75,8 @@ class Record:
     @classmethod
     def parse(cls, field: str, value: str, progress: str | None) -> Record:
         """From a ``holders`` value (``"lease tokens cap admitted_ms [tenant]"``) and its
-        ``progress`` value, if any."""
+        ``progress`` value, if any (one that does not read as this version writes it counts as
+        none: the holder counts whole)."""
         lease, tokens, cap, admitted = value.split(" ", 4)[:4]
         base = {
             "field": field,
@@ -84,17 +85,20 @@ class Record:
             "cap": int(cap),
             "admitted_at": int(admitted) / 1000,
         }
-        if progress is None:
+        try:
+            prompt, counted, tracked, generated, seen, first = (progress or "").split(" ")
+            numbers = [int(x) for x in (prompt, counted, generated, seen, first)]
+        except ValueError:
             return cls(**base)  # type: ignore[arg-type]
-        prompt, counted, tracked, generated, seen, first = progress.split(" ")
+        prompt_tokens, counted_output, made, seen_ms, first_ms = numbers
         return cls(
             **base,  # type: ignore[arg-type]
-            prompt=int(prompt),
-            counted=int(counted),
+            prompt=prompt_tokens,
+            counted=counted_output,
             tracked=tracked == "1",
-            generated=None if int(generated) < 0 else int(generated),
-            seen_at=int(seen) / 1000,
-            first_seen_at=int(first) / 1000,
+            generated=None if made < 0 else made,
+            seen_at=seen_ms / 1000,
+            first_seen_at=first_ms / 1000,
         )
 
 
