@@ -144,6 +144,11 @@ class AdmissionQueue:
         if self.ledger.progress(handle, generated, self._clock()):
             self.notify()
 
+    def out_of_step(self, reason: str) -> None:
+        """The engine was seen out of lockstep, for ``reason`` (the ledger runs on caps until
+        its holders have gone): nothing more to do where this process's holders are all
+        there are."""
+
     async def look_elsewhere(self) -> None:
         """Read what other processes sharing this queue's budget hold, just before and just
         after the engine's books are read (see the shared ledger's queue): nothing to read

@@ -326,6 +326,7 @@ class EngineWatch:
                 self.upstream.name, reason,
             )  # fmt: skip
         known.ledger.run_on_caps(reason)
+        known.queue.out_of_step(reason)
 
 
 def speculative_reason() -> str:

@@ -41,6 +41,7 @@ from ..admission.queue import LedgerUnavailable
 from .connection import COMMAND_TIMEOUT, LEDGER_ERRORS, close
 from .scripts import (
     ADMIT,
+    BREAK,
     CONFIG,
     DEFAULT_LEASE_SECONDS,
     FAIR_COMMIT,
@@ -228,6 +229,7 @@ class RedisLedger:
             script: client.register_script(script)
             for script in (
                 ADMIT,
+                BREAK,
                 CONFIG,
                 FAIR_COMMIT,
                 FAIR_SNAPSHOT,
@@ -254,6 +256,8 @@ class RedisLedger:
         #: None when it held none.
         self.next_release_at: float | None = None
         self._refreshed_at = -math.inf
+        #: The last drain read (see :meth:`peak_view`).
+        self._drain: str | None = None
 
     @property
     def pricing(self) -> KVAdmissionController:
@@ -325,7 +329,7 @@ class RedisLedger:
             view = await self.peak_view()
             head = view.tickets[0] if view.tickets else ticket
             grown = ""
-            if head == ticket and view.fits(prompt_tokens, output_cap, need):
+            if head == ticket and view.drain is None and view.fits(prompt_tokens, output_cap, need):
                 grown = view.grown
             status, now_ms, seen = await self._admit(*args, grown)
             if status != 2:
@@ -345,11 +349,23 @@ class RedisLedger:
         return int(status), int(now_ms), seen
 
     async def peak_view(self) -> PeakView:
-        """Every gateway's holders and their progress now, as the peak rule counts them."""
+        """Every gateway's holders and their progress now, as the peak rule counts them. A
+        drain not read before (a gateway saw the engine out of lockstep: see
+        :meth:`out_of_step`) puts the pricing ledger on caps until its own holders of now have
+        gone, unless it is on caps already (the gateway that saw it is)."""
         view = PeakView.parse(await self.run(PEAK_SNAPSHOT), self.pricing)
         queued = sum(int(t.rsplit(":", 1)[1]) for t in view.tickets)
         self.seen = SharedState(view.reserved, len(view.records), queued)
+        new = view.drain is not None and view.drain != self._drain
+        if new and view.drain is not None and self.pricing.caps_reason is None:
+            self.pricing.run_on_caps(f"another gateway: {view.drain.partition(' ')[2]}")
+        self._drain = view.drain
         return view
+
+    async def out_of_step(self, reason: str) -> None:
+        """The engine was seen out of lockstep, for ``reason``: every gateway counts whole caps
+        until the holders live now have gone (``BREAK``)."""
+        await self.run(BREAK, reason)
 
     def field_of(self, handle: Handle) -> str | None:
         """The reservation's name in Redis of ``handle`` (None once released here)."""
@@ -488,8 +504,8 @@ class RedisLedger:
         holder's worst-case end in the shared state, whichever gateway holds it, by the
         in-process ledger's own estimate (``peak``: by the peak rule, every holder counted
         from its published progress). Those waiting ahead count as load."""
-        if peak:
-            view = await self.peak_view()
+        view = await self.peak_view() if peak else None
+        if view is not None and view.drain is None:
             model, now, names = view.model, view.now, view.tickets
         else:
             snap, model = await self.refresh()

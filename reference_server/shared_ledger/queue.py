@@ -82,6 +82,8 @@ class SharedQueue(AdmissionQueue):
         self.publish_soon: Callable[[], None] | None = None
         #: mirror handle id -> (tracked, generated) as last published
         self._published: dict[int, tuple[bool, int]] = {}
+        #: A lockstep break seen here, to be told to every gateway (see :meth:`out_of_step`).
+        self._break: str | None = None
         #: The last two views of every gateway's holders, and when each was read
         #: (``time.monotonic``): see :meth:`look_elsewhere`.
         self._views: deque[tuple[PeakView, float]] = deque(maxlen=2)
@@ -190,6 +192,9 @@ class SharedQueue(AdmissionQueue):
         (each one's count, whether it is still followed: not once its relay has let it go, or
         waited on a slow client); read every gateway's holders again when the last view is
         old. Raises :class:`LedgerUnavailable` when Redis is away (then all at the next call)."""
+        if self._break is not None:
+            await self.shared.out_of_step(self._break)
+            self._break = None
         mirror, now = self.ledger, self._clock()
         entries = []
         changed: dict[int, tuple[bool, int]] = {}
@@ -214,6 +219,15 @@ class SharedQueue(AdmissionQueue):
         old = not self._views or time.monotonic() - self._views[-1][1] > VIEW_SECONDS
         if old and self.shared.seen.inflight:
             await self.look_elsewhere()
+
+    def out_of_step(self, reason: str) -> None:
+        """The watch saw the engine out of lockstep (this process's mirror is on caps until
+        its holders have gone): every gateway is told at the next publish, to count whole caps
+        until every holder live then has gone (a stalled stream is seen by its own gateway
+        alone)."""
+        self._break = reason
+        if self.publish_soon is not None:
+            self.publish_soon()
 
     async def look_elsewhere(self) -> None:
         """Read every gateway's holders (kept with the one read before: the engine's books are

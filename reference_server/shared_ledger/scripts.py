@@ -25,6 +25,7 @@ from __future__ import annotations
 
 __all__ = [
     "ADMIT",
+    "BREAK",
     "CONFIG",
     "DEFAULT_LEASE_SECONDS",
     "FAIR_COMMIT",
@@ -45,7 +46,7 @@ DEFAULT_LEASE_SECONDS = 5.0
 
 KEY_NAMES = (
     "holders", "reserved", "queue", "seq", "leases", "config", "gone", "released", "queued",
-    "occupancy", "version", "fair", "tickets", "progress", "grown",
+    "occupancy", "version", "fair", "tickets", "progress", "grown", "draining", "drain",
 )  # fmt: skip
 
 _PRELUDE = """
@@ -56,6 +57,12 @@ end
 local function enqueue(ticket)
   redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), ticket)
   redis.call('INCRBY', KEYS[9], string.match(ticket, ':(%d+)$'))
+end
+local function let_go(field)
+  redis.call('HDEL', KEYS[14], field)
+  if redis.call('SREM', KEYS[16], field) == 1 and redis.call('SCARD', KEYS[16]) == 0 then
+    redis.call('DEL', KEYS[17])
+  end
 end
 local function dequeue(ticket)
   if redis.call('ZREM', KEYS[3], ticket) == 0 then
@@ -79,7 +86,7 @@ local function drop_lease(lease, now)
       local tokens = string.match(all[i + 1], '^%S+ (%d+)')
       charge(all[i + 1], now, 0)
       redis.call('HDEL', KEYS[1], all[i])
-      redis.call('HDEL', KEYS[14], all[i])
+      let_go(all[i])
       redis.call('DECRBY', KEYS[2], tokens)
     end
   end
@@ -204,7 +211,7 @@ if not tokens then
 end
 charge(redis.call('HGET', KEYS[1], ARGV[1]), now_ms(), 0)
 redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[14], ARGV[1])
+let_go(ARGV[1])
 redis.call('DECRBY', KEYS[2], tokens)
 tell(1)
 return tokens
@@ -238,7 +245,7 @@ local held = redis.call('HGET', KEYS[1], ticket)
 if held then
   charge(held, now, 0)
   redis.call('HDEL', KEYS[1], ticket)
-  redis.call('HDEL', KEYS[14], ticket)
+  let_go(ticket)
   redis.call('DECRBY', KEYS[2], string.match(held, '^%S+ (%d+)'))
   tell(1)
   return 3
@@ -430,15 +437,19 @@ return {1, now, state()}
 # when the latest and the first of them were read (ms of the Redis clock). Written at admission
 # (ADMIT, given the prompt), then by the process that relays the holder (PROGRESS), in batches;
 # it goes with its holder (release, leave, lease swept). A holder without one counts whole.
-# ``grown`` counts admissions and restores only: the set of holders grew. A gateway admits by the
-# peak on a snapshot (PEAK_SNAPSHOT) and ADMIT lands it only if ``grown`` has not moved since.
-# Releases and progress do not move it, for they only make a stale view safer: a holder gone
-# since holds nothing, and one whose progress the view missed is counted by the view at most
-# the relay's margin past its count from the time it was read (the margin covers what it made
-# since), and with as many steps left as from that count, never fewer than it really has (its
-# count only grows): so the peak the view computed bounds the truth.
+# ``grown`` counts admissions and restores (the set of holders grew), and lockstep breaks: a
+# gateway admits by the peak on a snapshot (PEAK_SNAPSHOT) and ADMIT lands it only if ``grown``
+# has not moved since. Releases and progress do not move it, for they only make a stale view
+# safer: a holder gone since holds nothing, and one whose progress the view missed is counted by
+# the view at most the relay's margin past its count from the time it was read (the margin
+# covers what it made since), and with as many steps left as from that count, never fewer than
+# it really has (its count only grows): so the peak the view computed bounds the truth.
+# ``drain`` (``"grown reason"``) and ``draining`` (a set of reservations): a gateway saw the
+# engine out of lockstep (BREAK), so every gateway counts whole caps until the holders live
+# then have gone.
 
-#: Returns {now, grown, reserved, holders (flat), progress (flat), waiting tickets in order}.
+#: Returns {now, grown, reserved, holders (flat), progress (flat), waiting tickets in order,
+#: drain ('' when none)}.
 PEAK_SNAPSHOT = (
     _PRELUDE
     + """
@@ -446,7 +457,31 @@ local now = now_ms()
 sweep(now)
 return {now, tonumber(redis.call('GET', KEYS[15]) or '0'),
         tonumber(redis.call('GET', KEYS[2]) or '0'), redis.call('HGETALL', KEYS[1]),
-        redis.call('HGETALL', KEYS[14]), redis.call('ZRANGE', KEYS[3], 0, -1)}
+        redis.call('HGETALL', KEYS[14]), redis.call('ZRANGE', KEYS[3], 0, -1),
+        redis.call('GET', KEYS[17]) or ''}
+"""
+)
+
+#: ARGV: reason. A gateway saw the engine out of lockstep: every gateway counts whole caps
+#: until the holders live now have gone (said again, until those live then). It bumps
+#: ``grown``: a decision by the peak read before it does not land. Returns 1, or 0 when no
+#: holder is live (nothing to wait for).
+BREAK = (
+    _PRELUDE
+    + """
+sweep(now_ms())
+local fields = redis.call('HKEYS', KEYS[1])
+redis.call('DEL', KEYS[16])
+if #fields == 0 then
+  redis.call('DEL', KEYS[17])
+  return 0
+end
+for _, field in ipairs(fields) do
+  redis.call('SADD', KEYS[16], field)
+end
+local grown = redis.call('INCR', KEYS[15])
+redis.call('SET', KEYS[17], grown .. ' ' .. ARGV[1])
+return 1
 """
 )
 

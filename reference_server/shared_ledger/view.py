@@ -117,8 +117,12 @@ class PeakView:
         tickets: Sequence[str] = (),
         pricing: KVAdmissionController,
         publish_seconds: float = PUBLISH_SECONDS,
+        drain: str | None = None,
     ) -> None:
         self.now = now
+        #: Why every gateway counts whole caps until the holders live then have gone
+        #: (``"grown reason"``: see ``BREAK``), or None.
+        self.drain = drain
         self.grown = grown
         self.tickets = list(tickets)
         self._handles: dict[str, Handle] = {}
@@ -187,6 +191,7 @@ class PeakView:
             tickets=[_text(t) for t in raw[5]],
             pricing=pricing,
             publish_seconds=publish_seconds,
+            drain=(_text(raw[6]) or None) if len(raw) > 6 else None,
         )
 
     @property

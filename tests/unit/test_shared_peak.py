@@ -324,3 +324,35 @@ async def test_the_room_shown_is_the_peaks(redis_server: RedisServer, closing: N
     on_caps = a.usable_tokens - 2 * 4112
     assert queue.room()[0] > on_caps + 3000  # the one near its end leaves room soon
     assert queue.headroom().free == queue.room()[0]
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_lockstep_break_seen_at_one_gateway_puts_every_gateway_on_caps_until_drained(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server)
+    b = await gateway(redis_server)
+    queue_a = SharedQueue(a.pricing, a, max_wait=0)
+    queue_b = SharedQueue(b.pricing, b, max_wait=0)
+    near = await queue_a.acquire(100, 4000, follow=True)
+    early = await queue_b.acquire(100, 4000, follow=True)
+    queue_a.progress(near, 3950)
+    queue_b.progress(early, 10)
+    await queue_a.publish()
+    await queue_b.publish()
+    reason = "1 streams stalled while others advanced"
+    a.pricing.run_on_caps(reason)  # what the watch does at a's, which alone sees its streams
+    queue_a.out_of_step(reason)
+    await queue_a.publish()
+    view = await b.peak_view()
+    assert view.drain is not None
+    assert view.drain.endswith(reason)
+    assert b.pricing.caps_reason == f"another gateway: {reason}"
+    assert not queue_b.on_peak
+    assert await b.try_admit(100, 4000, peak=True) is None  # the peak would let it in
+    await queue_a.release(near)
+    await queue_b.release(early)
+    assert (await b.peak_view()).drain is None
+    assert b.pricing.caps_reason is None
+    assert queue_b.on_peak
