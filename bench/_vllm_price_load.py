@@ -13,6 +13,7 @@ reach their caps). vLLM's tester sends one body to all, so there every request h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -149,21 +150,50 @@ def _client(
     return http, client, counts
 
 
+class _Clients:
+    """One AsyncClient per URL, the items dealt to them in turn (several gateways sharing a
+    ledger, each sent its share, as a load balancer in front of them would), and the POSTs and
+    429s of all counted together (``counts``)."""
+
+    def __init__(self, urls: str | list[str], counter: HuggingFaceCounter) -> None:
+        self.counts = [0, 0]
+        self._stack = contextlib.AsyncExitStack()
+        self._made = [_client(url, counter) for url in ([urls] if isinstance(urls, str) else urls)]
+
+    def for_item(self, index: int) -> AsyncClient:
+        return self._made[index % len(self._made)][1]
+
+    async def __aenter__(self) -> _Clients:
+        for http, client, _ in self._made:
+            await self._stack.enter_async_context(http)
+            await self._stack.enter_async_context(client)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+        self.counts[:] = [sum(c[0] for *_, c in self._made), sum(c[1] for *_, c in self._made)]
+
+
 async def burst(
-    url: str, items: list[Item], counter: HuggingFaceCounter, limit: int | None = None
+    url: str | list[str],
+    items: list[Item],
+    counter: HuggingFaceCounter,
+    limit: int | None = None,
 ) -> dict[str, Any]:
-    """Send every item at once through one AsyncClient (at most ``limit`` in flight: None, no
-    limit); what came back, and how."""
+    """Send every item at once (at most ``limit`` in flight: None, no limit), through one
+    AsyncClient per URL (dealt in turn); what came back, and how."""
     latencies: list[float] = []
     tokens = 0
     failures: dict[str, int] = {}
-    http, client, counts = _client(url, counter)
-    async with http, client:
+    clients = _Clients(url, counter)
+    counts = clients.counts
+    async with clients:
         slots = anyio.Semaphore(limit or len(items))
 
-        async def one(item: Item) -> None:
+        async def one(index: int, item: Item) -> None:
             nonlocal tokens
             started = time.monotonic()
+            client = clients.for_item(index)
             try:
                 async with slots:
                     result = await client.complete(item.prompt, max_tokens=item.cap, **item.body)
@@ -175,8 +205,8 @@ async def burst(
 
         started = time.monotonic()
         async with anyio.create_task_group() as group:
-            for item in items:
-                group.start_soon(one, item)
+            for index, item in enumerate(items):
+                group.start_soon(one, index, item)
         wall = time.monotonic() - started
     completed = len(latencies)
     return {
@@ -194,19 +224,23 @@ async def burst(
     }
 
 
-async def poisson(url: str, items: list[Item], counter: HuggingFaceCounter) -> dict[str, Any]:
-    """Stream each item at its arrival time through one AsyncClient: output tokens/s over the
-    run, goodput (requests within ``GOODPUT_TTFT`` and ``GOODPUT_TPOT`` a second), TTFT and
-    TPOT, and how each output ended."""
+async def poisson(
+    url: str | list[str], items: list[Item], counter: HuggingFaceCounter
+) -> dict[str, Any]:
+    """Stream each item at its arrival time, through one AsyncClient per URL (dealt in turn):
+    output tokens/s over the run, goodput (requests within ``GOODPUT_TTFT`` and
+    ``GOODPUT_TPOT`` a second), TTFT and TPOT, and how each output ended."""
     done: list[dict[str, float]] = []
     failures: dict[str, int] = {}
     finishes: dict[str, int] = {}
-    http, client, counts = _client(url, counter)
-    async with http, client:
+    clients = _Clients(url, counter)
+    counts = clients.counts
+    async with clients:
         started = time.monotonic()
 
-        async def one(item: Item) -> None:
+        async def one(index: int, item: Item) -> None:
             await anyio.sleep(max(0.0, started + item.at - time.monotonic()))
+            client = clients.for_item(index)
             sent = time.monotonic()
             first = None
             try:
@@ -229,8 +263,8 @@ async def poisson(url: str, items: list[Item], counter: HuggingFaceCounter) -> d
             done.append({"ttft": ttft, "tpot": tpot, "e2e": end - sent, "tokens": made})
 
         async with anyio.create_task_group() as group:
-            for item in items:
-                group.start_soon(one, item)
+            for index, item in enumerate(items):
+                group.start_soon(one, index, item)
         wall = time.monotonic() - started
     tokens = sum(d["tokens"] for d in done)
     good = [d for d in done if d["ttft"] <= GOODPUT_TTFT and d["tpot"] <= GOODPUT_TPOT]

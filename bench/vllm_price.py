@@ -16,7 +16,10 @@ the model's steps are the GPU's and no CPU work per streamed token is taken from
 - **exact**: the same with ``--preemption-budget 0`` (no forecast: every holder to its cap);
 - **caps**: ``--admission-rule caps``, every holder its whole reservation;
 - **no-queue** (429 + Retry-After at once), ``lag@S`` (``--relay-lag S``), ``budget@N``
-  (``--preemption-budget N``), ``start@Q`` (``--forecast-quantile Q``).
+  (``--preemption-budget N``), ``start@Q`` (``--forecast-quantile Q``);
+- ``shared@N``: N gateway processes sharing one Redis ledger (``--ledger``, a local
+  ``redis-server``), the requests dealt to them in turn as a load balancer would (our tester
+  only); ``workers@N``: one gateway of ``--workers N`` processes on a Redis ledger.
 
 Mixes (``--mix``):
 
@@ -41,14 +44,16 @@ gauges), and for the bursts each rule played exactly on the same mix (``ideal_ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import anyio
 import httpx
-from _common import gateway_process, machine, pin_to_cpu, print_table, write_json
+from _common import gateway_process, machine, pin_to_cpu, print_table, redis_server, write_json
 from _vllm_price_load import (
     PREFIX_CAP,
     PREFIX_TOKENS,
@@ -146,6 +151,10 @@ def label(name: str) -> str:
     option = {"lag": "--relay-lag", "budget": "--preemption-budget", "start": "--forecast-quantile"}
     if kind in option:
         return f"through kvclient gateway {option[kind]} {value}"
+    if kind == "shared":
+        return f"through {value} kvclient gateways on one Redis ledger (requests dealt in turn)"
+    if kind == "workers":
+        return f"through kvclient gateway --workers {value} on a Redis ledger"
     return LABELS[name]
 
 
@@ -161,8 +170,35 @@ def gateway_args(name: str, engine: vllm_engine.VllmServer) -> list[str]:
             "lag": ["--relay-lag", value],
             "budget": ["--preemption-budget", value],
             "start": ["--forecast-quantile", value],
+            "workers": ["--workers", value],
         }.get(kind, [])
     return args
+
+
+def gateways(name: str) -> int:
+    """How many gateway processes run ``name`` sharing one Redis ledger (``shared@N``; 0: none
+    shared, ``workers@N`` is one gateway of N processes)."""
+    for part in name.split("+"):
+        kind, _, value = part.partition("@")
+        if kind == "shared":
+            return int(value)
+    return 0
+
+
+@contextlib.contextmanager
+def gateway_urls(name: str, engine: vllm_engine.VllmServer, cpu: int | None) -> Iterator[list[str]]:
+    """The gateways of run ``name``, each in a process of its own (on the client's core when
+    pinned: the CPU they spend is not taken from the engine's): one, or ``shared@N`` of them
+    (and ``workers@N``) on a Redis ledger of their own."""
+    args = gateway_args(name, engine)
+    with contextlib.ExitStack() as stack:
+        if gateways(name) or "--workers" in args:
+            args += ["--ledger", stack.enter_context(redis_server())]
+        urls = [
+            stack.enter_context(gateway_process(engine.url, *args, cpu=cpu))
+            for _ in range(max(1, gateways(name)))
+        ]
+        yield urls
 
 
 def run(
@@ -180,8 +216,10 @@ def run(
     counter = HuggingFaceCounter.from_pretrained(str(engine.model))
     realistic = any(item.at for item in items)
 
-    def play(url: str) -> dict[str, Any]:
+    def play(url: str | list[str]) -> dict[str, Any]:
         if tester == "vllm":
+            if not isinstance(url, str):
+                raise SystemExit("vLLM's tester sends to one URL: use workers@N, not shared@N")
             rate = (len(items) - 1) / items[-1].at
             saved = vllm_tester(engine.python, engine.model, url, requests=len(items), rate=rate)
             return {
@@ -198,7 +236,7 @@ def run(
         limit = int(name.partition("@")[2]) if name.startswith("direct@") else None
         return anyio.run(burst, url, items, counter, limit)
 
-    def measured(url: str) -> tuple[dict[str, Any], EngineWatch, float]:
+    def measured(url: str | list[str]) -> tuple[dict[str, Any], EngineWatch, float]:
         if warmup:
             anyio.run(poisson, url, warmup, counter)
         before = preemptions(engine.url)
@@ -208,17 +246,23 @@ def run(
     if name.startswith("direct"):
         result, watch, before = measured(engine.url)
     else:
-        # The gateway in a process of its own, as it is deployed (on the client's core when
-        # pinned: the CPU it spends is not taken from the engine's).
-        with gateway_process(engine.url, *gateway_args(name, engine), cpu=cpu) as url:
-            result, watch, before = measured(url)
-            metrics = httpx.get(url + "/metrics", timeout=30).text
-            health = httpx.get(url + "/health", timeout=30).json()["upstreams"][0]
-            breaks = prometheus_samples(metrics, "kv_upstream_lockstep_breaks")
-            result["lockstep_breaks"] = sum(value for _, value in breaks)
+        with gateway_urls(name, engine, cpu) as urls:
+            result, watch, before = measured(urls if gateways(name) else urls[0])
+            healths = [httpx.get(u + "/health", timeout=30).json()["upstreams"][0] for u in urls]
+            breaks = [
+                value
+                for u in urls
+                for _, value in prometheus_samples(
+                    httpx.get(u + "/metrics", timeout=30).text, "kv_upstream_lockstep_breaks"
+                )
+            ]
+            health = healths[0]
+            result["lockstep_breaks"] = sum(breaks)
             result["forecast"] = health.get("forecast")
             result["late_starts"] = health.get("late_starts")
             result["usable_tokens"] = health.get("usable_tokens")
+            # Which rule each gateway's upstream was on at the end, and why not the peak.
+            result["rules"] = [(h.get("admission"), h.get("caps_reason")) for h in healths]
     result.update(watch.summary())
     result["preemptions"] = preemptions(engine.url) - before
     result["run"] = name
@@ -311,7 +355,9 @@ def main() -> None:
     parser.add_argument(
         "--runs", default="direct,direct@4,gateway,exact,caps",
         help="comma-separated: direct, direct@N (at most N at once), gateway, exact, caps, "
-        "no-queue, lag@S, budget@N, start@Q; options joined by + (start@0.5+lag@0.05)",
+        "no-queue, lag@S, budget@N, start@Q, shared@N (N gateways on one Redis ledger, the "
+        "requests dealt in turn), workers@N (--workers N); options joined by + "
+        "(start@0.5+lag@0.05, shared@2+exact)",
     )  # fmt: skip
     parser.add_argument(
         "--mix", choices=("caps", "prefix", "realistic"), default="caps",
