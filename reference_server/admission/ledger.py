@@ -278,6 +278,13 @@ class KVAdmissionController(Reports, Advising):
         configured and the engine qualifies; it may be on caps for now, until drained)."""
         return self._in_force.tracks_progress
 
+    def clock_runs(self) -> bool:
+        """Whether a newcomer admitted now would be counted from its admission: the engine
+        starts it at once (see :mod:`.outlook`), as this ledger last saw the engine and its
+        own holders' first tokens."""
+        with self._lock:
+            return self._in_force.tracks_progress and self._outlook.clock_runs()
+
     def prefix_keys(self, token_ids: Sequence[int] | None, salt: Hashable) -> tuple[Hashable, ...]:
         """The keys of a prompt's shareable blocks where the engine shares them and the peak
         rule may count them once; () otherwise (see :func:`.peak.prefix_blocks`)."""

@@ -364,11 +364,11 @@ class Upstream:
                 max_concurrency=running,
                 release_margin=0.05,
                 rule=self.config.admission_rule,
-                # The shared ledger's peak is the exact rule, its newcomers counted whole until
-                # their first token: no forecast, no newcomer's clock across processes.
+                # The shared ledger's peak is the exact rule (no forecast across processes),
+                # with the newcomer's clock: every gateway reads a newcomer's deadline.
                 preemption_budget=0.0 if self.shared else self._preemption_budget(budget),
                 forecast_quantile=self.config.forecast_quantile,
-                start_clock=engine in PROGRESS_ENGINES and self.shared is None,
+                start_clock=engine in PROGRESS_ENGINES,
             )
         except ValueError as exc:
             raise UpstreamUnavailable(f"unusable budget (KV {kv} tokens): {exc}") from None

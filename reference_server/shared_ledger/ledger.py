@@ -328,10 +328,15 @@ class RedisLedger:
         for _ in range(MAX_CONFLICTS if peak else 0):
             view = await self.peak_view()
             head = view.tickets[0] if view.tickets else ticket
-            grown = ""
-            if head == ticket and view.drain is None and view.fits(prompt_tokens, output_cap, need):
+            grown = start = ""
+            fit = None
+            if head == ticket and view.drain is None:
+                fit = view.fits(prompt_tokens, output_cap, need, follow=bool(follow))
+            if fit is not None:
                 grown = view.grown
-            status, now_ms, seen = await self._admit(*args, grown)
+                if fit.start_by is not None:  # on the engine's clock: its record says till when
+                    start = str(math.floor(fit.start_by * 1000))
+            status, now_ms, seen = await self._admit(*args, grown, start)
             if status != 2:
                 break
         if status == 2:

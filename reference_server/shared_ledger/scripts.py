@@ -149,7 +149,8 @@ end
 #: ARGV: lease, ticket, need, cap, usable, max_concurrency (0: none), enqueue (1/0), and for the
 #: peak rule: prompt tokens ('' for none: no progress record), tracked (1/0), and ``grown`` as
 #: read by the snapshot on which the admitting gateway found that it fits ('': it did not, or
-#: whole caps). Admitted when the whole caps fit, or when the peak did and no holder has come
+#: whole caps), and the deadline of its first token when that snapshot counted it on the
+#: engine's clock (ms of the Redis clock; '': not on the clock). Admitted when the whole caps fit, or when the peak did and no holder has come
 #: since that snapshot (see ``PEAK_SNAPSHOT``); the ticket must be at the head of the queue
 #: either way. Returns {1, now, state} admitted, {0, now, state} not now (queued when asked),
 #: {2, now, state} a holder came since the snapshot (read again), {-1, now, state} the lease is
@@ -181,8 +182,12 @@ if head == nil or head == ticket then
   if fits and (most == 0 or redis.call('HLEN', KEYS[1]) < most) then
     redis.call('HSET', KEYS[1], ticket, lease .. ' ' .. need .. ' ' .. ARGV[4] .. ' ' .. now)
     if (ARGV[8] or '') ~= '' then
-      redis.call('HSET', KEYS[14], ticket,
-                 ARGV[8] .. ' ' .. ARGV[4] .. ' ' .. ARGV[9] .. ' -1 ' .. now .. ' ' .. now)
+      local start = ARGV[11] or ''
+      if start == '' then
+        start = '0'
+      end
+      redis.call('HSET', KEYS[14], ticket, ARGV[8] .. ' ' .. ARGV[4] .. ' ' .. ARGV[9]
+                 .. ' -1 ' .. now .. ' ' .. now .. ' ' .. start)
     end
     redis.call('INCR', KEYS[15])
     redis.call('HINCRBY', KEYS[10], 'admitted', 1)
@@ -431,7 +436,8 @@ return {1, now, state()}
 
 # --- the peak rule (``--admission-rule peak``): the holders' progress, shared ------------------
 #
-# ``progress`` (a hash: reservation -> ``"prompt counted tracked generated seen_ms first_ms"``):
+# ``progress`` (a hash: reservation -> ``"prompt counted tracked generated seen_ms first_ms
+# start_by_ms"``, the last the deadline of a newcomer admitted on the engine's clock, 0 for none):
 # what the peak rule needs of a holder besides its reservation: its prompt, the output it is
 # counted to, whether its progress is followed (1/0), the tokens relayed so far (-1: none yet),
 # when the latest and the first of them were read (ms of the Redis clock). Written at admission
@@ -513,13 +519,14 @@ for i = 2, #ARGV, 7 do
       local seen = now - math.max(0, tonumber(ARGV[i + 5]))
       local first_at = now - math.max(0, tonumber(ARGV[i + 6]))
       if had >= 0 then
-        first_at = tonumber(string.match(kept, '^%S+ %S+ %S+ %S+ %S+ (%S+)$'))
+        first_at = tonumber(string.match(kept, '^%S+ %S+ %S+ %S+ %S+ (%S+)'))
       elseif generated >= 0 then
         first = first + 1
       end
+      local start = kept and string.match(kept, '^%S+ %S+ %S+ %S+ %S+ %S+ (%S+)$') or '0'
       redis.call('HSET', KEYS[14], field, ARGV[i + 1] .. ' ' .. ARGV[i + 2] .. ' '
                  .. ARGV[i + 3] .. ' ' .. math.max(generated, had) .. ' ' .. seen .. ' '
-                 .. first_at)
+                 .. first_at .. ' ' .. start)
     end
   end
 end

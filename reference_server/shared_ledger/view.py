@@ -28,6 +28,7 @@ from ..admission.holders import explained, freshest
 from ..admission.ledger import Handle, KVAdmissionController
 
 __all__ = [
+    "Fit",
     "PUBLISH_SECONDS",
     "PUBLISH_TOKENS",
     "PeakView",
@@ -71,6 +72,8 @@ class Record:
     generated: int | None = None
     seen_at: float = 0.0
     first_seen_at: float = 0.0
+    #: Admitted on the engine's clock: when its first token is due (else None).
+    start_by: float | None = None
 
     @classmethod
     def parse(cls, field: str, value: str, progress: str | None) -> Record:
@@ -85,12 +88,15 @@ class Record:
             "cap": int(cap),
             "admitted_at": int(admitted) / 1000,
         }
+        fields = (progress or "").split(" ")
+        if len(fields) == 6:  # written before the newcomer's clock was shared: none
+            fields.append("0")
         try:
-            prompt, counted, tracked, generated, seen, first = (progress or "").split(" ")
-            numbers = [int(x) for x in (prompt, counted, generated, seen, first)]
+            prompt, counted, tracked, generated, seen, first, start = fields
+            numbers = [int(x) for x in (prompt, counted, generated, seen, first, start)]
         except ValueError:
             return cls(**base)  # type: ignore[arg-type]
-        prompt_tokens, counted_output, made, seen_ms, first_ms = numbers
+        prompt_tokens, counted_output, made, seen_ms, first_ms, start_ms = numbers
         return cls(
             **base,  # type: ignore[arg-type]
             prompt=prompt_tokens,
@@ -99,7 +105,16 @@ class Record:
             generated=None if made < 0 else made,
             seen_at=seen_ms / 1000,
             first_seen_at=first_ms / 1000,
+            start_by=start_ms / 1000 if start_ms > 0 and made < 0 else None,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """A newcomer that fits a view: ``start_by``, the deadline of its first token when it is
+    counted on the engine's clock (Redis clock, seconds), else None."""
+
+    start_by: float | None = None
 
 
 class PeakView:
@@ -118,8 +133,14 @@ class PeakView:
         pricing: KVAdmissionController,
         publish_seconds: float = PUBLISH_SECONDS,
         drain: str | None = None,
+        clock: bool = False,
     ) -> None:
         self.now = now
+        #: Whether a newcomer admitted now starts at once in the engine (as the admitting
+        #: gateway saw the engine: see :meth:`.admission.ledger.KVAdmissionController.clock_runs`):
+        #: then it is counted from its admission, its first token due by a deadline every
+        #: gateway reads from its record, unless another newcomer's first token is late.
+        self.clock = clock
         #: Why every gateway counts whole caps until the holders live then have gone
         #: (``"grown reason"``: see ``BREAK``), or None.
         self.drain = drain
@@ -146,7 +167,11 @@ class PeakView:
             strategy=p.strategy,
             rule="peak",
             relay_lag=shared_relay_lag(p.relay_lag, self._publish_seconds),
+            start_clock=self.clock,
         )
+        if self.clock:  # the engine's speed as measured from its counters: the clock's steps
+            first = self.records[0].admitted_at if self.records else self.now
+            model.set_speed(p.decode_rate, p.throughput, min(first, self.now), steps=True)
         # In order of admission, each at its own admission (the model's Retry-After drains so).
         for record in self.records:
             handle = model.try_admit(
@@ -155,11 +180,14 @@ class PeakView:
                 admitted=True,
             )  # fmt: skip
             assert handle is not None  # admitted=True holds whatever the budget says
+            # On the clock only as its record says (the model's own clock is for newcomers).
+            handle.start_by = None
             if handle.tracked:
                 handle.counted_output = min(max(0, record.counted), record.cap)
                 handle.generated = record.generated
                 handle.seen_at = record.seen_at
                 handle.first_seen_at = record.first_seen_at
+                handle.start_by = record.start_by
             self._handles[record.field] = handle
         return model
 
@@ -192,6 +220,7 @@ class PeakView:
             pricing=pricing,
             publish_seconds=publish_seconds,
             drain=(_text(raw[6]) or None) if len(raw) > 6 else None,
+            clock=pricing.clock_runs(),
         )
 
     @property
@@ -199,16 +228,22 @@ class PeakView:
         """Every holder's whole reservation, summed."""
         return sum(r.tokens for r in self.records)
 
-    def fits(self, prompt_tokens: int, output_cap: int, need: int) -> bool:
-        """Whether a newcomer (counted whole until its first token is published) fits now by
-        the peak of every holder's trajectory, and the running cap."""
+    def fits(
+        self, prompt_tokens: int, output_cap: int, need: int, *, follow: bool = False
+    ) -> Fit | None:
+        """Whether a newcomer fits now by the peak of every holder's trajectory, and the
+        running cap (None: it does not). ``follow``: its progress will be published; then,
+        where :attr:`clock` runs, it is counted from its admission and its first token is due
+        by :attr:`Fit.start_by`, which its record must carry; else it counts whole until its
+        first token is published."""
         handle = self.model.try_admit(
-            prompt_tokens, output_cap, now=self.now, need=need, count_rejection=False
-        )
+            prompt_tokens, output_cap, now=self.now, need=need, count_rejection=False,
+            follow=follow,
+        )  # fmt: skip
         if handle is None:
-            return False
+            return None
         self.model.release(handle)  # the model is a view: the commit is Redis's
-        return True
+        return Fit(start_by=handle.start_by)
 
     @functools.cached_property
     def _room(self) -> int:

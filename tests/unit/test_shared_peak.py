@@ -41,9 +41,11 @@ def pricing(**kw: object) -> KVAdmissionController:
 _OPEN: list[RedisLedger] = []
 
 
-async def gateway(server: RedisServer, *, ttl: float = 5.0) -> RedisLedger:
-    """One gateway process's shared ledger of upstream ``u``."""
-    ledger = RedisLedger(connect(server.url), name="u", pricing=pricing(), lease=Lease(ttl=ttl))
+async def gateway(server: RedisServer, *, ttl: float = 5.0, **kw: object) -> RedisLedger:
+    """One gateway process's shared ledger of upstream ``u`` (``kw``: its pricing's)."""
+    ledger = RedisLedger(
+        connect(server.url), name="u", pricing=pricing(**kw), lease=Lease(ttl=ttl)
+    )
     _OPEN.append(ledger)
     await ledger.join()
     return ledger
@@ -356,3 +358,62 @@ async def test_a_lockstep_break_seen_at_one_gateway_puts_every_gateway_on_caps_u
     assert (await b.peak_view()).drain is None
     assert b.pricing.caps_reason is None
     assert queue_b.on_peak
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_newcomer_on_the_engines_clock_carries_its_deadline_to_every_gateway(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server, start_clock=True)
+    b = await gateway(redis_server, start_clock=True)
+    assert not a.pricing.clock_runs()  # not before the engine's speed is measured
+    for ledger in (a, b):  # from the engine's counters, step by step
+        ledger.pricing.set_speed(100.0, None, 0.0, steps=True)
+    assert a.pricing.clock_runs()
+    # Two holders of 100 + 4,000 that end in about a second: a newcomer counted whole until
+    # its first token (4,112) does not fit beside them in 9,000; counted from its admission it
+    # holds 100 + the steps it has run, and they end before it outgrows the room.
+    await holding(a, 3900)
+    await holding(b, 3900)
+    handle = await b.try_admit(100, 4000, peak=True, follow=True)
+    assert handle is not None
+    field = b.field_of(handle)
+    assert field is not None
+    view = await a.peak_view()
+    (record,) = [r for r in view.records if r.field == field]
+    assert record.start_by is not None
+    assert view.now < record.start_by <= view.now + 1.0  # 9 steps and the margins
+    # Its first count, published, ends the deadline; the deadline is kept in the record.
+    await b.publish([(field, 100, 4000, True, 1, 0.0, 0.0)])
+    (record,) = [r for r in (await a.peak_view()).records if r.field == field]
+    assert record.generated == 1
+    assert record.start_by is None
+    raw = await a.client.hget("{kvclient:u}:progress", field)
+    assert raw is not None
+    assert raw.decode().split(" ")[6] != "0"
+
+
+def test_a_first_token_past_its_deadline_stops_the_clock_for_every_newcomer() -> None:
+    from reference_server.shared_ledger.view import Record
+
+    p = pricing(start_clock=True)
+    p.set_speed(100.0, None, 0.0, steps=True)
+
+    def ending(name: str) -> Record:  # 100 + 4,000, 3,900 made: ends in about a second
+        return Record(
+            field=name, lease="g", tokens=4112, cap=4000, admitted_at=0.0, prompt=100,
+            counted=4000, tracked=True, generated=3900, seen_at=1.0, first_seen_at=0.1,
+        )  # fmt: skip
+
+    small = Record(
+        field="g:3:208", lease="g", tokens=208, cap=100, admitted_at=0.9, prompt=100,
+        counted=100, tracked=True, start_by=1.05,
+    )  # fmt: skip
+    holders = [ending("g:1:4112"), ending("g:2:4112"), small]
+    for clock, now, fits in ((True, 1.0, True), (False, 1.0, False), (True, 1.1, False)):
+        view = PeakView(now=now, grown="3", records=holders, pricing=p, clock=clock)
+        fit = view.fits(100, 4000, 4112, follow=True)
+        assert (fit is not None) == fits, (clock, now)
+        if fit is not None:
+            assert fit.start_by is not None

@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reference_server.admission.ledger import KVAdmissionController
-from reference_server.shared_ledger.view import PUBLISH_TOKENS, PeakView, Record
+from reference_server.admission.holders import START_SLACK_STEPS
+from reference_server.shared_ledger.view import PUBLISH_TOKENS, Fit, PeakView, Record
 from tests.helpers.lockstep import LockstepEngine, Seq
 
 _DT = 0.01  # seconds a decode step takes: one token a step, 100 tokens/s
@@ -33,10 +34,12 @@ class _Store:
         self.records: dict[str, Record] = {}
         self.grown = 0
 
-    def view(self, now: float, pricing: KVAdmissionController, publish_seconds: float) -> PeakView:
+    def view(
+        self, now: float, pricing: KVAdmissionController, publish_seconds: float, clock: bool
+    ) -> PeakView:
         return PeakView(
             now=now, grown=str(self.grown), records=self.records.values(), pricing=pricing,
-            publish_seconds=publish_seconds,
+            publish_seconds=publish_seconds, clock=clock,
         )  # fmt: skip
 
     def admit(self, record: Record, grown: str | None) -> bool | None:
@@ -62,6 +65,7 @@ class _Store:
             field=kept.field, lease=kept.lease, tokens=kept.tokens, cap=kept.cap,
             admitted_at=kept.admitted_at, prompt=kept.prompt, counted=kept.counted,
             tracked=True, generated=generated, seen_at=read_at, first_seen_at=first,
+            start_by=None,
         )  # fmt: skip
 
     def sweep(self, lease: str) -> None:
@@ -99,7 +103,7 @@ class _Decision:
     process: _Process
     request: dict[str, int]
     view: PeakView
-    fits: bool
+    fit: Fit | None
     at: int
 
 
@@ -119,6 +123,9 @@ def spread(draw: st.DrawFn) -> dict[str, object]:
                 "process": draw(st.integers(0, processes - 1)),
                 "late": draw(st.integers(0, 4)),  # steps its counts reach its relay late
                 "slow": draw(st.integers(0, 3)),  # steps between its snapshot and its commit
+                # Steps after its commit the engine starts it: within the clock's slack, or
+                # late (then every view counts it whole from its deadline on).
+                "start": draw(st.integers(0, 4 * START_SLACK_STEPS)),
             }
         )
     return {
@@ -132,6 +139,7 @@ def spread(draw: st.DrawFn) -> dict[str, object]:
             st.one_of(st.none(), st.tuples(st.integers(0, processes - 1), st.integers(0, 300)))
         ),
         "lease_steps": draw(st.integers(1, 120)),
+        "clock": draw(st.booleans()),  # the engine starts every newcomer at once
     }
 
 
@@ -144,6 +152,7 @@ class _Ran:
     dropped: int = 0  # the killed process's requests it never admitted
     most_running: int = 0
     conflicts: int = 0  # commits refused for a holder admitted since their snapshot
+    clocked: int = 0  # admitted on the engine's clock
 
 
 def _run(work: dict[str, object]) -> _Ran:
@@ -153,7 +162,9 @@ def _run(work: dict[str, object]) -> _Ran:
     pricing = KVAdmissionController(
         total_kv_tokens=kv, context_window=10_000, decode_rate=1 / _DT, block_size=block,
         rule="peak", relay_lag=int(work["delay"]) * _DT,  # type: ignore[call-overload]
+        start_clock=True,
     )  # fmt: skip
+    pricing.set_speed(1 / _DT, None, 0.0, steps=True)
     publish_seconds = max(every) * _DT  # the interval actually used
     store = _Store(pricing.usable_tokens)
     engine = LockstepEngine(block, share=False)
@@ -165,16 +176,20 @@ def _run(work: dict[str, object]) -> _Ran:
     lease_steps = int(work["lease_steps"])  # type: ignore[call-overload]
     release_delay = int(work["release_delay"])  # type: ignore[call-overload]
     ended: dict[int, int] = {}
+    starting: list[tuple[int, Seq]] = []  # (the step the engine starts it in, it)
+    clock = bool(work.get("clock", False))
     ids = itertools.count()
     ran = _Ran(engine, store, pricing.usable_tokens)
     step = 0
-    while pending or waiting or deciding or store.records:
+    while pending or waiting or deciding or starting or store.records:
         now = step * _DT
         while pending and pending[0]["arrival"] <= step:
             waiting.append(pending.pop(0))
         for process in processes:  # a lapsed lease: swept, and the engine lets its holders go
             if process.lapses_at == step:
                 store.sweep(process.lease)
+                gone = {held.seq.id for held in process.held.values()}
+                starting = [(due, seq) for due, seq in starting if seq.id not in gone]
                 for held in process.held.values():
                     engine.running.pop(held.seq.id, None)
                 process.held.clear()
@@ -189,10 +204,10 @@ def _run(work: dict[str, object]) -> _Ran:
             request = next((r for r in mine if id(r) not in busy), None)
             if request is None:
                 continue
-            view = store.view(now, pricing, publish_seconds)
+            view = store.view(now, pricing, publish_seconds, clock)
             need = pricing.need_tokens(request["prompt"], request["cap"])
-            fits = view.fits(request["prompt"], request["cap"], need)
-            deciding.append(_Decision(process, request, view, fits, step + request["slow"]))
+            fit = view.fits(request["prompt"], request["cap"], need, follow=True)
+            deciding.append(_Decision(process, request, view, fit, step + request["slow"]))
         # The commits due, in the order their snapshots were read.
         for decision in [d for d in deciding if d.at <= step]:
             deciding.remove(decision)
@@ -201,18 +216,24 @@ def _run(work: dict[str, object]) -> _Ran:
                 continue  # dropped with the process's waiters
             need = pricing.need_tokens(request["prompt"], request["cap"])
             name = f"{process.lease}:{next(ids)}:{need}"
+            fit = decision.fit
             record = Record(
                 field=name, lease=process.lease, tokens=need, cap=request["cap"],
                 admitted_at=now, prompt=request["prompt"], counted=request["cap"], tracked=True,
+                start_by=fit.start_by if fit is not None else None,
             )  # fmt: skip
-            landed = store.admit(record, decision.view.grown if decision.fits else None)
+            landed = store.admit(record, decision.view.grown if fit is not None else None)
             if not landed:
                 ran.conflicts += landed is None
                 continue  # not now, or read again: it stays waiting
             waiting.remove(request)
             ran.admitted += 1
+            ran.clocked += record.start_by is not None
             seq = Seq(request["id"], [0] * request["prompt"], request["cap"], request["length"])
             process.held[seq.id] = _Held(seq, name, request["late"])
+            starting.append((step + request["start"], seq))
+        for due, seq in [s for s in starting if s[0] <= step]:
+            starting.remove((due, seq))
             engine.schedule(seq)
         ran.most_running = max(ran.most_running, len(engine.running))
         for seq in engine.step():
@@ -266,7 +287,7 @@ def test_the_shared_peak_runs_more_at_once_than_whole_caps() -> None:
     than on caps, and a decision of one process is read again when the other's landed first."""
     requests = [
         {"id": i, "arrival": 20 * (i // 2), "prompt": 10, "cap": 200, "length": 200,
-         "process": i % 2, "late": 1, "slow": 0}
+         "process": i % 2, "late": 1, "slow": 0, "start": 0}
         for i in range(12)
     ]  # fmt: skip
     work: dict[str, object] = {
@@ -278,3 +299,25 @@ def test_the_shared_peak_runs_more_at_once_than_whole_caps() -> None:
     assert ran.usable // 210 == 3  # on whole caps, three at once
     assert ran.most_running > 3
     assert ran.conflicts > 0
+
+
+def test_on_the_engines_clock_newcomers_start_beside_holders_that_whole_counts_would_wait_for() -> None:
+    """Holders of 10 + 200 that end at different times, a pool of 700: counted whole until its
+    first token a newcomer waits for room for its whole cap; on the engine's clock it is counted
+    from its admission, and more run at once."""
+    requests = [
+        {"id": i, "arrival": 20 * i, "prompt": 10, "cap": 200, "length": 200,
+         "process": i % 2, "late": 1, "slow": 0, "start": 0}
+        for i in range(12)
+    ]  # fmt: skip
+    most = {}
+    for clock in (False, True):
+        work: dict[str, object] = {
+            "requests": requests, "block": 1, "kv": 700, "delay": 2, "every": [3, 7],
+            "release_delay": 1, "kill": None, "lease_steps": 50, "clock": clock,
+        }  # fmt: skip
+        ran = _run(work)
+        assert ran.admitted == 12
+        assert (ran.clocked > 0) == clock
+        most[clock] = ran.most_running
+    assert most[True] > most[False]
