@@ -180,6 +180,7 @@ def _fairness(config: GatewayConfig) -> dict[str, Any]:
 
 async def _metrics(request: Request) -> Response:
     state = _gateway(request)
+    await state.admission()  # a gateway scraped before its first request shows its upstreams
     if state.shared is not None:
         await state.shared.refresh()  # the shared totals, as Redis has them now
     registry = request.app.state.registry

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from typing import Any, Protocol
 
 import anyio
@@ -41,7 +42,14 @@ from .config import GatewayConfig
 from .errors import UPSTREAM_ERRORS
 from .speed import Speed, SpeedEstimator
 
-__all__ = ["BLIND_SECONDS", "STALL_SECONDS", "EngineWatch", "Watched"]
+__all__ = [
+    "BLIND_SECONDS",
+    "PREEMPTION_WINDOW",
+    "STALL_SECONDS",
+    "EngineWatch",
+    "PreemptionRate",
+    "Watched",
+]
 
 logger = logging.getLogger("kvclient.gateway")
 
@@ -55,6 +63,41 @@ STALL_SECONDS = 3.0
 BLIND_SECONDS = 3.0
 #: The longest a scrape of ``/metrics`` may take before it counts as unread.
 SCRAPE_TIMEOUT = 2.0
+
+
+#: Seconds of the engine's preemption counter the rate shown in ``/metrics`` is taken over.
+PREEMPTION_WINDOW = 300.0
+
+
+class PreemptionRate:
+    """The engine's preemptions per 1,000 requests admitted to it over the last ``window``
+    seconds, from its counter and the ledger's admissions (every gateway's, where the ledger is
+    shared): what an operator scales on, whether or not a forecast runs. Pure: the scrape
+    adds the readings."""
+
+    def __init__(self, window: float = PREEMPTION_WINDOW) -> None:
+        self.window = window
+        self._readings: deque[tuple[float, float, int]] = deque()
+
+    def add(self, now: float, preemptions: float, admitted: int) -> None:
+        """A reading at ``now``: a counter that went back (the engine, or the shared ledger's
+        keys, began again) starts the window over."""
+        last = self._readings[-1] if self._readings else None
+        if last is not None and (preemptions < last[1] or admitted < last[2]):
+            self._readings.clear()
+        self._readings.append((now, preemptions, admitted))
+        while len(self._readings) > 2 and self._readings[1][0] <= now - self.window:
+            self._readings.popleft()
+
+    def rate(self) -> float | None:
+        """Per 1,000 requests admitted in the window; None until some were."""
+        if len(self._readings) < 2:
+            return None
+        _, first_preempted, first_admitted = self._readings[0]
+        _, preempted, admitted = self._readings[-1]
+        if admitted <= first_admitted:
+            return None
+        return 1000 * (preempted - first_preempted) / (admitted - first_admitted)
 
 
 class Known(Protocol):
@@ -115,6 +158,9 @@ class EngineWatch:
         self._preemptions: float | None = None
         self._losses: KVLosses | None = None
         self._unknown = 0
+        #: The engine's preemption counter as last read (None: it gives none), and its rate.
+        self.preemptions_read: float | None = None
+        self.preemptions = PreemptionRate()
 
     def discovered(self, now: float) -> None:
         """Its figures were read with its budget, just now."""
@@ -154,6 +200,7 @@ class EngineWatch:
                 await known.queue.look_elsewhere()
             if text is not None:
                 self.seen(text, now, started=started)
+                await self._count_preemptions(known, now)
             self.scraped.set()
             self.scraped = anyio.Event()
             if not measures:
@@ -200,6 +247,15 @@ class EngineWatch:
             return None
         return data.decode("utf-8", "replace")
 
+    async def _count_preemptions(self, known: Known, now: float) -> None:
+        if self.preemptions_read is None:
+            return
+        try:
+            _, _, admitted = await known.queue.occupancy()
+        except LedgerUnavailable:
+            return
+        self.preemptions.add(now, self.preemptions_read, admitted)
+
     # --- what it saw -------------------------------------------------------------------------
 
     def seen(self, text: str, now: float, *, started: float) -> None:
@@ -210,6 +266,7 @@ class EngineWatch:
             return
         ledger = known.ledger
         signals = lockstep_from_metrics(text)
+        self.preemptions_read = signals.preemptions
         if signals.speculative and ledger.tracks_progress:
             reason = speculative_reason()
             ledger.set_caps_for_good(reason)
