@@ -151,6 +151,7 @@ async def _health(request: Request) -> Response:
                 "slow_readers": stats.slow_readers if stats else None,
                 "unknown_tokens": stats.unknown_tokens if stats else None,
                 "figures_unread": u.watch.blind,
+                "engine_figures": u.watch.figures(now),
                 "problem": u.discovery_error,
             }
         )

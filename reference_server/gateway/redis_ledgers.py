@@ -26,6 +26,7 @@ from ..admission.queue import AdmissionQueue, LedgerUnavailable
 from .errors import UpstreamUnavailable
 
 if TYPE_CHECKING:
+    from ..shared_ledger.books import EngineBooks
     from ..shared_ledger.ledger import Lease, RedisLedger, Wakeups
     from ..shared_ledger.queue import SharedQueue
 
@@ -111,6 +112,13 @@ class SharedLedgers:
         queue.publish_soon = self._wake_publisher
         self.queues.append(queue)
         return queue
+
+    def books_for(self, name: str, *, ttl: float) -> EngineBooks:
+        """The engine's books of upstream ``name`` in Redis: one process scrapes them for
+        every gateway, its claim lapsing ``ttl`` seconds after it last renewed it."""
+        from ..shared_ledger.books import EngineBooks
+
+        return EngineBooks(self.client, name=name, lease_id=self.lease.id, ttl=ttl)
 
     async def refresh(self) -> None:
         """Read every upstream's shared totals from Redis (for ``/metrics``); when Redis is

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -51,6 +51,9 @@ __all__ = [
     "Watched",
 ]
 
+if TYPE_CHECKING:
+    from ..shared_ledger.books import EngineBooks
+
 logger = logging.getLogger("kvclient.gateway")
 
 #: Scrapes in a row without decode counters after which an engine is taken to export none.
@@ -63,6 +66,12 @@ STALL_SECONDS = 3.0
 BLIND_SECONDS = 3.0
 #: The longest a scrape of ``/metrics`` may take before it counts as unread.
 SCRAPE_TIMEOUT = 2.0
+#: Scrape intervals a gateway on a shared ledger waits for the scraper's next page before it
+#: scrapes the engine itself: its own scrape then comes before its figures count as unread
+#: (``BLIND_SECONDS``), so a scraper that dies puts no gateway on whole caps.
+STALE_INTERVALS = 2
+#: Looks for the scraper's next page per scrape interval while waiting for it.
+_LOOKS = 5
 
 
 #: Seconds of the engine's preemption counter the rate shown in ``/metrics`` is taken over.
@@ -161,6 +170,11 @@ class EngineWatch:
         #: The engine's preemption counter as last read (None: it gives none), and its rate.
         self.preemptions_read: float | None = None
         self.preemptions = PreemptionRate()
+        #: The engine's books in Redis, read once for every gateway (set at discovery when the
+        #: ledger is shared), and whose scrape the figures last weighed came from (the lease's
+        #: id; None: this process's own).
+        self.books: EngineBooks | None = None
+        self.read_by: str | None = None
 
     def discovered(self, now: float) -> None:
         """Its figures were read with its budget, just now."""
@@ -172,6 +186,29 @@ class EngineWatch:
         wanted = self.upstream.config.speed_interval
         return min(wanted, 1.0) if wanted > 0 else 1.0
 
+    @property
+    def claim_seconds(self) -> float:
+        """How long the scraper's claim lasts unrenewed: the bound the others wait for its
+        next page, and a scrape that times out."""
+        return STALE_INTERVALS * self.interval + SCRAPE_TIMEOUT
+
+    def figures(self, now: float) -> dict[str, Any]:
+        """``/health``'s ``engine_figures``: who scrapes the engine (``this gateway``, another's
+        lease, or None where none does yet), whose scrape the figures weighed last came from,
+        and how old they are (seconds; None: never read)."""
+        books = self.books
+        own = "this gateway"
+        if books is None:
+            scraper: str | None = own
+        else:
+            scraper = own if books.mine else books.scraper
+        by = self.read_by
+        return {
+            "scraper": scraper,
+            "read_by": own if by is None or (books is not None and by == books.lease_id) else by,
+            "age_seconds": None if self.read_at is None else round(now - self.read_at, 3),
+        }
+
     # --- the tasks ---------------------------------------------------------------------------
 
     async def scrape(self) -> None:
@@ -181,23 +218,19 @@ class EngineWatch:
         upstream = self.upstream
         estimator = SpeedEstimator()
         misses = 0
+        page: tuple[str | None, float, float] | None = None
         while True:
             # Quicker until there is a speed: the first answers' advice is built on it.
             measures = upstream.config.speed_interval > 0
             quick = measures and upstream.speed is None and misses < SPEED_MISSES
-            await anyio.sleep(min(self.interval, 0.25) if quick else self.interval)
+            if page is None:  # a reader of the scraper's pages goes at its pace
+                await anyio.sleep(min(self.interval, 0.25) if quick else self.interval)
             known = upstream.known
             if known is None:
+                page = None
                 continue
-            # Other processes' holders, read on both sides of the engine's figures: each one
-            # admitted before them is in the second read, each let go since in the first.
-            with contextlib.suppress(LedgerUnavailable):
-                await known.queue.look_elsewhere()
-            started = time.monotonic()
-            text = await self._read()
-            now = time.monotonic()
-            with contextlib.suppress(LedgerUnavailable):
-                await known.queue.look_elsewhere()
+            page = await self._page_of_scraper(known, self.books) if self.books else None
+            text, started, now = page if page is not None else await self._scrape(known)
             if text is not None:
                 self.seen(text, now, started=started)
                 await self._count_preemptions(known, now)
@@ -223,6 +256,60 @@ class EngineWatch:
             if speed is not None:
                 upstream.speed = speed
                 known.ledger.set_speed(speed.decode_rate, speed.throughput, now, steps=True)
+
+    async def _scrape(self, known: Known) -> tuple[str | None, float, float]:
+        """(the page or None, when the scrape began, when it ended): this process's own, handed
+        to every gateway when this process is the scraper."""
+        # Other processes' holders, read on both sides of the engine's figures: each one
+        # admitted before them is in the second read, each let go since in the first.
+        with contextlib.suppress(LedgerUnavailable):
+            await known.queue.look_elsewhere()
+        started = time.monotonic()
+        text = await self._read()
+        now = time.monotonic()
+        with contextlib.suppress(LedgerUnavailable):
+            await known.queue.look_elsewhere()
+        self.read_by = None
+        books = self.books
+        if books is not None and books.mine and text is not None:
+            ages = {"started_age": time.monotonic() - started, "read_age": time.monotonic() - now}
+            with contextlib.suppress(LedgerUnavailable):
+                await books.write(text, **ages)
+        return text, started, now
+
+    async def _page_of_scraper(
+        self, known: Known, books: EngineBooks
+    ) -> tuple[str | None, float, float] | None:
+        """The scraper's next page, as (page, began, read) on this process's clock, between
+        two reads of every gateway's holders as an own scrape is; None when this process is
+        the scraper, Redis is away, or no page came within ``STALE_INTERVALS`` (then it
+        scrapes itself)."""
+        try:
+            if await books.claim():
+                return None
+            # The page must be of a scrape begun after the first read of the holders.
+            with contextlib.suppress(LedgerUnavailable):
+                await known.queue.look_elsewhere()
+            after, page = await books.read()
+            for _ in range(STALE_INTERVALS * _LOOKS):
+                await anyio.sleep(self.interval / _LOOKS)
+                at, page = await books.read(after)
+                if page is not None:
+                    break
+            if page is None:
+                logger.info(
+                    "upstream %s: no page from the engine's scraper (%s) for %d scrape "
+                    "intervals: this gateway scrapes", self.upstream.name, books.scraper,
+                    STALE_INTERVALS,
+                )  # fmt: skip
+                return None
+            with contextlib.suppress(LedgerUnavailable):
+                await known.queue.look_elsewhere()
+        except LedgerUnavailable:
+            return None
+        here = time.monotonic()
+        self.read_by = page.by
+        return page.text, here - (at - page.started), here - (at - page.read)
 
     async def lockstep(self) -> None:
         """Check, while the gateway serves, that the engine's figures are fresh and no stream
