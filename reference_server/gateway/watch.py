@@ -294,6 +294,7 @@ class EngineWatch:
             for _ in range(STALE_INTERVALS * _LOOKS):
                 await anyio.sleep(self.interval / _LOOKS)
                 at, page = await books.read(after)
+                here = time.monotonic()  # with ``at``: the two clocks at one moment
                 if page is not None:
                     break
             if page is None:
@@ -307,7 +308,6 @@ class EngineWatch:
                 await known.queue.look_elsewhere()
         except LedgerUnavailable:
             return None
-        here = time.monotonic()
         self.read_by = page.by
         return page.text, here - (at - page.started), here - (at - page.read)
 

@@ -19,6 +19,7 @@ from reference_server.gateway.watch import PreemptionRate
 from reference_server.testing import running_gateway
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.servers import wait_for
+from tests.helpers.upstreams import RATE, LockstepUpstream, scripted_upstream
 
 #: 36 s of decoding for the holder: it lasts the whole test (the engine's pool, 7,000 tokens,
 #: is budgeted whole).
@@ -126,6 +127,35 @@ def test_gateways_on_one_redis_show_every_gateways_backlog_alike(
         assert all(0 <= age < 1 for age in ages)  # read afresh at the scrape
         assert figures[0] == figures[1]
     _check(held[0], queued[0])
+
+
+@pytest.mark.parametrize("rule", ["caps", "peak"])
+def test_the_preemption_rate_is_shown_without_a_forecast(rule: str) -> None:
+    """The engine's counter per 1,000 requests admitted, with no forecast (whole caps, or the
+    exact peak rule) to keep a rate of its own."""
+    scripted = LockstepUpstream()
+    with scripted_upstream(scripted.app()) as up:
+        config = GatewayConfig(
+            upstreams=(up.base_url,), decode_rate=RATE, speed_interval=0.1, admission_rule=rule,
+            preemption_budget=(0.0,),
+        )  # fmt: skip
+        with running_gateway(config) as gateway:
+            assert httpx.get(gateway.base_url + "/health").status_code == 200  # discovered
+            scrapes = scripted.scrapes
+            wait_for(lambda: scripted.scrapes >= scrapes + 2)  # read before any admission
+            for _ in range(4):
+                answer = httpx.post(
+                    gateway.base_url + "/v1/completions",
+                    json={"prompt": "p", "max_tokens": 3},
+                    timeout=10,
+                )
+                assert answer.status_code == 200
+            scripted.preemptions = 2
+
+            def rate() -> float:
+                return gauges(gateway.base_url, up.base_url)["kv_upstream_preemptions_per_1000"]
+
+            wait_for(lambda: rate() == 500)  # 2 per 4
 
 
 def test_the_preemption_rate_is_over_its_window_and_starts_over_when_a_counter_goes_back() -> None:
