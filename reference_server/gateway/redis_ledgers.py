@@ -57,6 +57,7 @@ class SharedLedgers:
         self.wakeups: Wakeups = Wakeups(self.client)
         self.ledgers: list[RedisLedger] = []
         self.queues: list[SharedQueue] = []
+        self.books: list[EngineBooks] = []
         #: Times Redis was found unreachable (a change from reachable).
         self.outages = 0
         #: Requests refused because Redis was away.
@@ -118,7 +119,9 @@ class SharedLedgers:
         every gateway, its claim lapsing ``ttl`` seconds after it last renewed it."""
         from ..shared_ledger.books import EngineBooks
 
-        return EngineBooks(self.client, name=name, lease_id=self.lease.id, ttl=ttl)
+        books = EngineBooks(self.client, name=name, lease_id=self.lease.id, ttl=ttl)
+        self.books.append(books)
+        return books
 
     async def refresh(self) -> None:
         """Read every upstream's shared totals from Redis (for ``/metrics``); when Redis is
@@ -163,4 +166,7 @@ class SharedLedgers:
         with anyio.CancelScope(shield=True):
             for shared in self.ledgers:
                 await shared.give_back()
+            for books in self.books:  # the next gateway to look scrapes at once
+                with contextlib.suppress(LedgerUnavailable):
+                    await books.give_back()
             await close(self.client)

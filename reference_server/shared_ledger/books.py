@@ -83,6 +83,17 @@ return {now, scraper, f[1] or '', f[2] or '-1', f[3] or '-1', text}
 )
 
 
+#: ARGV: lease. Frees the scraper's key when it is ours (a gateway that stops), so that the
+#: next to look takes over at once rather than when it lapses; returns 1 or 0.
+GIVE_BACK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -107,7 +118,7 @@ class EngineBooks:
         self._keys = [f"{tag}:{key}" for key in BOOKS_KEYS]
         self.lease_id = lease_id
         self.ttl_ms = max(1, round(ttl * 1000))
-        self._scripts = {s: client.register_script(s) for s in (CLAIM, WRITE, READ)}
+        self._scripts = {s: client.register_script(s) for s in (CLAIM, WRITE, READ, GIVE_BACK)}
         #: The scraper's lease as last heard (None: none, or not asked yet).
         self.scraper: str | None = None
 
@@ -134,6 +145,11 @@ class EngineBooks:
         False when another process scrapes now (nothing written)."""
         started_ms, read_ms = (max(0, round(a * 1000)) for a in (started_age, read_age))
         return bool(int(await self._run(WRITE, self.lease_id, started_ms, read_ms, text)))
+
+    async def give_back(self) -> None:
+        """Free the scraper's key if this process holds it (it stops scraping)."""
+        await self._run(GIVE_BACK, self.lease_id)
+        self.scraper = None
 
     async def read(self, after: float | None = None) -> tuple[float, Page | None]:
         """(the Redis clock now, the page whose scrape began at ``after`` or later, or None);

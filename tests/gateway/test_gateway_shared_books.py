@@ -5,6 +5,7 @@ are."""
 
 from __future__ import annotations
 
+import signal
 from contextlib import ExitStack
 from typing import Any
 
@@ -17,7 +18,7 @@ from reference_server.gateway import GatewayConfig
 from reference_server.gateway.config import public_url
 from reference_server.gateway.watch import BLIND_SECONDS
 from reference_server.testing import running_gateway
-from tests.gateway.test_gateway_shared import FAST
+from tests.gateway.test_gateway_shared import FAST, gateway_process
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.servers import wait_for
 
@@ -87,7 +88,7 @@ def test_another_gateway_takes_over_when_the_scraper_stops(redis_server: RedisSe
                 assert figures(a.base_url)["scraper"] == OWN
                 scraper = figures(b.base_url)["scraper"]
                 assert scraper not in (None, OWN)
-            # a is gone: its claim lapses, and b scrapes, its figures fresh throughout (never
+            # a is gone (it gave its claim back), and b scrapes, its figures fresh throughout (never
             # unread long enough to count whole caps: no lockstep break).
             wait_for(lambda: figures(b.base_url)["scraper"] == OWN, timeout=20)
             wait_for(lambda: figures(b.base_url)["read_by"] == OWN, timeout=10)
@@ -96,7 +97,26 @@ def test_another_gateway_takes_over_when_the_scraper_stops(redis_server: RedisSe
             assert _lockstep_breaks(b.base_url, upstream.base_url) == 0
 
 
-def test_a_scraper_that_writes_nothing_leaves_each_gateway_to_scrape_itself(
+def test_another_gateway_takes_over_when_the_scraper_is_killed(redis_server: RedisServer) -> None:
+    """A gateway process killed with SIGKILL gives nothing back: its claim lapses (2 scrape
+    intervals and the scrape timeout), meanwhile the other scrapes itself."""
+    with running_server(**FAST, max_running=16) as upstream, ExitStack() as stack:
+        proc, a = stack.enter_context(
+            gateway_process(upstream.base_url, "--ledger", redis_server.url)
+        )
+        wait_for(lambda: figures(a)["scraper"] == OWN, timeout=20)
+        config = _config(upstream.base_url, redis_server.url, interval=1.0)
+        b = stack.enter_context(running_gateway(config)).base_url
+        wait_for(lambda: figures(b)["read_by"] not in (None, OWN), timeout=20)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        wait_for(lambda: figures(b)["scraper"] == OWN, timeout=20)
+        wait_for(lambda: figures(b)["read_by"] == OWN, timeout=10)
+        assert fresh(figures(b))
+        assert _lockstep_breaks(b, upstream.base_url) == 0
+
+
+def test_a_scraper_that_writes_nothing_leaves_each_gateway_to_scrape_itself_until_it_dies(
     redis_server: RedisServer,
 ) -> None:
     with running_server(**FAST, max_running=16) as upstream:
@@ -111,7 +131,7 @@ def test_a_scraper_that_writes_nothing_leaves_each_gateway_to_scrape_itself(
                 found = health(gateway.base_url)
                 assert fresh(found["engine_figures"])
                 assert (found["figures_unread"], found["caps_reason"]) == (None, None), found
-                client.delete(key)  # the ghost's claim gone: the gateway takes it
+                client.pexpire(key, 200)  # the ghost died: its claim lapses, the gateway takes it
                 wait_for(lambda: figures(gateway.base_url)["scraper"] == OWN, timeout=20)
         finally:
             client.close()
