@@ -298,11 +298,12 @@ class EngineWatch:
                 if page is not None:
                     break
             if page is None:
-                logger.info(
-                    "upstream %s: no page from the engine's scraper (%s) for %d scrape "
-                    "intervals: this gateway scrapes", self.upstream.name, books.scraper,
-                    STALE_INTERVALS,
-                )  # fmt: skip
+                if self.read_by is not None:  # said once, when the pages stop
+                    logger.info(
+                        "upstream %s: no page from the engine's scraper (%s) for %d scrape "
+                        "intervals: this gateway scrapes", self.upstream.name, books.scraper,
+                        STALE_INTERVALS,
+                    )  # fmt: skip
                 return None
             with contextlib.suppress(LedgerUnavailable):
                 await known.queue.look_elsewhere()
