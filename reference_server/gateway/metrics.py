@@ -1,7 +1,8 @@
 """The gateway's ``/metrics``: the reference server's ledger metrics summed over upstreams, and
 each upstream's labelled by its URL (shown without user and password). Those are this process's
-own holdings; with a shared ledger, ``kv_upstream_shared_*`` are every gateway's, read from
-Redis at the scrape."""
+own holdings; ``kv_upstream_shared_*`` (what an autoscaler reads) are every gateway's with a
+shared ledger, read from Redis at the scrape and the same at each gateway, and this
+gateway's own with an in-process one."""
 
 from __future__ import annotations
 
