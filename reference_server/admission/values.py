@@ -7,7 +7,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Ask", "Handle", "Headroom", "LedgerEvent", "LedgerStats"]
+__all__ = ["Ask", "Backlog", "Handle", "Headroom", "LedgerEvent", "LedgerStats"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,3 +219,19 @@ class Headroom:
     free: int
     next_release_in: float
     advertised: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Backlog:
+    """What an autoscaler weighs of one upstream's budget (``/metrics``): tokens reserved and
+    requests holding them, requests waiting and the KV tokens they ask for, and the ``room``
+    a newcomer may take now (the rule's room less what the queue waits for). Every gateway's
+    where the ledger is shared, read from one view of Redis at ``read_at``
+    (``time.monotonic()``; None: an in-process ledger, always current)."""
+
+    reserved: int = 0
+    inflight: int = 0
+    waiting: int = 0
+    waiting_tokens: int = 0
+    room: int = 0
+    read_at: float | None = None

@@ -151,6 +151,7 @@ async def _health(request: Request) -> Response:
                 "slow_readers": stats.slow_readers if stats else None,
                 "unknown_tokens": stats.unknown_tokens if stats else None,
                 "figures_unread": u.watch.blind,
+                "engine_figures": u.watch.figures(now),
                 "problem": u.discovery_error,
             }
         )
@@ -180,6 +181,7 @@ def _fairness(config: GatewayConfig) -> dict[str, Any]:
 
 async def _metrics(request: Request) -> Response:
     state = _gateway(request)
+    await state.admission()  # a gateway scraped before its first request shows its upstreams
     if state.shared is not None:
         await state.shared.refresh()  # the shared totals, as Redis has them now
     registry = request.app.state.registry

@@ -1,11 +1,13 @@
 """The gateway's ``/metrics``: the reference server's ledger metrics summed over upstreams, and
 each upstream's labelled by its URL (shown without user and password). Those are this process's
-own holdings; with a shared ledger, ``kv_upstream_shared_*`` are every gateway's, read from
-Redis at the scrape."""
+own holdings; ``kv_upstream_shared_*`` (what an autoscaler reads) are every gateway's with a
+shared ledger, read from Redis at the scrape and the same at each gateway, and this
+gateway's own with an in-process one."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -14,13 +16,20 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..admission.fairness import TenantStats
+from ..admission.values import Backlog, LedgerStats
 from .state import GatewayState
 
 if TYPE_CHECKING:
     from ..admission.queue import AdmissionQueue
-    from ..shared_ledger.ledger import SharedState
 
-__all__ = ["OTHER_TENANTS", "TOP_TENANTS", "GatewayCollector", "registry_for", "tenant_rows"]
+__all__ = [
+    "OTHER_TENANTS",
+    "TOP_TENANTS",
+    "GatewayCollector",
+    "backlog",
+    "registry_for",
+    "tenant_rows",
+]
 
 
 def registry_for(state: GatewayState) -> CollectorRegistry:
@@ -98,11 +107,31 @@ def _tenant_metrics(state: GatewayState) -> Iterable[Metric]:
         yield counter
 
 
-def _shared_state(queue: AdmissionQueue) -> SharedState | None:
-    """Every gateway's totals for the upstream of ``queue``, when its ledger is shared."""
-    from ..shared_ledger.queue import SharedQueue  # redis is needed only when shared
+def backlog(queue: AdmissionQueue, *, shared: bool) -> Backlog:
+    """The upstream's backlog as an autoscaler reads it: every gateway's, from the last view of
+    Redis, where the ledger is ``shared`` (read at each scrape: see ``SharedLedgers.refresh``);
+    this gateway's own, now, otherwise."""
+    if shared:
+        from ..shared_ledger.queue import SharedQueue  # redis is needed only when shared
 
-    return queue.shared.seen if isinstance(queue, SharedQueue) else None
+        if isinstance(queue, SharedQueue):
+            return queue.backlog or Backlog(read_at=-math.inf)
+    reserved, inflight = queue.load()
+    return Backlog(
+        reserved=reserved,
+        inflight=inflight,
+        waiting=queue.waiting,
+        waiting_tokens=queue.waiting_tokens,
+        room=queue.headroom().free,
+    )
+
+
+def _preemption_rate(measured: float | None, stats: LedgerStats | None) -> float:
+    """The watch's rate over its window where the engine's counter was read, else the
+    forecast's own (0: neither known)."""
+    if measured is not None:
+        return measured
+    return (stats.preemption_rate or 0) if stats is not None else 0
 
 
 class GatewayCollector:
@@ -170,7 +199,7 @@ class GatewayCollector:
                 (s.preemption_budget or 0) if s else 0 for _, s in rows
             ],
             "kv_upstream_preemptions_per_1000": [
-                (s.preemption_rate or 0) if s else 0 for _, s in rows
+                _preemption_rate(u.watch.preemptions.rate(), s) for u, s in rows
             ],
             "kv_upstream_start_clock": [
                 1 if s is not None and s.start_clock else 0 for _, s in rows
@@ -224,11 +253,19 @@ class GatewayCollector:
                 "kv_ledger_lease_lapses", "Times this gateway found its lease lapsed.",
                 value=shared.lease.lapsed_total,
             )  # fmt: skip
-        if shared is not None:
-            seen = [_shared_state(u.known.queue) if u.known else None for u, _ in rows]
-            gauges["kv_upstream_shared_reserved_tokens"] = [s.reserved if s else 0 for s in seen]
-            gauges["kv_upstream_shared_inflight_requests"] = [s.inflight if s else 0 for s in seen]
-            gauges["kv_upstream_shared_queued_tokens"] = [s.queued if s else 0 for s in seen]
+        # What an autoscaler reads: every gateway's on a shared ledger, the same at each of
+        # them; this gateway's where its ledger is its own (age 0).
+        seen = [
+            backlog(u.known.queue, shared=shared is not None) if u.known else None for u, _ in rows
+        ]
+        gauges["kv_upstream_shared_reserved_tokens"] = [b.reserved if b else 0 for b in seen]
+        gauges["kv_upstream_shared_inflight_requests"] = [b.inflight if b else 0 for b in seen]
+        gauges["kv_upstream_shared_queued_requests"] = [b.waiting if b else 0 for b in seen]
+        gauges["kv_upstream_shared_queued_tokens"] = [b.waiting_tokens if b else 0 for b in seen]
+        gauges["kv_upstream_shared_room_tokens"] = [b.room if b else 0 for b in seen]
+        gauges["kv_upstream_shared_view_age_seconds"] = [
+            max(0.0, now - b.read_at) if b and b.read_at is not None else 0 for b in seen
+        ]
         for name, values in gauges.items():
             gauge = GaugeMetricFamily(name, name.replace("_", " "), labels=["upstream"])
             for (u, _), amount in zip(rows, values, strict=True):

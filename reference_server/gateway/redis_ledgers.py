@@ -26,6 +26,7 @@ from ..admission.queue import AdmissionQueue, LedgerUnavailable
 from .errors import UpstreamUnavailable
 
 if TYPE_CHECKING:
+    from ..shared_ledger.books import EngineBooks
     from ..shared_ledger.ledger import Lease, RedisLedger, Wakeups
     from ..shared_ledger.queue import SharedQueue
 
@@ -56,6 +57,7 @@ class SharedLedgers:
         self.wakeups: Wakeups = Wakeups(self.client)
         self.ledgers: list[RedisLedger] = []
         self.queues: list[SharedQueue] = []
+        self.books: list[EngineBooks] = []
         #: Times Redis was found unreachable (a change from reachable).
         self.outages = 0
         #: Requests refused because Redis was away.
@@ -112,6 +114,15 @@ class SharedLedgers:
         self.queues.append(queue)
         return queue
 
+    def books_for(self, name: str, *, ttl: float) -> EngineBooks:
+        """The engine's books of upstream ``name`` in Redis: one process scrapes them for
+        every gateway, its claim lapsing ``ttl`` seconds after it last renewed it."""
+        from ..shared_ledger.books import EngineBooks
+
+        books = EngineBooks(self.client, name=name, lease_id=self.lease.id, ttl=ttl)
+        self.books.append(books)
+        return books
+
     async def refresh(self) -> None:
         """Read every upstream's shared totals from Redis (for ``/metrics``); when Redis is
         away the last ones heard stay, and ``kv_ledger_unreachable`` says so."""
@@ -155,4 +166,7 @@ class SharedLedgers:
         with anyio.CancelScope(shield=True):
             for shared in self.ledgers:
                 await shared.give_back()
+            for books in self.books:  # the next gateway to look scrapes at once
+                with contextlib.suppress(LedgerUnavailable):
+                    await books.give_back()
             await close(self.client)

@@ -393,6 +393,7 @@ class Upstream:
             queue = await self.shared.queue_for(
                 self.name, ledger, self.config.max_queue_wait, self.config.fairness
             )
+            self.watch.books = self.shared.books_for(self.name, ttl=self.watch.claim_seconds)
         self.discovery, self.budget = found, budget
         self.watch.discovered(time.monotonic())
         self.known = Known(upstream=self, ledger=ledger, queue=queue)

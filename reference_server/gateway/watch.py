@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Protocol
+from collections import deque
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -41,7 +42,17 @@ from .config import GatewayConfig
 from .errors import UPSTREAM_ERRORS
 from .speed import Speed, SpeedEstimator
 
-__all__ = ["BLIND_SECONDS", "STALL_SECONDS", "EngineWatch", "Watched"]
+__all__ = [
+    "BLIND_SECONDS",
+    "PREEMPTION_WINDOW",
+    "STALL_SECONDS",
+    "EngineWatch",
+    "PreemptionRate",
+    "Watched",
+]
+
+if TYPE_CHECKING:
+    from ..shared_ledger.books import EngineBooks
 
 logger = logging.getLogger("kvclient.gateway")
 
@@ -55,6 +66,47 @@ STALL_SECONDS = 3.0
 BLIND_SECONDS = 3.0
 #: The longest a scrape of ``/metrics`` may take before it counts as unread.
 SCRAPE_TIMEOUT = 2.0
+#: Scrape intervals a gateway on a shared ledger waits for the scraper's next page before it
+#: scrapes the engine itself: its own scrape then comes before its figures count as unread
+#: (``BLIND_SECONDS``), so a scraper that dies puts no gateway on whole caps.
+STALE_INTERVALS = 2
+#: Looks for the scraper's next page per scrape interval while waiting for it.
+_LOOKS = 5
+
+
+#: Seconds of the engine's preemption counter the rate shown in ``/metrics`` is taken over.
+PREEMPTION_WINDOW = 300.0
+
+
+class PreemptionRate:
+    """The engine's preemptions per 1,000 requests admitted to it over the last ``window``
+    seconds, from its counter and the ledger's admissions (every gateway's, where the ledger is
+    shared): what an operator scales on, whether or not a forecast runs. Pure: the scrape
+    adds the readings."""
+
+    def __init__(self, window: float = PREEMPTION_WINDOW) -> None:
+        self.window = window
+        self._readings: deque[tuple[float, float, int]] = deque()
+
+    def add(self, now: float, preemptions: float, admitted: int) -> None:
+        """A reading at ``now``: a counter that went back (the engine, or the shared ledger's
+        keys, began again) starts the window over."""
+        last = self._readings[-1] if self._readings else None
+        if last is not None and (preemptions < last[1] or admitted < last[2]):
+            self._readings.clear()
+        self._readings.append((now, preemptions, admitted))
+        while len(self._readings) > 2 and self._readings[1][0] <= now - self.window:
+            self._readings.popleft()
+
+    def rate(self) -> float | None:
+        """Per 1,000 requests admitted in the window; None until some were."""
+        if len(self._readings) < 2:
+            return None
+        _, first_preempted, first_admitted = self._readings[0]
+        _, preempted, admitted = self._readings[-1]
+        if admitted <= first_admitted:
+            return None
+        return 1000 * (preempted - first_preempted) / (admitted - first_admitted)
 
 
 class Known(Protocol):
@@ -115,6 +167,14 @@ class EngineWatch:
         self._preemptions: float | None = None
         self._losses: KVLosses | None = None
         self._unknown = 0
+        #: The engine's preemption counter as last read (None: it gives none), and its rate.
+        self.preemptions_read: float | None = None
+        self.preemptions = PreemptionRate()
+        #: The engine's books in Redis, read once for every gateway (set at discovery when the
+        #: ledger is shared), and whose scrape the figures last weighed came from (the lease's
+        #: id; None: this process's own).
+        self.books: EngineBooks | None = None
+        self.read_by: str | None = None
 
     def discovered(self, now: float) -> None:
         """Its figures were read with its budget, just now."""
@@ -126,6 +186,29 @@ class EngineWatch:
         wanted = self.upstream.config.speed_interval
         return min(wanted, 1.0) if wanted > 0 else 1.0
 
+    @property
+    def claim_seconds(self) -> float:
+        """How long the scraper's claim lasts unrenewed: the bound the others wait for its
+        next page, and a scrape that times out."""
+        return STALE_INTERVALS * self.interval + SCRAPE_TIMEOUT
+
+    def figures(self, now: float) -> dict[str, Any]:
+        """``/health``'s ``engine_figures``: who scrapes the engine (``this gateway``, another's
+        lease, or None where none does yet), whose scrape the figures weighed last came from,
+        and how old they are (seconds; None: never read)."""
+        books = self.books
+        own = "this gateway"
+        if books is None:
+            scraper: str | None = own
+        else:
+            scraper = own if books.mine else books.scraper
+        by = self.read_by
+        return {
+            "scraper": scraper,
+            "read_by": own if by is None or (books is not None and by == books.lease_id) else by,
+            "age_seconds": None if self.read_at is None else round(now - self.read_at, 3),
+        }
+
     # --- the tasks ---------------------------------------------------------------------------
 
     async def scrape(self) -> None:
@@ -135,25 +218,22 @@ class EngineWatch:
         upstream = self.upstream
         estimator = SpeedEstimator()
         misses = 0
+        page: tuple[str | None, float, float] | None = None
         while True:
             # Quicker until there is a speed: the first answers' advice is built on it.
             measures = upstream.config.speed_interval > 0
             quick = measures and upstream.speed is None and misses < SPEED_MISSES
-            await anyio.sleep(min(self.interval, 0.25) if quick else self.interval)
+            if page is None:  # a reader of the scraper's pages goes at its pace
+                await anyio.sleep(min(self.interval, 0.25) if quick else self.interval)
             known = upstream.known
             if known is None:
+                page = None
                 continue
-            # Other processes' holders, read on both sides of the engine's figures: each one
-            # admitted before them is in the second read, each let go since in the first.
-            with contextlib.suppress(LedgerUnavailable):
-                await known.queue.look_elsewhere()
-            started = time.monotonic()
-            text = await self._read()
-            now = time.monotonic()
-            with contextlib.suppress(LedgerUnavailable):
-                await known.queue.look_elsewhere()
+            page = await self._page_of_scraper(known, self.books) if self.books else None
+            text, started, now = page if page is not None else await self._scrape(known)
             if text is not None:
                 self.seen(text, now, started=started)
+                await self._count_preemptions(known, now)
             self.scraped.set()
             self.scraped = anyio.Event()
             if not measures:
@@ -176,6 +256,61 @@ class EngineWatch:
             if speed is not None:
                 upstream.speed = speed
                 known.ledger.set_speed(speed.decode_rate, speed.throughput, now, steps=True)
+
+    async def _scrape(self, known: Known) -> tuple[str | None, float, float]:
+        """(the page or None, when the scrape began, when it ended): this process's own, handed
+        to every gateway when this process is the scraper."""
+        # Other processes' holders, read on both sides of the engine's figures: each one
+        # admitted before them is in the second read, each let go since in the first.
+        with contextlib.suppress(LedgerUnavailable):
+            await known.queue.look_elsewhere()
+        started = time.monotonic()
+        text = await self._read()
+        now = time.monotonic()
+        with contextlib.suppress(LedgerUnavailable):
+            await known.queue.look_elsewhere()
+        self.read_by = None
+        books = self.books
+        if books is not None and books.mine and text is not None:
+            ages = {"started_age": time.monotonic() - started, "read_age": time.monotonic() - now}
+            with contextlib.suppress(LedgerUnavailable):
+                await books.write(text, **ages)
+        return text, started, now
+
+    async def _page_of_scraper(
+        self, known: Known, books: EngineBooks
+    ) -> tuple[str | None, float, float] | None:
+        """The scraper's next page, as (page, began, read) on this process's clock, between
+        two reads of every gateway's holders as an own scrape is; None when this process is
+        the scraper, Redis is away, or no page came within ``STALE_INTERVALS`` (then it
+        scrapes itself)."""
+        try:
+            if await books.claim():
+                return None
+            # The page must be of a scrape begun after the first read of the holders.
+            with contextlib.suppress(LedgerUnavailable):
+                await known.queue.look_elsewhere()
+            after, page = await books.read()
+            for _ in range(STALE_INTERVALS * _LOOKS):
+                await anyio.sleep(self.interval / _LOOKS)
+                at, page = await books.read(after)
+                here = time.monotonic()  # with ``at``: the two clocks at one moment
+                if page is not None:
+                    break
+            if page is None:
+                if self.read_by is not None:  # said once, when the pages stop
+                    logger.info(
+                        "upstream %s: no page from the engine's scraper (%s) for %d scrape "
+                        "intervals: this gateway scrapes", self.upstream.name, books.scraper,
+                        STALE_INTERVALS,
+                    )  # fmt: skip
+                return None
+            with contextlib.suppress(LedgerUnavailable):
+                await known.queue.look_elsewhere()
+        except LedgerUnavailable:
+            return None
+        self.read_by = page.by
+        return page.text, here - (at - page.started), here - (at - page.read)
 
     async def lockstep(self) -> None:
         """Check, while the gateway serves, that the engine's figures are fresh and no stream
@@ -200,6 +335,15 @@ class EngineWatch:
             return None
         return data.decode("utf-8", "replace")
 
+    async def _count_preemptions(self, known: Known, now: float) -> None:
+        if self.preemptions_read is None:
+            return
+        try:
+            _, _, admitted = await known.queue.occupancy()
+        except LedgerUnavailable:
+            return
+        self.preemptions.add(now, self.preemptions_read, admitted)
+
     # --- what it saw -------------------------------------------------------------------------
 
     def seen(self, text: str, now: float, *, started: float) -> None:
@@ -210,6 +354,7 @@ class EngineWatch:
             return
         ledger = known.ledger
         signals = lockstep_from_metrics(text)
+        self.preemptions_read = signals.preemptions
         if signals.speculative and ledger.tracks_progress:
             reason = speculative_reason()
             ledger.set_caps_for_good(reason)

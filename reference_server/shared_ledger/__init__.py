@@ -6,7 +6,8 @@ admits against one budget (``kvclient gateway --ledger redis://...``). Apart fro
 - :mod:`.connection`: reaching Redis (``redis://``, ``rediss://``, ``redis+sentinel://``);
 - :mod:`.queue`: :class:`~.queue.SharedQueue`, the FIFO queue across processes;
 - :mod:`.scripts`: the Lua scripts, each operation one atomic script;
-- :mod:`.view`: every gateway's holders as the peak rule counts them (pure).
+- :mod:`.view`: every gateway's holders as the peak rule counts them (pure);
+- :mod:`.books`: the engine's ``/metrics`` scraped by one process per upstream for all.
 
 Nothing is imported here: redis is needed only when a ledger is shared.
 """

@@ -299,8 +299,10 @@ class SharedFairQueue(SharedQueue):
 
     async def refresh(self) -> None:
         """Read the shared state (its totals and the tenants' figures)."""
-        await super().refresh()
-        self._read(FairState(await self.shared.run(FAIR_SNAPSHOT)))
+        await self.shared.refresh()
+        state = FairState(await self.shared.run(FAIR_SNAPSHOT))
+        self._read(state)
+        await self.measure(len(state.queue))
 
     def _read(self, state: FairState) -> _Decision:
         decision = _Decision(state, self.policy, self.shared)

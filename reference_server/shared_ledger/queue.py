@@ -29,6 +29,7 @@ import anyio
 from ..admission.holders import slow_since
 from ..admission.ledger import Handle, Headroom, KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable, Rejected, wait_limit
+from ..admission.values import Backlog
 from .ledger import RedisLedger, Wakeups
 from .view import PUBLISH_TOKENS, PeakView, explained_elsewhere
 
@@ -84,6 +85,9 @@ class SharedQueue(AdmissionQueue):
         self._published: dict[int, tuple[bool, int]] = {}
         #: A lockstep break seen here, to be told to every gateway (see :meth:`out_of_step`).
         self._break: str | None = None
+        #: Every gateway's backlog as last read for ``/metrics`` (:meth:`refresh`); None
+        #: before the first read.
+        self.backlog: Backlog | None = None
         #: The last two views of every gateway's holders, and when each was read
         #: (``time.monotonic``): see :meth:`look_elsewhere`.
         self._views: deque[tuple[PeakView, float]] = deque(maxlen=2)
@@ -130,8 +134,29 @@ class SharedQueue(AdmissionQueue):
         return free
 
     async def refresh(self) -> None:
-        """Read the shared totals from Redis (for ``/metrics``)."""
-        await self.shared.refresh()
+        """Read the shared totals from Redis (for ``/metrics``), and :attr:`backlog`."""
+        snap, _ = await self.shared.refresh()
+        await self.measure(len(snap.tickets))
+
+    async def measure(self, waiting: int) -> None:
+        """:attr:`backlog` from the totals just read (``waiting``: the tickets in the shared
+        queue), the same at every gateway: the room is read from Redis now (by the peak of every
+        gateway's holders where it is in force), not from this process's last view."""
+        pricing, seen = self.ledger, self.shared.seen
+        room = pricing.usable_tokens - seen.reserved
+        if self.on_peak:
+            room = max(room, (await self.shared.peak_view()).room())
+        room -= seen.queued
+        if pricing.max_concurrency is not None and seen.inflight >= pricing.max_concurrency:
+            room = 0
+        self.backlog = Backlog(
+            reserved=seen.reserved,
+            inflight=seen.inflight,
+            waiting=waiting,
+            waiting_tokens=seen.queued,
+            room=max(0, min(room, pricing.usable_tokens)),
+            read_at=time.monotonic(),
+        )
 
     async def occupancy(self) -> tuple[float, float, int]:
         """Every gateway's occupancy (:meth:`RedisLedger.occupancy`); raises

@@ -83,12 +83,16 @@ class LockstepUpstream:
         self.shows_metrics = True
         self.counters = True
         self.oom = 0
+        #: Its preemption counter, and how many times its /metrics was read.
+        self.preemptions = 0
+        self.scrapes = 0
 
     @property
     def running(self) -> int:
         return len(self.started) - len(self.gone)
 
     async def metrics(self, request: Request) -> Response:
+        self.scrapes += 1
         if not self.shows_metrics:
             return Response("not found", status_code=404)
         lines = [
@@ -96,7 +100,7 @@ class LockstepUpstream:
             "kv_engine_block_size 1",
             f"kv_engine_requests_waiting {self.waiting}",
             f"kv_engine_requests_running {self.running}",
-            "kv_engine_preemptions_total 0",
+            f"kv_engine_preemptions_total {self.preemptions}",
             f"kv_oom_failed_requests_total {self.oom}",
         ]
         if self.counters:
