@@ -150,11 +150,12 @@ end
 #: peak rule: prompt tokens ('' for none: no progress record), tracked (1/0), and ``grown`` as
 #: read by the snapshot on which the admitting gateway found that it fits ('': it did not, or
 #: whole caps), and the deadline of its first token when that snapshot counted it on the
-#: engine's clock (ms of the Redis clock; '': not on the clock). Admitted when the whole caps fit, or when the peak did and no holder has come
-#: since that snapshot (see ``PEAK_SNAPSHOT``); the ticket must be at the head of the queue
-#: either way. Returns {1, now, state} admitted, {0, now, state} not now (queued when asked),
-#: {2, now, state} a holder came since the snapshot (read again), {-1, now, state} the lease is
-#: gone; ``state`` is ``"reserved holders queued"`` after it.
+#: engine's clock (ms of the Redis clock; '': not on the clock). Admitted when the whole caps
+#: fit, or when the peak did and no holder has come since that snapshot (see
+#: ``PEAK_SNAPSHOT``); the ticket must be at the head of the queue either way. Returns
+#: {1, now, state} admitted, {0, now, state} not now (queued when asked), {2, now, state} a
+#: holder came since the snapshot (read again), {-1, now, state} the lease is gone; ``state``
+#: is ``"reserved holders queued"`` after it.
 ADMIT = (
     _PRELUDE
     + """

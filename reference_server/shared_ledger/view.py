@@ -28,9 +28,9 @@ from ..admission.holders import explained, freshest
 from ..admission.ledger import Handle, KVAdmissionController
 
 __all__ = [
-    "Fit",
     "PUBLISH_SECONDS",
     "PUBLISH_TOKENS",
+    "Fit",
     "PeakView",
     "Record",
     "explained_elsewhere",

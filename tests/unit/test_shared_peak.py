@@ -43,9 +43,7 @@ _OPEN: list[RedisLedger] = []
 
 async def gateway(server: RedisServer, *, ttl: float = 5.0, **kw: object) -> RedisLedger:
     """One gateway process's shared ledger of upstream ``u`` (``kw``: its pricing's)."""
-    ledger = RedisLedger(
-        connect(server.url), name="u", pricing=pricing(**kw), lease=Lease(ttl=ttl)
-    )
+    ledger = RedisLedger(connect(server.url), name="u", pricing=pricing(**kw), lease=Lease(ttl=ttl))
     _OPEN.append(ledger)
     await ledger.join()
     return ledger

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reference_server.admission.ledger import KVAdmissionController
 from reference_server.admission.holders import START_SLACK_STEPS
+from reference_server.admission.ledger import KVAdmissionController
 from reference_server.shared_ledger.view import PUBLISH_TOKENS, Fit, PeakView, Record
 from tests.helpers.lockstep import LockstepEngine, Seq
 
@@ -301,7 +301,7 @@ def test_the_shared_peak_runs_more_at_once_than_whole_caps() -> None:
     assert ran.conflicts > 0
 
 
-def test_on_the_engines_clock_newcomers_start_beside_holders_that_whole_counts_would_wait_for() -> None:
+def test_on_the_engines_clock_newcomers_start_beside_holders_whole_counts_wait_for() -> None:
     """Holders of 10 + 200 that end at different times, a pool of 700: counted whole until its
     first token a newcomer waits for room for its whole cap; on the engine's clock it is counted
     from its admission, and more run at once."""
