@@ -143,8 +143,10 @@ class EngineWatch:
 
 def label(name: str) -> str:
     if "+" in name:
-        parts = [label(part).removeprefix("through kvclient gateway ") for part in name.split("+")]
-        return "through kvclient gateway " + " ".join(parts)
+        parts = name.split("+")
+        head = next((p for p in parts if p.startswith(("shared@", "workers@"))), None)
+        rest = [label(p).removeprefix("through kvclient gateway ") for p in parts if p != head]
+        return " ".join([label(head) if head else "through kvclient gateway", *rest])
     kind, _, value = name.partition("@")
     if kind == "direct" and value:
         return f"direct to vLLM, at most {value} at once (the client waits)"

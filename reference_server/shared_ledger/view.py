@@ -13,6 +13,12 @@ The relay's margin (``relay_lag``) grows by the publish interval: a count is pub
 latest one interval after it was read (its stamp is when it was read, but a holder whose relay
 has begun to wait on its client, or let its progress go, says so only at the next publish).
 
+The newcomer's clock (:mod:`..admission.outlook`) is shared the same way: a newcomer the view
+counts from its admission (the admitting gateway saw the engine start newcomers at once) is
+admitted with the deadline of its first token in its record, and every view counts it by that
+deadline: on time, from its admission; late, whole, and no newcomer on the clock until its
+first token has come. The deadline is the view's, never later than what the decision counted.
+
 >>> # view = PeakView.parse(raw, pricing)   # raw: PEAK_SNAPSHOT's answer
 >>> # view.fits(prompt_tokens, output_cap, need)
 """
