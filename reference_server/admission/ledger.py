@@ -40,7 +40,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
 
@@ -191,6 +191,24 @@ class KVAdmissionController(Reports, Advising):
         self._peak_reserved = 0
         self._peak_inflight = 0
         self._advice = Advice()
+
+    def like(self, **settings: Any) -> KVAdmissionController:
+        """An empty ledger priced and timed as this one (its pool, window, blocks, strategy,
+        running cap, margins, and its decode speed as measured now), with ``settings`` on
+        top: a scratch ledger to model holders kept elsewhere (the shared ledger's)."""
+        mine: dict[str, Any] = {
+            "total_kv_tokens": self.total_kv_tokens,
+            "context_window": self.context_window,
+            "decode_rate": self.decode_rate,
+            "throughput": self.throughput,
+            "safety_fraction": self.safety_fraction,
+            "block_size": self.block_size,
+            "max_concurrency": self.max_concurrency,
+            "release_margin": self.release_margin,
+            "overrun": self.overrun,
+            "strategy": self.strategy,
+        }
+        return KVAdmissionController(**(mine | settings))
 
     # --- decode speed ------------------------------------------------------------------------
 

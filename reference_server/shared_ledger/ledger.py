@@ -523,19 +523,7 @@ class RedisLedger:
         """An in-process ledger holding every gateway's holders of ``snap`` (on the Redis clock),
         priced and timed as :attr:`pricing` is: its decode rate and throughput, measured by this
         gateway, so the shared estimate drains as fast as the engine does."""
-        p = self.pricing
-        scratch = KVAdmissionController(
-            total_kv_tokens=p.total_kv_tokens,
-            context_window=p.context_window,
-            decode_rate=p.decode_rate,
-            throughput=p.throughput,
-            safety_fraction=p.safety_fraction,
-            block_size=p.block_size,
-            max_concurrency=p.max_concurrency,
-            release_margin=p.release_margin,
-            overrun=p.overrun,
-            strategy=p.strategy,
-        )
+        scratch = self.pricing.like()
         # In order of admission: each holder's progress counts from its own admission, at the
         # rate of the holders running with it.
         for tokens, cap, admitted in sorted(snap.holders, key=lambda h: h[2]):

@@ -161,16 +161,7 @@ class PeakView:
     def model(self) -> KVAdmissionController:
         """The scratch ledger holding every record's handle (see :attr:`handles`)."""
         p = self._pricing
-        model = KVAdmissionController(
-            total_kv_tokens=p.total_kv_tokens,
-            context_window=p.context_window,
-            decode_rate=p.decode_rate,
-            throughput=p.throughput,
-            safety_fraction=p.safety_fraction,
-            block_size=p.block_size,
-            max_concurrency=p.max_concurrency,
-            release_margin=p.release_margin,
-            strategy=p.strategy,
+        model = p.like(
             rule="peak",
             relay_lag=shared_relay_lag(p.relay_lag, self._publish_seconds),
             start_clock=self.clock,
