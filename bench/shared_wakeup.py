@@ -34,8 +34,9 @@ from shared_ledger import redis_server
 
 from reference_server import KVAdmissionController
 from reference_server.shared_ledger.connection import connect
-from reference_server.shared_ledger.ledger import Lease, RedisLedger, Wakeups
+from reference_server.shared_ledger.ledger import Lease, RedisLedger
 from reference_server.shared_ledger.queue import POLL_SECONDS, SharedQueue
+from reference_server.shared_ledger.wakeups import Wakeups
 
 #: The upstream's budget: 9,000 usable tokens; the holder takes 8,000, the waiter asks 2,000.
 NAME = "http://bench-upstream"

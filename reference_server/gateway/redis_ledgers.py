@@ -27,8 +27,9 @@ from .errors import UpstreamUnavailable
 
 if TYPE_CHECKING:
     from ..shared_ledger.books import EngineBooks
-    from ..shared_ledger.ledger import Lease, RedisLedger, Wakeups
+    from ..shared_ledger.ledger import Lease, RedisLedger
     from ..shared_ledger.queue import SharedQueue
+    from ..shared_ledger.wakeups import Wakeups
 
 __all__ = ["SharedLedgers"]
 
@@ -49,7 +50,8 @@ class SharedLedgers:
     ) -> None:
         # Imported here: redis is needed only when a ledger is shared.
         from ..shared_ledger.connection import connect
-        from ..shared_ledger.ledger import Lease, Wakeups
+        from ..shared_ledger.ledger import Lease
+        from ..shared_ledger.wakeups import Wakeups
 
         self.url = url
         self.client = connect(url, ca_file=ca_file, client_cert=client_cert, client_key=client_key)

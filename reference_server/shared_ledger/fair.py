@@ -38,9 +38,10 @@ from ..admission.fairness import (
 )
 from ..admission.ledger import Handle, Headroom, KVAdmissionController
 from ..admission.queue import LedgerUnavailable, Rejected, wait_limit
-from .ledger import RedisLedger, SharedState, Snapshot, Wakeups
+from .ledger import RedisLedger, SharedState, Snapshot
 from .queue import SharedQueue, Wake
 from .scripts import FAIR_COMMIT, FAIR_SNAPSHOT
+from .wakeups import Wakeups
 
 __all__ = ["FairState", "SharedFairQueue"]
 

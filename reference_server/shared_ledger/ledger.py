@@ -11,10 +11,10 @@ process lives; a process that dies (SIGKILL, a cut network) loses its reservatio
 lease expires, and one whose lease lapsed while it was slow finds its handles released when it
 next renews (the relay stops at that point).
 
-Waiters learn of room made by another process through Redis pub/sub (:class:`Wakeups`): every
-script that changes an upstream's shared state publishes the totals after it on the upstream's
-``released`` channel, saying whether the change may let a waiter in; so each process also knows
-the shared room (:attr:`RedisLedger.seen`) without asking.
+Waiters learn of room made by another process through Redis pub/sub
+(:class:`~.wakeups.Wakeups`): every script that changes an upstream's shared state publishes the
+totals after it on the upstream's ``released`` channel, saying whether the change may let a
+waiter in; so each process also knows the shared room (:attr:`RedisLedger.seen`) without asking.
 
 >>> # ledger = RedisLedger(client, name="http://engine:8000", pricing=pricing, lease=lease)
 """
@@ -33,12 +33,11 @@ from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
-import redis.exceptions
 
 from ..admission.fairness import FairPolicy
 from ..admission.ledger import Handle, KVAdmissionController
 from ..admission.queue import LedgerUnavailable
-from .connection import COMMAND_TIMEOUT, LEDGER_ERRORS, close
+from .connection import LEDGER_ERRORS, close
 from .scripts import (
     ADMIT,
     BREAK,
@@ -66,7 +65,6 @@ __all__ = [
     "RedisLedger",
     "SharedState",
     "Snapshot",
-    "Wakeups",
     "fingerprint",
 ]
 
@@ -75,8 +73,6 @@ logger = logging.getLogger("kvclient.gateway")
 #: Seconds between the snapshots :meth:`RedisLedger.keep_fresh` takes for the room's next release.
 _ROOM_SECONDS = 1.0
 
-#: Seconds :class:`Wakeups` waits before subscribing again when Redis is away.
-_RESUBSCRIBE_SECONDS = 0.5
 
 #: Snapshots read again in a row for one admission by the peak when another gateway admitted
 #: meanwhile each time; past this many it is tried on whole caps (and queued when asked).
@@ -250,7 +246,7 @@ class RedisLedger:
         self._pricing = pricing
         self.on_lapse: Callable[[list[Handle]], None] | None = None
         #: The shared totals as last heard from Redis: an admission's answer, a snapshot, or a
-        #: change published by any gateway (:class:`Wakeups`).
+        #: change published by any gateway (:class:`~.wakeups.Wakeups`).
         self.seen = SharedState()
         #: When the soonest holder in the last snapshot is due to end (``time.monotonic()``),
         #: None when it held none.
@@ -558,62 +554,3 @@ class RedisLedger:
         """(tokens reserved, requests in flight) across every gateway."""
         snap = await self.snapshot()
         return snap.reserved, len(snap.holders)
-
-
-class Wakeups:
-    """One pub/sub subscription per process to every shared ledger's ``released`` channel:
-    :meth:`watch` says whom to wake for a ledger. A message published by any process (this one
-    too) updates the ledger's :attr:`~RedisLedger.seen` totals and, when it may let a waiter in,
-    wakes them at once; while the subscription is down (Redis away, reconnecting),
-    :attr:`subscribed` is False and waiters fall back on polling."""
-
-    #: Every shared ledger's channel (see :attr:`RedisLedger.channel`).
-    PATTERN = "{kvclient:*}:released"
-
-    def __init__(self, client: aioredis.Redis) -> None:
-        self.client = client
-        self.subscribed = False
-        self._watchers: dict[str, list[tuple[RedisLedger, Callable[[], None]]]] = {}
-
-    def watch(self, ledger: RedisLedger, wake: Callable[[], None]) -> None:
-        self._watchers.setdefault(ledger.channel, []).append((ledger, wake))
-
-    def _dispatch(self, message: dict[str, Any]) -> None:
-        flag, _, totals = _text(message["data"]).partition(" ")
-        try:
-            seen: SharedState | None = SharedState.parse(totals)
-        except ValueError:  # not ours (another version's, a stray PUBLISH): wake all the same
-            seen, flag = None, "1"
-        for ledger, wake in self._watchers.get(_text(message["channel"]), ()):
-            if seen is not None:
-                ledger.seen = seen
-            if flag == "1":
-                wake()
-
-    async def run(self) -> None:
-        """Listen until cancelled, subscribing again after Redis was away. Never raises: a
-        subscription Redis refuses (an ACL without PSUBSCRIBE) leaves the waiters polling."""
-        refused = False
-        while True:
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.psubscribe(self.PATTERN)
-                self.subscribed, refused = True, False
-                for watchers in self._watchers.values():  # what was published meanwhile is lost
-                    for _, wake in watchers:
-                        wake()
-                while True:
-                    message = await pubsub.get_message(timeout=COMMAND_TIMEOUT)
-                    if message is not None and message.get("type") == "pmessage":
-                        self._dispatch(message)
-            except LEDGER_ERRORS:
-                pass  # Redis is away: the lease's renewals say so
-            except redis.exceptions.RedisError as exc:
-                if not refused:
-                    logger.warning("shared ledger: no pub/sub (%s); waiters poll instead", exc)
-                refused = True
-            finally:
-                self.subscribed = False
-                with anyio.CancelScope(shield=True), contextlib.suppress(*LEDGER_ERRORS):
-                    await pubsub.aclose()
-            await anyio.sleep(_RESUBSCRIBE_SECONDS)

@@ -30,8 +30,9 @@ from ..admission.holders import slow_since
 from ..admission.ledger import Handle, Headroom, KVAdmissionController
 from ..admission.queue import AdmissionQueue, LedgerUnavailable, Rejected, wait_limit
 from ..admission.values import Backlog
-from .ledger import RedisLedger, Wakeups
+from .ledger import RedisLedger
 from .view import PUBLISH_TOKENS, PeakView, explained_elsewhere
+from .wakeups import Wakeups
 
 __all__ = ["FALLBACK_POLL_SECONDS", "POLL_SECONDS", "SharedQueue", "Wake"]
 

@@ -27,10 +27,10 @@ from reference_server.shared_ledger.ledger import (
     LedgerConflict,
     RedisLedger,
     SharedState,
-    Wakeups,
     fingerprint,
 )
 from reference_server.shared_ledger.queue import SharedQueue
+from reference_server.shared_ledger.wakeups import Wakeups
 from tests.helpers.async_ledgers import AsyncLedger, LocalLedger
 from tests.helpers.redis_server import RedisSentinel, RedisServer, TLSFiles
 from tests.unit.test_server_ledger import make
