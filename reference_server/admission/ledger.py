@@ -192,10 +192,12 @@ class KVAdmissionController(Reports, Advising):
         self._peak_inflight = 0
         self._advice = Advice()
 
-    def like(self, **settings: Any) -> KVAdmissionController:
+    def like(self, *, forecast: bool = False, **settings: Any) -> KVAdmissionController:
         """An empty ledger priced and timed as this one (its pool, window, blocks, strategy,
         running cap, margins, and its decode speed as measured now), with ``settings`` on
-        top: a scratch ledger to model holders kept elsewhere (the shared ledger's)."""
+        top: a scratch ledger to model holders kept elsewhere (the shared ledger's).
+        ``forecast``: it counts newcomers by this one's forecast of outputs as it stands now
+        (:meth:`.outlook.Outlook.twin`)."""
         mine: dict[str, Any] = {
             "total_kv_tokens": self.total_kv_tokens,
             "context_window": self.context_window,
@@ -208,7 +210,11 @@ class KVAdmissionController(Reports, Advising):
             "overrun": self.overrun,
             "strategy": self.strategy,
         }
-        return KVAdmissionController(**(mine | settings))
+        model = KVAdmissionController(**(mine | settings))
+        if forecast:  # without the lock: a view may be built under it (what it reads is one
+            # quantile and the outputs' reference, each read whole)
+            model._outlook = self._outlook.twin(start_clock=model._outlook.start_clock)
+        return model
 
     # --- decode speed ------------------------------------------------------------------------
 

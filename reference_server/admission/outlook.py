@@ -101,17 +101,35 @@ class Outlook:
                 handle.counted_output, self.count_to(handle, made, handle.level)
             )
 
-    def observe(self, preemptions: float, live: Collection[Handle]) -> str | None:
-        """The engine's preemption counter, read now: the budget's verdict (a line for the log
-        when the quantile moved)."""
+    def observe(
+        self, preemptions: float, live: Collection[Handle], *, requests: int | None = None
+    ) -> str | None:
+        """The engine's preemption counter, read now, over ``requests`` run so far (None: the
+        holders followed here to their ends): the budget's verdict (a line for the log when
+        the quantile moved)."""
         if self.budget is None:
             return None
         before = self.budget.quantile
-        said = self.budget.observe(preemptions=preemptions, finished=self.finished_total)
+        finished = self.finished_total if requests is None else requests
+        said = self.budget.observe(preemptions=preemptions, finished=finished)
         after = self.budget.quantile
         if said is not None and (after is None or (before is not None and after > before)):
             self.tightened(live)
         return said
+
+    def twin(self, *, start_clock: bool) -> Outlook:
+        """An outlook that counts newcomers as this one does now (the same outputs learnt, the
+        same quantile, which does not move in it): a scratch ledger's, modelling holders kept
+        elsewhere (the shared ledger's view of every gateway's holders). It learns nothing:
+        the holders it is given are not followed to their ends there."""
+        quantile = self.quantile()
+        budget = self.budget
+        return Outlook(
+            preemption_budget=budget.per_1000 if budget is not None and quantile is not None else 0,
+            start_clock=start_clock,
+            start_quantile=quantile if quantile is not None else DEFAULT_START_QUANTILE,
+            outputs=self.outputs,
+        )
 
     # --- the newcomer's clock ----------------------------------------------------------------
 

@@ -66,6 +66,9 @@ class AdmissionQueue:
     #: The fair shares' scheduler where the queue has tenants (its policy, limits and figures);
     #: None for a FIFO queue.
     fair: FairScheduler | None = None
+    #: Whether its ledger is shared with other processes: then the requests the engine ran
+    #: through the budget are every process's (:meth:`occupancy`), not only this ledger's.
+    spans_processes = False
 
     def __init__(
         self,

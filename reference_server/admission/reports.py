@@ -104,15 +104,20 @@ class Reports:
         with self._lock:
             return self._peak_in_force() and self._outlook.quantile() is not None
 
-    def engine_seen(self, *, waiting: float | None, preemptions: float | None) -> str | None:
+    def engine_seen(
+        self, *, waiting: float | None, preemptions: float | None, requests: int | None = None
+    ) -> str | None:
         """What the engine's ``/metrics`` said just now: requests waiting inside it (a
         newcomer then may not start at once; None: not known, nor may it) and its preemption
-        counter (the forecast's budget; a line for the log when its quantile moved)."""
+        counter (the forecast's budget; a line for the log when its quantile moved), weighed
+        against ``requests`` run through the budget so far where others than this ledger's
+        holders run on it too (a shared ledger's every gateway's; None: the holders this
+        ledger followed to their ends)."""
         with self._lock:
             self._outlook.engine_waiting = None if waiting is None else int(waiting)
             if preemptions is None:
                 return None
-            return self._outlook.observe(preemptions, self._live.values())
+            return self._outlook.observe(preemptions, self._live.values(), requests=requests)
 
     def engine_used(self, used_tokens: int, since: float, now: float) -> int:
         """The KV the engine said it uses (``used_tokens``, as of no earlier than ``since``):

@@ -364,9 +364,9 @@ class Upstream:
                 max_concurrency=running,
                 release_margin=0.05,
                 rule=self.config.admission_rule,
-                # The shared ledger's peak is the exact rule (no forecast across processes),
-                # with the newcomer's clock: every gateway reads a newcomer's deadline.
-                preemption_budget=0.0 if self.shared else self._preemption_budget(budget),
+                # Shared or not: every gateway counts a holder as its own gateway forecast it
+                # (its record says), and a newcomer by its own forecast of now.
+                preemption_budget=self._preemption_budget(budget),
                 forecast_quantile=self.config.forecast_quantile,
                 start_clock=engine in PROGRESS_ENGINES,
             )

@@ -232,8 +232,7 @@ class EngineWatch:
             page = await self._page_of_scraper(known, self.books) if self.books else None
             text, started, now = page if page is not None else await self._scrape(known)
             if text is not None:
-                self.seen(text, now, started=started)
-                await self._count_preemptions(known, now)
+                self.seen(text, now, started=started, admitted=await self._admitted(known))
             self.scraped.set()
             self.scraped = anyio.Event()
             if not measures:
@@ -335,26 +334,32 @@ class EngineWatch:
             return None
         return data.decode("utf-8", "replace")
 
-    async def _count_preemptions(self, known: Known, now: float) -> None:
-        if self.preemptions_read is None:
-            return
+    async def _admitted(self, known: Known) -> int | None:
+        """Requests admitted through the budget so far (every gateway's, where the ledger is
+        shared); None when the shared ledger is away."""
         try:
             _, _, admitted = await known.queue.occupancy()
         except LedgerUnavailable:
-            return
-        self.preemptions.add(now, self.preemptions_read, admitted)
+            return None
+        return admitted
 
     # --- what it saw -------------------------------------------------------------------------
 
-    def seen(self, text: str, now: float, *, started: float) -> None:
+    def seen(
+        self, text: str, now: float, *, started: float, admitted: int | None = None
+    ) -> None:
         """A scrape's text (asked for at ``started``): whether the engine runs its holders in
-        lockstep, how much KV it uses that the holders do not explain, what it lost."""
+        lockstep, how much KV it uses that the holders do not explain, what it lost.
+        ``admitted``: the requests admitted through the budget so far (None: not known), the
+        preemption rate's denominator, and the forecast's where the ledger is shared."""
         upstream, known = self.upstream, self.upstream.known
         if known is None:
             return
         ledger = known.ledger
         signals = lockstep_from_metrics(text)
         self.preemptions_read = signals.preemptions
+        if signals.preemptions is not None and admitted is not None:
+            self.preemptions.add(now, signals.preemptions, admitted)
         if signals.speculative and ledger.tracks_progress:
             reason = speculative_reason()
             ledger.set_caps_for_good(reason)
@@ -369,7 +374,12 @@ class EngineWatch:
         self.running, self.running_from = signals.running, started
         if not ledger.tracks_progress:
             return
-        said = ledger.engine_seen(waiting=signals.waiting, preemptions=signals.preemptions)
+        # Where the ledger is shared, the engine's preemptions are weighed against every
+        # gateway's requests (each gateway follows only its own to their ends).
+        said = ledger.engine_seen(
+            waiting=signals.waiting, preemptions=signals.preemptions,
+            requests=admitted if known.queue.spans_processes else None,
+        )  # fmt: skip
         if said is not None:
             logger.warning("upstream %s: %s", upstream.name, said)
         for why in (self._lockstep_break(signals, known), self._lost(text)):

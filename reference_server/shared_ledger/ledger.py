@@ -27,7 +27,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -300,6 +300,7 @@ class RedisLedger:
         enqueue: bool = False,
         peak: bool = False,
         follow: bool | None = None,
+        kind: Hashable = None,
     ) -> Handle | None:
         """Reserve in the shared budget, or None: it does not fit, or others wait ahead (then
         ``enqueue`` puts ``ticket`` in the queue behind them).
@@ -309,7 +310,9 @@ class RedisLedger:
         the snapshot is read again (at most ``MAX_CONFLICTS`` times, then whole caps).
         ``follow`` (not None): the holder gets a progress record, its progress published (True)
         or not (False), so that every gateway counts it by the peak; None: it has none, and
-        counts whole wherever it is read."""
+        counts whole wherever it is read. Followed, it is counted to this gateway's forecast
+        of its output (``kind``: whose outputs it learns from), where it forecasts: its record
+        says so, and every gateway counts it so until its progress is published."""
         if need is None:
             need = self.pricing.need_tokens(prompt_tokens, output_cap)
         if ticket is None:
@@ -320,27 +323,32 @@ class RedisLedger:
         )  # fmt: skip
         if peak or follow is not None:
             args += (prompt_tokens, int(bool(follow)))
-        status, now_ms, seen = 2, 0, None
+        status, now_ms, seen, counted = 2, 0, None, ""
         for _ in range(MAX_CONFLICTS if peak else 0):
             view = await self.peak_view()
             head = view.tickets[0] if view.tickets else ticket
-            grown = start = ""
+            grown = start = counted = ""
             fit = None
             if head == ticket and view.drain is None:
-                fit = view.fits(prompt_tokens, output_cap, need, follow=bool(follow))
+                fit = view.fits(prompt_tokens, output_cap, need, follow=bool(follow), kind=kind)
             if fit is not None:
                 grown = view.grown
                 if fit.start_by is not None:  # on the engine's clock: its record says till when
                     start = str(math.floor(fit.start_by * 1000))
-            status, now_ms, seen = await self._admit(*args, grown, start)
+                if follow and fit.counted is not None and fit.counted < output_cap:
+                    counted = str(fit.counted)  # its forecast: its record counts it so
+            status, now_ms, seen = await self._admit(*args, grown, start, counted)
             if status != 2:
                 break
         if status == 2:
+            counted = ""
             status, now_ms, seen = await self._admit(*args, "")
         self.seen = SharedState.parse(seen)
         if status != 1:
             return None
-        return self.adopt(ticket, prompt_tokens, output_cap, need, int(now_ms) / 1000)
+        handle = self.adopt(ticket, prompt_tokens, output_cap, need, int(now_ms) / 1000)
+        handle.counted_output = int(counted) if counted else output_cap  # as its record says
+        return handle
 
     async def _admit(self, *args: Any) -> tuple[int, int, Any]:
         status, now_ms, seen = await self.run(ADMIT, *args)

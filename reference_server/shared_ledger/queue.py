@@ -59,6 +59,8 @@ class Wake:
 class SharedQueue(AdmissionQueue):
     """An :class:`AdmissionQueue` whose admission is ``shared``'s, in Redis."""
 
+    spans_processes = True
+
     def __init__(
         self,
         ledger: KVAdmissionController,
@@ -83,7 +85,7 @@ class SharedQueue(AdmissionQueue):
         #: process's publisher, see :meth:`publish`).
         self.publish_soon: Callable[[], None] | None = None
         #: mirror handle id -> (tracked, generated) as last published
-        self._published: dict[int, tuple[bool, int]] = {}
+        self._published: dict[int, tuple[bool, int, int]] = {}
         #: A lockstep break seen here, to be told to every gateway (see :meth:`out_of_step`).
         self._break: str | None = None
         #: Every gateway's backlog as last read for ``/metrics`` (:meth:`refresh`); None
@@ -204,13 +206,18 @@ class SharedQueue(AdmissionQueue):
                 self.ledger.release(mine)
 
     def progress(self, handle: Handle, generated: int) -> None:
-        """The mirror's :meth:`~AdmissionQueue.progress`; its first count, or tokens enough
-        since the last published, are published soon (see :meth:`publish`)."""
+        """The mirror's :meth:`~AdmissionQueue.progress`; its first count, tokens enough
+        since the last published, or a count past its forecast (it is counted further now:
+        every gateway must see it at once) are published soon (see :meth:`publish`)."""
         super().progress(handle, generated)
         if not handle.tracked or self.publish_soon is None or handle.id not in self._links:
             return
-        _, published = self._published.get(handle.id, (True, -1))
-        if published < 0 or (handle.generated or 0) - published >= PUBLISH_TOKENS:
+        _, published, counted = self._published.get(handle.id, (True, -1, handle.output_cap))
+        if (
+            published < 0
+            or (handle.generated or 0) - published >= PUBLISH_TOKENS
+            or handle.counted_output != counted
+        ):
             self.publish_soon()
 
     async def publish(self) -> None:
@@ -223,7 +230,7 @@ class SharedQueue(AdmissionQueue):
             self._break = None
         mirror, now = self.ledger, self._clock()
         entries = []
-        changed: dict[int, tuple[bool, int]] = {}
+        changed: dict[int, tuple[bool, int, int]] = {}
         links = list(self._links.items()) if mirror.tracks_progress else []
         for key, (mine, held) in links:
             field = self.shared.field_of(held)
@@ -231,9 +238,10 @@ class SharedQueue(AdmissionQueue):
                 continue
             tracked = mine.tracked and slow_since(mine, now, mirror.relay_lag) is None
             generated = -1 if mine.generated is None else mine.generated
-            if (tracked, generated) == self._published.get(key, (True, -1)):
+            now_counted = (tracked, generated, mine.counted_output)
+            if now_counted == self._published.get(key):
                 continue
-            changed[key] = (tracked, generated)
+            changed[key] = now_counted
             age = now - mine.seen_at if generated >= 0 else 0.0
             first_age = now - mine.first_seen_at if generated >= 0 else 0.0
             entries.append(
@@ -288,8 +296,7 @@ class SharedQueue(AdmissionQueue):
         *,
         client: Hashable | None = None,
         max_wait: float | None = None,
-        # No prefix shared across processes, no forecast: the shared ledger's peak is the
-        # exact rule, each prompt counted whole.
+        # No prefix shared across processes: each prompt counted whole.
         prefix: tuple[Hashable, ...] = (),
         tenant: str | None = None,  # no fair shares on the shared ledger (the gateway refuses)
         priority: int = 0,
@@ -307,8 +314,9 @@ class SharedQueue(AdmissionQueue):
         limit = wait_limit(self.max_wait, max_wait)
         try:
             return await self._acquire(
-                prompt_tokens, output_cap, need, ticket, wake, limit, follow=follow
-            )
+                prompt_tokens, output_cap, need, ticket, wake, limit, follow=follow,
+                kind=(model, None),
+            )  # fmt: skip
         except LedgerUnavailable:
             if self._on_refused is not None:
                 self._on_refused()
@@ -327,6 +335,7 @@ class SharedQueue(AdmissionQueue):
         limit: float,
         *,
         follow: bool = False,
+        kind: Hashable = None,
     ) -> Handle:
         shared = self.shared
         enqueue = limit > 0
@@ -339,13 +348,14 @@ class SharedQueue(AdmissionQueue):
                 tracks = self.ledger.tracks_progress
                 held = await shared.try_admit(
                     prompt_tokens, output_cap, need=need, ticket=ticket, enqueue=enqueue,
-                    peak=self.on_peak, follow=follow if tracks else None,
+                    peak=self.on_peak, follow=follow if tracks else None, kind=kind,
                 )  # fmt: skip
                 if held is not None:
                     queued = False
                     return await self._link(
-                        held, prompt_tokens, output_cap, need, follow=follow and tracks
-                    )
+                        held, prompt_tokens, output_cap, need, follow=follow and tracks,
+                        kind=kind,
+                    )  # fmt: skip
                 queued = enqueue
                 remaining = deadline - self._clock()
                 if remaining <= 0:
@@ -366,11 +376,19 @@ class SharedQueue(AdmissionQueue):
                     await shared.leave(ticket)
 
     async def _link(
-        self, held: Handle, prompt_tokens: int, output_cap: int, need: int, *, follow: bool = False
+        self,
+        held: Handle,
+        prompt_tokens: int,
+        output_cap: int,
+        need: int,
+        *,
+        follow: bool = False,
+        kind: Hashable = None,
     ) -> Handle:
         """This process's mirror of the shared reservation ``held`` (``follow``: its progress is
-        relayed into it, and published); cancelled on the way (its client gone), ``held`` is
-        given back rather than left to a lease that lives on."""
+        relayed into it, counted by its forecast where the mirror forecasts, and published);
+        cancelled on the way (its client gone), ``held`` is given back rather than left to a
+        lease that lives on."""
         try:
             await self.shared.keep_fresh()
         except BaseException:
@@ -379,12 +397,14 @@ class SharedQueue(AdmissionQueue):
             raise
         mine = self.ledger.try_admit(
             prompt_tokens, output_cap, now=self._clock(), count_rejection=False, need=need,
-            follow=follow, admitted=True,
+            follow=follow, admitted=True, kind=kind,
         )  # fmt: skip
         if mine is None:  # cannot happen: admitted by the shared ledger, it is held here
             with anyio.CancelScope(shield=True):
                 await self.shared.release(held)
             raise Rejected(need=need, retry_after=1.0, queued_ahead=0)
         self._links[mine.id] = (mine, held)
-        self._published[mine.id] = (mine.tracked, -1)  # what its admission wrote
+        # What its admission wrote (its count: the forecast the view gave it, or its cap; one
+        # that differs from the mirror's, the quantile having moved between, is published).
+        self._published[mine.id] = (mine.tracked, -1, held.counted_output)
         return mine

@@ -150,7 +150,8 @@ end
 #: peak rule: prompt tokens ('' for none: no progress record), tracked (1/0), and ``grown`` as
 #: read by the snapshot on which the admitting gateway found that it fits ('': it did not, or
 #: whole caps), and the deadline of its first token when that snapshot counted it on the
-#: engine's clock (ms of the Redis clock; '': not on the clock). Admitted when the whole caps
+#: engine's clock (ms of the Redis clock; '': not on the clock), and the output it is counted to
+#: when that is its forecast ('': its cap). Admitted when the whole caps
 #: fit, or when the peak did and no holder has come since that snapshot (see
 #: ``PEAK_SNAPSHOT``); the ticket must be at the head of the queue either way. Returns
 #: {1, now, state} admitted, {0, now, state} not now (queued when asked), {2, now, state} a
@@ -187,7 +188,11 @@ if head == nil or head == ticket then
       if start == '' then
         start = '0'
       end
-      redis.call('HSET', KEYS[14], ticket, ARGV[8] .. ' ' .. ARGV[4] .. ' ' .. ARGV[9]
+      local counted = ARGV[12] or ''
+      if counted == '' then
+        counted = ARGV[4]
+      end
+      redis.call('HSET', KEYS[14], ticket, ARGV[8] .. ' ' .. counted .. ' ' .. ARGV[9]
                  .. ' -1 ' .. now .. ' ' .. now .. ' ' .. start)
     end
     redis.call('INCR', KEYS[15])

@@ -19,6 +19,11 @@ admitted with the deadline of its first token in its record, and every view coun
 deadline: on time, from its admission; late, whole, and no newcomer on the clock until its
 first token has come. The deadline is the view's, never later than what the decision counted.
 
+So is the forecast of outputs (:mod:`..admission.outlook`), where the engine preempts: a
+newcomer is counted to the admitting gateway's forecast of it, which its record carries (its
+``counted`` output, republished by its gateway whenever it outlives it), and every view counts
+each holder as its record says.
+
 >>> # view = PeakView.parse(raw, pricing)   # raw: PEAK_SNAPSHOT's answer
 >>> # view.fits(prompt_tokens, output_cap, need)
 """
@@ -26,7 +31,7 @@ first token has come. The deadline is the view's, never later than what the deci
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,9 +123,12 @@ class Record:
 @dataclass(frozen=True, slots=True)
 class Fit:
     """A newcomer that fits a view: ``start_by``, the deadline of its first token when it is
-    counted on the engine's clock (Redis clock, seconds), else None."""
+    counted on the engine's clock (Redis clock, seconds), else None; ``counted``, the output
+    it is counted to (its forecast, where the admitting gateway forecasts; else its cap),
+    which its record must carry."""
 
     start_by: float | None = None
+    counted: int | None = None
 
 
 class PeakView:
@@ -165,6 +173,7 @@ class PeakView:
             rule="peak",
             relay_lag=shared_relay_lag(p.relay_lag, self._publish_seconds),
             start_clock=self.clock,
+            forecast=True,  # a newcomer counted as the admitting gateway forecasts it now
         )
         if self.clock:  # the engine's speed as measured from its counters: the clock's steps
             first = self.records[0].admitted_at if self.records else self.now
@@ -226,21 +235,29 @@ class PeakView:
         return sum(r.tokens for r in self.records)
 
     def fits(
-        self, prompt_tokens: int, output_cap: int, need: int, *, follow: bool = False
+        self,
+        prompt_tokens: int,
+        output_cap: int,
+        need: int,
+        *,
+        follow: bool = False,
+        kind: Hashable = None,
     ) -> Fit | None:
         """Whether a newcomer fits now by the peak of every holder's trajectory, and the
         running cap (None: it does not). ``follow``: its progress will be published; then,
         where :attr:`clock` runs, it is counted from its admission and its first token is due
         by :attr:`Fit.start_by`, which its record must carry; else it counts whole until its
-        first token is published."""
+        first token is published. Followed, it is counted to the admitting gateway's forecast
+        of its output (``kind``: whose outputs it learns from), where that gateway forecasts:
+        :attr:`Fit.counted`, which its record must carry too."""
         handle = self.model.try_admit(
             prompt_tokens, output_cap, now=self.now, need=need, count_rejection=False,
-            follow=follow,
+            follow=follow, kind=kind,
         )  # fmt: skip
         if handle is None:
             return None
         self.model.release(handle)  # the model is a view: the commit is Redis's
-        return Fit(start_by=handle.start_by)
+        return Fit(start_by=handle.start_by, counted=handle.counted_output)
 
     @functools.cached_property
     def _room(self) -> int:
