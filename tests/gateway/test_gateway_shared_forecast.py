@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 #: The engine of the one-gateway test at a quarter of its speed: requests long enough that the
 #: pool binds, not the rate at which two gateways in one process admit.
-ENGINE = {**_ENGINE, "decode_rate": 100.0}
+ENGINE: dict[str, Any] = {**_ENGINE, "decode_rate": 100.0}
 
 
 def _most_held(redis_url: str, upstream: str, stop: threading.Event, most: list[int]) -> None:
