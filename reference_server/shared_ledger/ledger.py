@@ -27,7 +27,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -507,15 +507,28 @@ class RedisLedger:
             await self.refresh()
 
     async def retry_after(
-        self, need: int, *, duration: float = 0.0, ticket: str | None = None, peak: bool = False
+        self,
+        need: int,
+        *,
+        duration: float = 0.0,
+        ticket: str | None = None,
+        peak: bool = False,
+        cuts: Mapping[str, float] | None = None,
     ) -> tuple[float, int]:
         """(seconds until ``need`` fits, tickets waiting ahead of ``ticket``), from every
         holder's worst-case end in the shared state, whichever gateway holds it, by the
         in-process ledger's own estimate (``peak``: by the peak rule, every holder counted
-        from its published progress). Those waiting ahead count as load."""
+        from its published progress). Those waiting ahead count as load. ``cuts``: this
+        process's holders cut before their end (their clients gone), by reservation, with the
+        seconds from now by which the engine is taken to let each go: their records do not
+        say it, and counted to their caps they would put the advice off by whole answers."""
         view = await self.peak_view() if peak else None
         if view is not None and view.drain is None:
             model, now, names = view.model, view.now, view.tickets
+            for field, left in (cuts or {}).items():
+                handle = view.handles.get(field)
+                if handle is not None:
+                    handle.cut_by = now + max(0.0, left)
         else:
             snap, model = await self.refresh()
             now, names = snap.now, snap.tickets

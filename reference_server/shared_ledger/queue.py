@@ -280,6 +280,17 @@ class SharedQueue(AdmissionQueue):
         at = view.now + max(0.0, now - read)
         return explained_elsewhere([v for v, _ in self._views], self.shared.lease.id, at)
 
+    def _cuts(self) -> dict[str, float]:
+        """This process's holders whose requests were cut before their end, by reservation:
+        the seconds from now by which the engine is taken to let each go (see
+        :meth:`RedisLedger.retry_after`)."""
+        now, cuts = self._clock(), {}
+        for mine, held in list(self._links.values()):
+            field = self.shared.field_of(held)
+            if mine.cut_by is not None and field is not None:
+                cuts[field] = mine.cut_by - now
+        return cuts
+
     async def release(self, handle: Handle) -> None:
         link = self._links.pop(handle.id, None)
         self._published.pop(handle.id, None)
@@ -366,7 +377,7 @@ class SharedQueue(AdmissionQueue):
                     wake.event = anyio.Event()
             wait, ahead = await shared.retry_after(
                 need, duration=output_cap / self.ledger.decode_rate, ticket=ticket,
-                peak=self.on_peak,
+                peak=self.on_peak, cuts=self._cuts(),
             )  # fmt: skip
             self.ledger.record_rejection(need, wait)
             raise Rejected(need=need, retry_after=wait, queued_ahead=ahead)

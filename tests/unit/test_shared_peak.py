@@ -293,6 +293,29 @@ async def test_retry_after_by_the_peak_counts_every_gateways_progress(
 
 @pytest.mark.redis
 @pytest.mark.anyio
+async def test_a_refusal_counts_on_this_gateways_cut_requests_to_end_soon(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server)
+    queue = SharedQueue(a.pricing, a, max_wait=0)
+    held = [await queue.acquire(100, 4000, follow=True) for _ in range(2)]
+    for handle in held:
+        queue.progress(handle, 10)  # 3,990 tokens from their caps: 40 s at 100 tokens/s
+    await queue.publish()
+    with pytest.raises(Rejected) as running:
+        await queue.acquire(100, 4000, follow=True)
+    assert running.value.retry_after > 30
+    # Their clients went away: the relay reset their streams, and the engine lets them go
+    # within a step and the relay's lag (their records cannot say so: this gateway knows).
+    for handle in held:
+        a.pricing.cut(handle, queue.now() + 0.5)
+    with pytest.raises(Rejected) as cut:
+        await queue.acquire(100, 4000, follow=True)
+    assert cut.value.retry_after <= 2
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
 async def test_the_engines_books_count_the_other_gateways_holders(
     redis_server: RedisServer, closing: None
 ) -> None:
