@@ -278,7 +278,7 @@ class SharedQueue(AdmissionQueue):
     async def release(self, handle: Handle) -> None:
         link = self._links.pop(handle.id, None)
         self._published.pop(handle.id, None)
-        self.ledger.release(handle)
+        self.ledger.release(handle, self._clock())  # the mirror's books remember it a moment
         if link is not None and link[0] is handle:
             with anyio.CancelScope(shield=True):
                 await self.shared.release(link[1])

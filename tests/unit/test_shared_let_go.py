@@ -69,6 +69,23 @@ async def test_another_gateways_request_between_two_reads_of_the_holders_explain
 
 @pytest.mark.redis
 @pytest.mark.anyio
+async def test_its_own_request_between_two_reads_of_the_holders_explains_the_page(
+    redis_server: RedisServer, closing: None
+) -> None:
+    a = await gateway(redis_server)
+    queue = SharedQueue(a.pricing, a, max_wait=0)
+    await queue.look_elsewhere()
+    started = queue.now()
+    mine = await queue.acquire(100, 100, follow=True)
+    queue.progress(mine, 50)
+    await queue.release(mine)  # its mirror remembers it, as the in-process ledger does
+    await queue.look_elsewhere()
+    assert a.pricing.engine_used(160, started - a.pricing.relay_lag, queue.now()) == 0
+    assert a.pricing.caps_reason is None
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
 async def test_a_holder_let_go_is_kept_with_its_records_for_a_while_and_read_when_asked(
     redis_server: RedisServer, closing: None
 ) -> None:
