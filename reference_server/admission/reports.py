@@ -34,9 +34,10 @@ class Reports:
     relay_lag: float
     block_size: int
     #: The KV that holders this ledger does not hold may explain in the engine's books as of
-    #: ``now`` (this ledger's clock): where the budget is shared with other processes (the
-    #: shared ledger), theirs. None: this ledger's holders are all there is.
-    elsewhere: Callable[[float], int] | None = None
+    #: ``now`` (this ledger's clock; called ``(since, now)``, ``since`` as for
+    #: :meth:`engine_used`): where the budget is shared with other processes (the shared
+    #: ledger), theirs. None: this ledger's holders are all there is.
+    elsewhere: Callable[[float, float], int] | None = None
 
     if TYPE_CHECKING:
 
@@ -135,7 +136,7 @@ class Reports:
                 self._let_go.popleft()
             explained_now += sum(tokens for _, tokens in self._let_go)
             if self.elsewhere is not None:
-                explained_now += self.elsewhere(now)
+                explained_now += self.elsewhere(since, now)
             excess = max(0, used_tokens - explained_now)
             self._unknown = unknown = excess // self.block_size * self.block_size
             reason = (

@@ -345,9 +345,7 @@ class EngineWatch:
 
     # --- what it saw -------------------------------------------------------------------------
 
-    def seen(
-        self, text: str, now: float, *, started: float, admitted: int | None = None
-    ) -> None:
+    def seen(self, text: str, now: float, *, started: float, admitted: int | None = None) -> None:
         """A scrape's text (asked for at ``started``): whether the engine runs its holders in
         lockstep, how much KV it uses that the holders do not explain, what it lost.
         ``admitted``: the requests admitted through the budget so far (None: not known), the

@@ -357,12 +357,13 @@ class RedisLedger:
             status, now_ms, seen = await self.run(ADMIT, *args)
         return int(status), int(now_ms), seen
 
-    async def peak_view(self) -> PeakView:
-        """Every gateway's holders and their progress now, as the peak rule counts them. A
-        drain not read before (a gateway saw the engine out of lockstep: see
-        :meth:`out_of_step`) puts the pricing ledger on caps until its own holders of now have
-        gone, unless it is on caps already (the gateway that saw it is)."""
-        view = PeakView.parse(await self.run(PEAK_SNAPSHOT), self.pricing)
+    async def peak_view(self, *, let_go: bool = False) -> PeakView:
+        """Every gateway's holders and their progress now, as the peak rule counts them, and
+        with ``let_go`` those released lately (for the engine's books). A drain not read
+        before (a gateway saw the engine out of lockstep: see :meth:`out_of_step`) puts the
+        pricing ledger on caps until its own holders of now have gone, unless it is on caps
+        already (the gateway that saw it is)."""
+        view = PeakView.parse(await self.run(PEAK_SNAPSHOT, int(let_go)), self.pricing)
         queued = sum(int(t.rsplit(":", 1)[1]) for t in view.tickets)
         self.seen = SharedState(view.reserved, len(view.records), queued)
         new = view.drain is not None and view.drain != self._drain

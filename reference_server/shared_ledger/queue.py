@@ -267,18 +267,21 @@ class SharedQueue(AdmissionQueue):
         """Read every gateway's holders (kept with the one read before: the engine's books are
         read between two such reads, see ``watch.py``); only while the mirror follows progress."""
         if self.ledger.tracks_progress:
-            self._views.append((await self.shared.peak_view(), time.monotonic()))
+            self._views.append((await self.shared.peak_view(let_go=True), time.monotonic()))
 
-    def _explained_elsewhere(self, now: float) -> int:
+    def _explained_elsewhere(self, since: float, now: float) -> int:
         """What other gateways' holders may hold in the engine at ``now`` (this process's
-        monotonic clock), from the last two views; 0 without one fresh enough (then the
-        engine's books may take theirs for someone unseen's: whole caps while it lasts, the
-        safe way). Called under the mirror's lock: it must not call back into the mirror."""
+        monotonic clock), from the last two views, and those they let go at ``since`` or later;
+        0 without one fresh enough (then the engine's books may take theirs for someone
+        unseen's: whole caps while it lasts, the safe way). Called under the mirror's lock: it
+        must not call back into the mirror."""
         if not self._views or now - self._views[-1][1] > 3 * VIEW_SECONDS:
             return 0
         view, read = self._views[-1]
         at = view.now + max(0.0, now - read)
-        return explained_elsewhere([v for v, _ in self._views], self.shared.lease.id, at)
+        views = [v for v, _ in self._views]
+        # ``view.now`` was read before ``read``: ``since`` maps earlier if anything (safe).
+        return explained_elsewhere(views, self.shared.lease.id, at, since=view.now + since - read)
 
     def _cuts(self) -> dict[str, float]:
         """This process's holders whose requests were cut before their end, by reservation:
@@ -294,7 +297,7 @@ class SharedQueue(AdmissionQueue):
     async def release(self, handle: Handle) -> None:
         link = self._links.pop(handle.id, None)
         self._published.pop(handle.id, None)
-        self.ledger.release(handle)
+        self.ledger.release(handle, self._clock())  # the mirror's books remember it a moment
         if link is not None and link[0] is handle:
             with anyio.CancelScope(shield=True):
                 await self.shared.release(link[1])

@@ -7,7 +7,8 @@ waiting tickets in arrival order), ``queued`` (their needs summed), ``seq`` (the
 time integrals the speed measurement reads, see ``OCCUPANCY``), ``config`` (the budget's
 fingerprint), ``gone`` (the leases swept for expiring, remembered for an hour), ``version`` (bumped
 by every change), ``progress`` and ``grown`` for the peak rule (see below), and for fair shares
-``fair`` and ``tickets`` (see further below); and one pub/sub
+``fair`` and ``tickets`` (see further below), ``let_go`` and ``let_go_records`` (the holders
+released lately, see below); and one pub/sub
 channel, ``released``, told of every change as ``"wake reserved holders queued"``: the totals after
 it (tokens reserved, reservations, tokens the queue waits for), and ``wake`` 1 when the change may
 let a waiter in (a release, a lease swept, a ticket leaving the queue or admitted from
@@ -19,6 +20,18 @@ are found by their prefix. Every script may run twice (a retry after a lost answ
 the same as once. Every script first sweeps expired leases: their holders' tokens come
 back and their tickets leave the queue, so a gateway that died cannot pin the budget. Times are
 the Redis server's (``TIME``), so gateways on machines with different clocks agree.
+
+A holder released (``RELEASE``) is kept ``LET_GO_SECONDS``: ``let_go`` (a sorted set:
+reservation -> when it was released, ms of the Redis clock) and ``let_go_records`` (a hash:
+reservation -> its ``progress`` value and its ``holders`` value, a line each), forgotten by the
+sweep once older (both keys expire with the last). A short holder that lived wholly between two
+of a gateway's reads of the holders is in neither, while the engine's page taken between them
+may show it: ``PEAK_SNAPSHOT`` gives the holders let go when asked, and the engine's books
+count them until the page is newer than their release, as the in-process ledger counts its own
+(``engine_used``). Not the holders of a lease swept: their records are up to a lease older than
+the sweep, and a gateway cut off from Redis may still run them (KV that nobody explains is the
+truth then); nor one that ``LEAVE`` releases (admitted for a waiter that had gone, it never
+reached the engine).
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ __all__ = [
     "FAIR_SNAPSHOT",
     "KEY_NAMES",
     "LEAVE",
+    "LET_GO_SECONDS",
     "OCCUPANCY",
     "PEAK_SNAPSHOT",
     "PROGRESS",
@@ -43,13 +57,43 @@ __all__ = [
 
 #: A lease not renewed for this long is expired: its reservations come back.
 DEFAULT_LEASE_SECONDS = 5.0
+#: How long a holder released is kept (see the module): longer than from the start of an
+#: engine's page to a gateway's read of the holders after it (two scrape intervals of at most a
+#: second, or the scrape's 2 s timeout) and the relay's margin before it. One older is not
+#: explained: whole caps for a page, the safe way.
+LET_GO_SECONDS = 10.0
 
 KEY_NAMES = (
     "holders", "reserved", "queue", "seq", "leases", "config", "gone", "released", "queued",
     "occupancy", "version", "fair", "tickets", "progress", "grown", "draining", "drain",
+    "let_go", "let_go_records",
 )  # fmt: skip
 
-_PRELUDE = """
+#: The holders let go (see the module): kept by ``RELEASE``, forgotten by every sweep.
+_LET_GO = f"""
+local LET_GO_MS = {round(LET_GO_SECONDS * 1000)}
+local function remember(field, now)
+  local progress = redis.call('HGET', KEYS[14], field) or ''
+  redis.call('ZADD', KEYS[18], now, field)
+  redis.call('HSET', KEYS[19], field, progress .. '\\n' .. redis.call('HGET', KEYS[1], field))
+  redis.call('PEXPIRE', KEYS[18], LET_GO_MS)
+  redis.call('PEXPIRE', KEYS[19], LET_GO_MS)
+end
+local function forget(now)
+  local older = '(' .. (now - LET_GO_MS)
+  local old = redis.call('ZRANGEBYSCORE', KEYS[18], '-inf', older)
+  for _, field in ipairs(old) do
+    redis.call('HDEL', KEYS[19], field)
+  end
+  if #old > 0 then
+    redis.call('ZREMRANGEBYSCORE', KEYS[18], '-inf', older)
+  end
+end
+"""
+
+_PRELUDE = (
+    _LET_GO
+    + """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -124,6 +168,7 @@ local function tick(now)
 end
 local function sweep(now)
   tick(now)
+  forget(now)
   local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now)
   for _, lease in ipairs(dead) do
     drop_lease(lease, now)
@@ -145,6 +190,7 @@ local function holder(field)
   return lease, tonumber(tokens), rest
 end
 """
+)
 
 #: ARGV: lease, ticket, need, cap, usable, max_concurrency (0: none), enqueue (1/0), and for the
 #: peak rule: prompt tokens ('' for none: no progress record), tracked (1/0), and ``grown`` as
@@ -212,7 +258,7 @@ return {0, now, state()}
 )
 
 #: ARGV: reservation. Returns the tokens given back; 0 when it was not held (released already,
-#: or swept with its lease): a reservation is never released twice.
+#: or swept with its lease): a reservation is never released twice. It is kept as let go.
 RELEASE = (
     _PRELUDE
     + """
@@ -221,6 +267,7 @@ if not tokens then
   return 0
 end
 charge(redis.call('HGET', KEYS[1], ARGV[1]), now_ms(), 0)
+remember(ARGV[1], now_ms())
 redis.call('HDEL', KEYS[1], ARGV[1])
 let_go(ARGV[1])
 redis.call('DECRBY', KEYS[2], tokens)
@@ -460,17 +507,33 @@ return {1, now, state()}
 # engine out of lockstep (BREAK), so every gateway counts whole caps until the holders live
 # then have gone.
 
-#: Returns {now, grown, reserved, holders (flat), progress (flat), waiting tickets in order,
-#: drain ('' when none)}.
+#: ARGV: let go (1/0, none: 0). Returns {now, grown, reserved, holders (flat), progress (flat),
+#: waiting tickets in order, drain ('' when none), the holders let go (flat: reservation,
+#: released_ms, its ``holders`` value, its ``progress`` value ('' when none), oldest first;
+#: empty unless asked: only the engine's books need them)}.
 PEAK_SNAPSHOT = (
     _PRELUDE
     + """
 local now = now_ms()
 sweep(now)
+local let_go = {}
+if ARGV[1] == '1' then
+  local gone = redis.call('ZRANGE', KEYS[18], 0, -1, 'WITHSCORES')
+  for i = 1, #gone, 2 do
+    local kept = redis.call('HGET', KEYS[19], gone[i]) or ''
+    local progress, held = string.match(kept, '^([^\\n]*)\\n(.*)$')
+    if held then
+      table.insert(let_go, gone[i])
+      table.insert(let_go, gone[i + 1])
+      table.insert(let_go, held)
+      table.insert(let_go, progress)
+    end
+  end
+end
 return {now, tonumber(redis.call('GET', KEYS[15]) or '0'),
         tonumber(redis.call('GET', KEYS[2]) or '0'), redis.call('HGETALL', KEYS[1]),
         redis.call('HGETALL', KEYS[14]), redis.call('ZRANGE', KEYS[3], 0, -1),
-        redis.call('GET', KEYS[17]) or ''}
+        redis.call('GET', KEYS[17]) or '', let_go}
 """
 )
 

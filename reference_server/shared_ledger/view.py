@@ -31,7 +31,7 @@ each holder as its record says.
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,8 +148,12 @@ class PeakView:
         publish_seconds: float = PUBLISH_SECONDS,
         drain: str | None = None,
         clock: bool = False,
+        let_go: Iterable[tuple[float, Record]] = (),
     ) -> None:
         self.now = now
+        #: The holders released lately, each with when (Redis clock), oldest first: read only
+        #: for the engine's books (see :func:`explained_elsewhere`).
+        self.let_go = list(let_go)
         #: Whether a newcomer admitted now starts at once in the engine (as the admitting
         #: gateway saw the engine: see :meth:`.admission.ledger.KVAdmissionController.clock_runs`):
         #: then it is counted from its admission, its first token due by a deadline every
@@ -203,6 +207,18 @@ class PeakView:
         _ = self.model
         return self._handles
 
+    @functools.cached_property
+    def let_go_handles(self) -> dict[str, tuple[float, Handle]]:
+        """reservation -> (when it was released, its handle as it was): :attr:`let_go` built
+        as the live holders are, in a scratch ledger of their own."""
+        if not self.let_go:
+            return {}
+        gone = PeakView(
+            now=self.now, grown=self.grown, records=(r for _, r in self.let_go),
+            pricing=self._pricing, publish_seconds=self._publish_seconds,
+        )  # fmt: skip
+        return {r.field: (at, gone.handles[r.field]) for at, r in self.let_go}
+
     @classmethod
     def parse(
         cls,
@@ -227,6 +243,7 @@ class PeakView:
             publish_seconds=publish_seconds,
             drain=(_text(raw[6]) or None) if len(raw) > 6 else None,
             clock=pricing.clock_runs(),
+            let_go=_let_go(raw[7]) if len(raw) > 7 else (),
         )
 
     @property
@@ -269,22 +286,63 @@ class PeakView:
         return self._room
 
 
-def explained_elsewhere(views: Sequence[PeakView], lease: str, at: float) -> int:
+def _let_go(raw: list[Any]) -> list[tuple[float, Record]]:
+    """From ``PEAK_SNAPSHOT``'s holders let go (flat: reservation, released_ms, holders value,
+    progress value)."""
+    flat = [_text(x) for x in raw]
+    return [
+        (int(released) / 1000, Record.parse(field, value, progress or None))
+        for field, released, value, progress in zip(
+            flat[0::4], flat[1::4], flat[2::4], flat[3::4], strict=True
+        )
+    ]
+
+
+def explained_elsewhere(views: Sequence[PeakView], lease: str, at: float, *, since: float) -> int:
     """The most KV the holders of other leases than ``lease`` in any of ``views`` (oldest
     first; each holder as the latest one has it) may hold in the engine at ``at`` (Redis
     clock): each at its count and what it may have made since it was read (see
     :func:`~..admission.holders.explained`). A holder let go since an older view is still
-    counted: the engine's figures may show it a moment longer."""
+    counted: the engine's figures may show it a moment longer; so is one let go at ``since``
+    or later that no view has live (the engine's page began then, less the relay's margin),
+    as it was when let go."""
     if not views:
         return 0
     held: dict[str, Handle] = {}
     for view in views:
         held.update((f, h) for f, h in view.handles.items() if not f.startswith(lease + ":"))
+    let_go = _explained_let_go(views, lease, since, held)
     if not held:
-        return 0
+        return let_go
     model = views[-1].model
     fresh = max(at, freshest(held.values(), at))
-    return explained(
+    return let_go + explained(
         list(held.values()), fresh, fresh, decode_rate=model.decode_rate,
         relay_lag=model.relay_lag, block_size=model.block_size,
     )  # fmt: skip
+
+
+def _explained_let_go(
+    views: Sequence[PeakView], lease: str, since: float, live: Collection[str]
+) -> int:
+    """The most KV the holders of other leases than ``lease`` that ``views`` have let go at
+    ``since`` or later (the engine's page began then, less the relay's margin), and not
+    ``live``, may still hold in the page: admitted and let go between two reads of the
+    holders, they are in no view's holders. Each as it was when let go, on its own, as the
+    in-process ledger counts its own (``engine_used``)."""
+    gone: dict[str, tuple[float, Handle]] = {}
+    for view in views:
+        gone.update(
+            (f, g)
+            for f, g in view.let_go_handles.items()
+            if not f.startswith(lease + ":") and f not in live
+        )
+    model = views[-1].model
+    total = 0
+    for released, handle in gone.values():
+        if released >= since:
+            total += explained(
+                [handle], released, released, decode_rate=model.decode_rate,
+                relay_lag=model.relay_lag, block_size=model.block_size,
+            )  # fmt: skip
+    return total
