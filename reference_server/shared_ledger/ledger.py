@@ -27,7 +27,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +35,11 @@ import anyio
 import redis.asyncio as aioredis
 
 from ..admission.fairness import FairPolicy
+from ..admission.holders import holds_unkeyed
 from ..admission.ledger import Handle, KVAdmissionController
 from ..admission.queue import LedgerUnavailable
 from .connection import LEDGER_ERRORS, close
+from .prefixes import prefix_record
 from .scripts import (
     ADMIT,
     BREAK,
@@ -139,6 +141,11 @@ class Snapshot:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _given(lending: str) -> tuple[str, ...]:
+    """ADMIT's last ARGV, the prefix record, when there is one (older ADMITs end before it)."""
+    return (lending,) if lending else ()
 
 
 class Lease:
@@ -300,6 +307,7 @@ class RedisLedger:
         enqueue: bool = False,
         peak: bool = False,
         follow: bool | None = None,
+        prefix: tuple[Hashable, ...] = (),
     ) -> Handle | None:
         """Reserve in the shared budget, or None: it does not fit, or others wait ahead (then
         ``enqueue`` puts ``ticket`` in the queue behind them).
@@ -309,7 +317,11 @@ class RedisLedger:
         the snapshot is read again (at most ``MAX_CONFLICTS`` times, then whole caps).
         ``follow`` (not None): the holder gets a progress record, its progress published (True)
         or not (False), so that every gateway counts it by the peak; None: it has none, and
-        counts whole wherever it is read."""
+        counts whole wherever it is read. ``prefix``: the keys of its shareable prompt blocks
+        (:meth:`~..admission.ledger.KVAdmissionController.prefix_keys`), recorded by the peak
+        with the ones it borrows from any gateway's holders; off the peak, or without keys
+        where the engine shares prompt blocks, it is recorded as holding blocks of unknown keys,
+        as the in-process ledger has it."""
         if need is None:
             need = self.pricing.need_tokens(prompt_tokens, output_cap)
         if ticket is None:
@@ -320,23 +332,32 @@ class RedisLedger:
         )  # fmt: skip
         if peak or follow is not None:
             args += (prompt_tokens, int(bool(follow)))
+        keys = tuple(prefix) if peak and follow is not None else ()
+        pricing = self.pricing
+        unkeyed = follow is not None and holds_unkeyed(
+            keys, prompt_tokens, shares_prefixes=pricing.shares_prefixes,
+            block_size=pricing.block_size,
+        )  # fmt: skip
+        lending = prefix_record((), 0, unkeyed)
         status, now_ms, seen = 2, 0, None
         for _ in range(MAX_CONFLICTS if peak else 0):
             view = await self.peak_view()
             head = view.tickets[0] if view.tickets else ticket
             grown = start = ""
             fit = None
+            if keys:  # what it borrows as this snapshot has it (the record keeps it)
+                lending = prefix_record(keys, view.lent(keys), False)
             if head == ticket and view.drain is None:
-                fit = view.fits(prompt_tokens, output_cap, need, follow=bool(follow))
+                fit = view.fits(prompt_tokens, output_cap, need, follow=bool(follow), prefix=keys)
             if fit is not None:
                 grown = view.grown
                 if fit.start_by is not None:  # on the engine's clock: its record says till when
                     start = str(math.floor(fit.start_by * 1000))
-            status, now_ms, seen = await self._admit(*args, grown, start)
+            status, now_ms, seen = await self._admit(*args, grown, start, *_given(lending))
             if status != 2:
                 break
         if status == 2:
-            status, now_ms, seen = await self._admit(*args, "")
+            status, now_ms, seen = await self._admit(*args, "", "", *_given(lending))
         self.seen = SharedState.parse(seen)
         if status != 1:
             return None

@@ -288,8 +288,8 @@ class SharedQueue(AdmissionQueue):
         *,
         client: Hashable | None = None,
         max_wait: float | None = None,
-        # No prefix shared across processes, no forecast: the shared ledger's peak is the
-        # exact rule, each prompt counted whole.
+        # Shared prefix blocks count once across processes (each holder's keys in Redis);
+        # no forecast: the shared ledger's peak is the exact rule.
         prefix: tuple[Hashable, ...] = (),
         tenant: str | None = None,  # no fair shares on the shared ledger (the gateway refuses)
         priority: int = 0,
@@ -307,7 +307,7 @@ class SharedQueue(AdmissionQueue):
         limit = wait_limit(self.max_wait, max_wait)
         try:
             return await self._acquire(
-                prompt_tokens, output_cap, need, ticket, wake, limit, follow=follow
+                prompt_tokens, output_cap, need, ticket, wake, limit, follow=follow, prefix=prefix
             )
         except LedgerUnavailable:
             if self._on_refused is not None:
@@ -327,6 +327,7 @@ class SharedQueue(AdmissionQueue):
         limit: float,
         *,
         follow: bool = False,
+        prefix: tuple[Hashable, ...] = (),
     ) -> Handle:
         shared = self.shared
         enqueue = limit > 0
@@ -339,7 +340,7 @@ class SharedQueue(AdmissionQueue):
                 tracks = self.ledger.tracks_progress
                 held = await shared.try_admit(
                     prompt_tokens, output_cap, need=need, ticket=ticket, enqueue=enqueue,
-                    peak=self.on_peak, follow=follow if tracks else None,
+                    peak=self.on_peak, follow=follow if tracks else None, prefix=prefix,
                 )  # fmt: skip
                 if held is not None:
                     queued = False

@@ -6,7 +6,8 @@ waiting tickets in arrival order), ``queued`` (their needs summed), ``seq`` (the
 ``leases`` (a sorted set: lease -> expiry in ms of the Redis clock), ``occupancy`` (a hash: the
 time integrals the speed measurement reads, see ``OCCUPANCY``), ``config`` (the budget's
 fingerprint), ``gone`` (the leases swept for expiring, remembered for an hour), ``version`` (bumped
-by every change), ``progress`` and ``grown`` for the peak rule (see below), and for fair shares
+by every change), ``progress`` and ``grown`` for the peak rule, ``prefixes``, ``blocks`` and
+``tainted`` for its shared prefix blocks (see below), and for fair shares
 ``fair`` and ``tickets`` (see further below); and one pub/sub
 channel, ``released``, told of every change as ``"wake reserved holders queued"``: the totals after
 it (tokens reserved, reservations, tokens the queue waits for), and ``wake`` 1 when the change may
@@ -22,6 +23,8 @@ the Redis server's (``TIME``), so gateways on machines with different clocks agr
 """
 
 from __future__ import annotations
+
+from .prefixes import lending_lua
 
 __all__ = [
     "ADMIT",
@@ -47,9 +50,23 @@ DEFAULT_LEASE_SECONDS = 5.0
 KEY_NAMES = (
     "holders", "reserved", "queue", "seq", "leases", "config", "gone", "released", "queued",
     "occupancy", "version", "fair", "tickets", "progress", "grown", "draining", "drain",
+    "prefixes", "blocks", "tainted",
 )  # fmt: skip
 
-_PRELUDE = """
+
+def _key(name: str) -> str:
+    return f"KEYS[{KEY_NAMES.index(name) + 1}]"
+
+
+#: The prefix records' functions (:mod:`.prefixes`), over this tuple's keys.
+_LENDING = lending_lua(
+    prefixes=_key("prefixes"), blocks=_key("blocks"), tainted=_key("tainted"),
+    progress=_key("progress"),
+)  # fmt: skip
+
+_PRELUDE = (
+    _LENDING
+    + """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -59,6 +76,7 @@ local function enqueue(ticket)
   redis.call('INCRBY', KEYS[9], string.match(ticket, ':(%d+)$'))
 end
 local function let_go(field)
+  unlend(field)
   redis.call('HDEL', KEYS[14], field)
   if redis.call('SREM', KEYS[16], field) == 1 and redis.call('SCARD', KEYS[16]) == 0 then
     redis.call('DEL', KEYS[17])
@@ -145,6 +163,7 @@ local function holder(field)
   return lease, tonumber(tokens), rest
 end
 """
+)
 
 #: ARGV: lease, ticket, need, cap, usable, max_concurrency (0: none), enqueue (1/0), and for the
 #: peak rule: prompt tokens ('' for none: no progress record), tracked (1/0), and ``grown`` as
@@ -152,10 +171,11 @@ end
 #: whole caps), and the deadline of its first token when that snapshot counted it on the
 #: engine's clock (ms of the Redis clock; '': not on the clock). Admitted when the whole caps
 #: fit, or when the peak did and no holder has come since that snapshot (see
-#: ``PEAK_SNAPSHOT``); the ticket must be at the head of the queue either way. Returns
-#: {1, now, state} admitted, {0, now, state} not now (queued when asked), {2, now, state} a
-#: holder came since the snapshot (read again), {-1, now, state} the lease is gone; ``state``
-#: is ``"reserved holders queued"`` after it.
+#: ``PEAK_SNAPSHOT``); the ticket must be at the head of the queue either way. Last, where the
+#: engine shares prefix blocks, its prefix record (``"borrowed unkeyed keys"``, see
+#: :mod:`.prefixes`; '' or absent: none). Returns {1, now, state} admitted, {0, now, state} not
+#: now (queued when asked), {2, now, state} a holder came since the snapshot (read again),
+#: {-1, now, state} the lease is gone; ``state`` is ``"reserved holders queued"`` after it.
 ADMIT = (
     _PRELUDE
     + """
@@ -190,6 +210,7 @@ if head == nil or head == ticket then
       redis.call('HSET', KEYS[14], ticket, ARGV[8] .. ' ' .. ARGV[4] .. ' ' .. ARGV[9]
                  .. ' -1 ' .. now .. ' ' .. now .. ' ' .. start)
     end
+    lend(ticket, ARGV[12] or '', now)
     redis.call('INCR', KEYS[15])
     redis.call('HINCRBY', KEYS[10], 'admitted', 1)
     redis.call('INCRBY', KEYS[2], need)
@@ -454,9 +475,13 @@ return {1, now, state()}
 # ``drain`` (``"grown reason"``) and ``draining`` (a set of reservations): a gateway saw the
 # engine out of lockstep (BREAK), so every gateway counts whole caps until the holders live
 # then have gone.
+#
+# Shared prefix blocks, where the engine shares them: ``prefixes`` (a hash: reservation -> its
+# prefix record), ``blocks`` and ``tainted``, written at admission (ADMIT's last ARGV) and
+# kept where a holder goes (``let_go``: release, leave, lease swept): see :mod:`.prefixes`.
 
 #: Returns {now, grown, reserved, holders (flat), progress (flat), waiting tickets in order,
-#: drain ('' when none)}.
+#: drain ('' when none), prefix records (flat), tainted keys}.
 PEAK_SNAPSHOT = (
     _PRELUDE
     + """
@@ -465,7 +490,8 @@ sweep(now)
 return {now, tonumber(redis.call('GET', KEYS[15]) or '0'),
         tonumber(redis.call('GET', KEYS[2]) or '0'), redis.call('HGETALL', KEYS[1]),
         redis.call('HGETALL', KEYS[14]), redis.call('ZRANGE', KEYS[3], 0, -1),
-        redis.call('GET', KEYS[17]) or ''}
+        redis.call('GET', KEYS[17]) or '', redis.call('HGETALL', PREFIXES),
+        redis.call('SMEMBERS', TAINTED)}
 """
 )
 

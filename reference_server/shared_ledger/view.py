@@ -19,6 +19,15 @@ admitted with the deadline of its first token in its record, and every view coun
 deadline: on time, from its admission; late, whole, and no newcomer on the clock until its
 first token has come. The deadline is the view's, never later than what the decision counted.
 
+Shared prefix blocks too, where the engine shares them: a holder's record carries the keys of
+its shareable prompt blocks, how many of them it borrowed (decided by the admitting gateway
+from the holders past their prefill in its snapshot: it cannot be worked out again once they
+have gone) and whether it holds blocks the ledger has no keys of (see
+:mod:`.prefixes`); the blocks of which a freed copy may be handed out are kept in Redis
+(``tainted``), worked out where a holder goes. So a block is counted once whichever gateway's
+holders have it, and a newcomer at one gateway borrows what a holder of another computed. A
+record without them counts its whole prompt.
+
 >>> # view = PeakView.parse(raw, pricing)   # raw: PEAK_SNAPSHOT's answer
 >>> # view.fits(prompt_tokens, output_cap, need)
 """
@@ -26,12 +35,13 @@ first token has come. The deadline is the view's, never later than what the deci
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..admission.holders import explained, freshest
+from ..admission.holders import borrowable, explained, freshest
 from ..admission.ledger import Handle, KVAdmissionController
+from .prefixes import read_record
 
 __all__ = [
     "PUBLISH_SECONDS",
@@ -80,12 +90,20 @@ class Record:
     first_seen_at: float = 0.0
     #: Admitted on the engine's clock: when its first token is due (else None).
     start_by: float | None = None
+    #: The keys of its shareable prompt blocks, the first ``borrowed`` of them lent by others;
+    #: ``unkeyed``: it holds full prompt blocks no keys are known of (see :mod:`.prefixes`).
+    prefix: tuple[bytes, ...] = ()
+    borrowed: int = 0
+    unkeyed: bool = False
 
     @classmethod
-    def parse(cls, field: str, value: str, progress: str | None) -> Record:
-        """From a ``holders`` value (``"lease tokens cap admitted_ms [tenant]"``) and its
+    def parse(
+        cls, field: str, value: str, progress: str | None, lending: str | None = None
+    ) -> Record:
+        """From a ``holders`` value (``"lease tokens cap admitted_ms [tenant]"``), its
         ``progress`` value, if any (one that does not read as this version writes it counts as
-        none: the holder counts whole)."""
+        none: the holder counts whole), and its ``prefixes`` value, if any (likewise: its whole
+        prompt counts)."""
         lease, tokens, cap, admitted = value.split(" ", 4)[:4]
         base = {
             "field": field,
@@ -103,8 +121,12 @@ class Record:
         except ValueError:
             return cls(**base)  # type: ignore[arg-type]
         prompt_tokens, counted_output, made, seen_ms, first_ms, start_ms = numbers
+        prefix, borrowed, unkeyed = read_record(lending)
         return cls(
             **base,  # type: ignore[arg-type]
+            prefix=prefix,
+            borrowed=borrowed,
+            unkeyed=unkeyed,
             prompt=prompt_tokens,
             counted=counted_output,
             tracked=tracked == "1",
@@ -140,8 +162,11 @@ class PeakView:
         publish_seconds: float = PUBLISH_SECONDS,
         drain: str | None = None,
         clock: bool = False,
+        tainted: Iterable[bytes] = (),
     ) -> None:
         self.now = now
+        #: Prefix blocks of which a freed copy may be handed to a borrower (see ``peak.py``).
+        self.tainted = frozenset(tainted)
         #: Whether a newcomer admitted now starts at once in the engine (as the admitting
         #: gateway saw the engine: see :meth:`.admission.ledger.KVAdmissionController.clock_runs`):
         #: then it is counted from its admission, its first token due by a deadline every
@@ -166,6 +191,7 @@ class PeakView:
             relay_lag=shared_relay_lag(p.relay_lag, self._publish_seconds),
             start_clock=self.clock,
         )
+        model.shares_prefixes = p.shares_prefixes
         if self.clock:  # the engine's speed as measured from its counters: the clock's steps
             first = self.records[0].admitted_at if self.records else self.now
             model.set_speed(p.decode_rate, p.throughput, min(first, self.now), steps=True)
@@ -185,7 +211,11 @@ class PeakView:
                 handle.seen_at = record.seen_at
                 handle.first_seen_at = record.first_seen_at
                 handle.start_by = record.start_by
+            if record.prompt is not None:  # else it counts whole
+                handle.prefix, handle.borrowed = record.prefix, record.borrowed
+                handle.unkeyed = record.unkeyed
             self._handles[record.field] = handle
+        model.tainted = self.tainted
         return model
 
     @property
@@ -205,10 +235,18 @@ class PeakView:
         holders = [_text(x) for x in raw[3]]
         progress = [_text(x) for x in raw[4]]
         kept = dict(zip(progress[0::2], progress[1::2], strict=True))
+        lendings = [_text(x) for x in raw[7]] if len(raw) > 7 else []
+        lent = dict(zip(lendings[0::2], lendings[1::2], strict=True))
         records = [
-            Record.parse(field, value, kept.get(field))
+            Record.parse(field, value, kept.get(field), lent.get(field))
             for field, value in zip(holders[0::2], holders[1::2], strict=True)
         ]
+        tainted = []
+        for key in raw[8] if len(raw) > 8 else ():
+            try:
+                tainted.append(bytes.fromhex(_text(key)))
+            except ValueError:
+                continue  # not a key this version writes: no holder has it
         return cls(
             now=int(raw[0]) / 1000,
             grown=_text(raw[1]),
@@ -218,6 +256,7 @@ class PeakView:
             publish_seconds=publish_seconds,
             drain=(_text(raw[6]) or None) if len(raw) > 6 else None,
             clock=pricing.clock_runs(),
+            tainted=tainted,
         )
 
     @property
@@ -226,21 +265,34 @@ class PeakView:
         return sum(r.tokens for r in self.records)
 
     def fits(
-        self, prompt_tokens: int, output_cap: int, need: int, *, follow: bool = False
+        self,
+        prompt_tokens: int,
+        output_cap: int,
+        need: int,
+        *,
+        follow: bool = False,
+        prefix: tuple[Hashable, ...] = (),
     ) -> Fit | None:
         """Whether a newcomer fits now by the peak of every holder's trajectory, and the
         running cap (None: it does not). ``follow``: its progress will be published; then,
         where :attr:`clock` runs, it is counted from its admission and its first token is due
         by :attr:`Fit.start_by`, which its record must carry; else it counts whole until its
-        first token is published."""
+        first token is published. ``prefix``: the keys of its shareable prompt blocks, of which
+        it borrows the :meth:`lent` ones (its record must say so)."""
         handle = self.model.try_admit(
             prompt_tokens, output_cap, now=self.now, need=need, count_rejection=False,
-            follow=follow,
+            follow=follow, prefix=prefix,
         )  # fmt: skip
         if handle is None:
             return None
         self.model.release(handle)  # the model is a view: the commit is Redis's
+        self.model.tainted = self.tainted  # and so is what its going would leave
         return Fit(start_by=handle.start_by)
+
+    def lent(self, prefix: tuple[Hashable, ...]) -> int:
+        """How many of ``prefix``'s first blocks a holder past its prefill has, whichever
+        gateway holds it: a newcomer borrows them (see :func:`.holders.borrowable`)."""
+        return borrowable(prefix, self.model.live_handles())
 
     @functools.cached_property
     def _room(self) -> int:
@@ -261,13 +313,15 @@ def explained_elsewhere(views: Sequence[PeakView], lease: str, at: float) -> int
     if not views:
         return 0
     held: dict[str, Handle] = {}
+    tainted: set[Hashable] = set()
     for view in views:
         held.update((f, h) for f, h in view.handles.items() if not f.startswith(lease + ":"))
+        tainted |= view.tainted
     if not held:
         return 0
     model = views[-1].model
     fresh = max(at, freshest(held.values(), at))
     return explained(
         list(held.values()), fresh, fresh, decode_rate=model.decode_rate,
-        relay_lag=model.relay_lag, block_size=model.block_size,
+        relay_lag=model.relay_lag, block_size=model.block_size, tainted=tainted,
     )  # fmt: skip
