@@ -21,6 +21,7 @@ __all__ = [
     "clock_steps",
     "explained",
     "freshest",
+    "holds_unkeyed",
     "lag_tokens",
     "slow_since",
     "slow_write",
@@ -222,6 +223,15 @@ def borrowable(prefix: tuple[Hashable, ...], live: Iterable[Handle]) -> int:
             break
         borrowed += 1
     return borrowed
+
+
+def holds_unkeyed(
+    prefix: tuple[Hashable, ...], prompt_tokens: int, *, shares_prefixes: bool, block_size: int
+) -> bool:
+    """Whether a holder of ``prompt_tokens`` given ``prefix`` holds full prompt blocks the
+    ledger has no keys of, where the engine shares them (``shares_prefixes``): they may be
+    copies of others' (see :func:`tainted_after`)."""
+    return not prefix and shares_prefixes and prompt_tokens - 1 >= block_size
 
 
 def tainted_after(gone: Handle, live: Collection[Handle], tainted: set[Hashable]) -> set[Hashable]:

@@ -39,7 +39,7 @@ import itertools
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Literal, get_args
 
 from kvclient import DEFAULT_BLOCK_SIZE, reservation_tokens, round_up_to_blocks
@@ -54,6 +54,7 @@ from .holders import (
     borrowable,
     explained,
     freshest,
+    holds_unkeyed,
     slow_since,
     tainted_after,
 )
@@ -317,6 +318,18 @@ class KVAdmissionController(Reports, Advising):
         return prefix_blocks(token_ids, self.block_size, salt)
 
     @property
+    def tainted(self) -> frozenset[Hashable]:
+        """Prefix blocks of which a copy was let go while another is held (see ``peak.py``):
+        set by a model of holders kept elsewhere (the shared ledger's view) as kept there."""
+        with self._lock:
+            return frozenset(self._tainted)
+
+    @tainted.setter
+    def tainted(self, keys: Iterable[Hashable]) -> None:
+        with self._lock:
+            self._tainted = set(keys)
+
+    @property
     def caps_reason(self) -> str | None:
         """Why a ledger configured for ``peak`` counts whole caps now (None when it does not)."""
         with self._lock:
@@ -388,12 +401,10 @@ class KVAdmissionController(Reports, Advising):
             if ask.prefix and self._peak_in_force():
                 handle.prefix = ask.prefix
                 handle.borrowed = borrowable(ask.prefix, live)
-            # Full prompt blocks the ledger has no keys of, where the engine shares them.
-            handle.unkeyed = (
-                not handle.prefix
-                and self.shares_prefixes
-                and ask.prompt_tokens - 1 >= self.block_size
-            )
+            handle.unkeyed = holds_unkeyed(
+                handle.prefix, ask.prompt_tokens, shares_prefixes=self.shares_prefixes,
+                block_size=self.block_size,
+            )  # fmt: skip
         return handle
 
     def try_admit(

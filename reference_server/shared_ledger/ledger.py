@@ -35,9 +35,11 @@ import anyio
 import redis.asyncio as aioredis
 
 from ..admission.fairness import FairPolicy
+from ..admission.holders import holds_unkeyed
 from ..admission.ledger import Handle, KVAdmissionController
 from ..admission.queue import LedgerUnavailable
 from .connection import LEDGER_ERRORS, close
+from .prefixes import prefix_record
 from .scripts import (
     ADMIT,
     BREAK,
@@ -139,6 +141,11 @@ class Snapshot:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _given(lending: str) -> tuple[str, ...]:
+    """ADMIT's last ARGV, the prefix record, when there is one (older ADMITs end before it)."""
+    return (lending,) if lending else ()
 
 
 class Lease:
@@ -301,6 +308,7 @@ class RedisLedger:
         peak: bool = False,
         follow: bool | None = None,
         kind: Hashable = None,
+        prefix: tuple[Hashable, ...] = (),
     ) -> Handle | None:
         """Reserve in the shared budget, or None: it does not fit, or others wait ahead (then
         ``enqueue`` puts ``ticket`` in the queue behind them).
@@ -312,7 +320,12 @@ class RedisLedger:
         or not (False), so that every gateway counts it by the peak; None: it has none, and
         counts whole wherever it is read. Followed, it is counted to this gateway's forecast
         of its output (``kind``: whose outputs it learns from), where it forecasts: its record
-        says so, and every gateway counts it so until its progress is published."""
+        says so, and every gateway counts it so until its progress is published. ``prefix``:
+        the keys of its shareable prompt blocks
+        (:meth:`~..admission.ledger.KVAdmissionController.prefix_keys`), recorded by the peak
+        with the ones it borrows from any gateway's holders; off the peak, or without keys
+        where the engine shares prompt blocks, it is recorded as holding blocks of unknown keys,
+        as the in-process ledger has it."""
         if need is None:
             need = self.pricing.need_tokens(prompt_tokens, output_cap)
         if ticket is None:
@@ -323,26 +336,37 @@ class RedisLedger:
         )  # fmt: skip
         if peak or follow is not None:
             args += (prompt_tokens, int(bool(follow)))
+        keys = tuple(prefix) if peak and follow is not None else ()
+        pricing = self.pricing
+        unkeyed = follow is not None and holds_unkeyed(
+            keys, prompt_tokens, shares_prefixes=pricing.shares_prefixes,
+            block_size=pricing.block_size,
+        )  # fmt: skip
+        lending = prefix_record((), 0, unkeyed)
         status, now_ms, seen, counted = 2, 0, None, ""
         for _ in range(MAX_CONFLICTS if peak else 0):
             view = await self.peak_view()
             head = view.tickets[0] if view.tickets else ticket
             grown = start = counted = ""
             fit = None
+            if keys:  # what it borrows as this snapshot has it (the record keeps it)
+                lending = prefix_record(keys, view.lent(keys), False)
             if head == ticket and view.drain is None:
-                fit = view.fits(prompt_tokens, output_cap, need, follow=bool(follow), kind=kind)
+                fit = view.fits(
+                    prompt_tokens, output_cap, need, follow=bool(follow), kind=kind, prefix=keys
+                )
             if fit is not None:
                 grown = view.grown
                 if fit.start_by is not None:  # on the engine's clock: its record says till when
                     start = str(math.floor(fit.start_by * 1000))
                 if follow and fit.counted is not None and fit.counted < output_cap:
                     counted = str(fit.counted)  # its forecast: its record counts it so
-            status, now_ms, seen = await self._admit(*args, grown, start, counted)
+            status, now_ms, seen = await self._admit(*args, grown, start, counted, *_given(lending))
             if status != 2:
                 break
         if status == 2:
             counted = ""
-            status, now_ms, seen = await self._admit(*args, "")
+            status, now_ms, seen = await self._admit(*args, "", "", "", *_given(lending))
         self.seen = SharedState.parse(seen)
         if status != 1:
             return None

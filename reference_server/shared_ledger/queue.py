@@ -310,7 +310,7 @@ class SharedQueue(AdmissionQueue):
         *,
         client: Hashable | None = None,
         max_wait: float | None = None,
-        # No prefix shared across processes: each prompt counted whole.
+        # Shared prefix blocks count once across processes (each holder's keys in Redis).
         prefix: tuple[Hashable, ...] = (),
         tenant: str | None = None,  # no fair shares on the shared ledger (the gateway refuses)
         priority: int = 0,
@@ -329,7 +329,7 @@ class SharedQueue(AdmissionQueue):
         try:
             return await self._acquire(
                 prompt_tokens, output_cap, need, ticket, wake, limit, follow=follow,
-                kind=(model, None),
+                kind=(model, None), prefix=prefix,
             )  # fmt: skip
         except LedgerUnavailable:
             if self._on_refused is not None:
@@ -350,6 +350,7 @@ class SharedQueue(AdmissionQueue):
         *,
         follow: bool = False,
         kind: Hashable = None,
+        prefix: tuple[Hashable, ...] = (),
     ) -> Handle:
         shared = self.shared
         enqueue = limit > 0
@@ -363,6 +364,7 @@ class SharedQueue(AdmissionQueue):
                 held = await shared.try_admit(
                     prompt_tokens, output_cap, need=need, ticket=ticket, enqueue=enqueue,
                     peak=self.on_peak, follow=follow if tracks else None, kind=kind,
+                    prefix=prefix,
                 )  # fmt: skip
                 if held is not None:
                     queued = False

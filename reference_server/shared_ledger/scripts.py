@@ -6,7 +6,8 @@ waiting tickets in arrival order), ``queued`` (their needs summed), ``seq`` (the
 ``leases`` (a sorted set: lease -> expiry in ms of the Redis clock), ``occupancy`` (a hash: the
 time integrals the speed measurement reads, see ``OCCUPANCY``), ``config`` (the budget's
 fingerprint), ``gone`` (the leases swept for expiring, remembered for an hour), ``version`` (bumped
-by every change), ``progress`` and ``grown`` for the peak rule (see below), and for fair shares
+by every change), ``progress`` and ``grown`` for the peak rule, ``prefixes``, ``blocks`` and
+``tainted`` for its shared prefix blocks (see below), and for fair shares
 ``fair`` and ``tickets`` (see further below), ``let_go`` and ``let_go_records`` (the holders
 released lately, see below); and one pub/sub
 channel, ``released``, told of every change as ``"wake reserved holders queued"``: the totals after
@@ -35,6 +36,8 @@ reached the engine).
 """
 
 from __future__ import annotations
+
+from .prefixes import lending_lua
 
 __all__ = [
     "ADMIT",
@@ -66,7 +69,18 @@ LET_GO_SECONDS = 10.0
 KEY_NAMES = (
     "holders", "reserved", "queue", "seq", "leases", "config", "gone", "released", "queued",
     "occupancy", "version", "fair", "tickets", "progress", "grown", "draining", "drain",
-    "let_go", "let_go_records",
+    "let_go", "let_go_records", "prefixes", "blocks", "tainted",
+)  # fmt: skip
+
+
+def _key(name: str) -> str:
+    return f"KEYS[{KEY_NAMES.index(name) + 1}]"
+
+
+#: The prefix records' functions (:mod:`.prefixes`), over this tuple's keys.
+_LENDING = lending_lua(
+    prefixes=_key("prefixes"), blocks=_key("blocks"), tainted=_key("tainted"),
+    progress=_key("progress"),
 )  # fmt: skip
 
 #: The holders let go (see the module): kept by ``RELEASE``, forgotten by every sweep.
@@ -93,6 +107,7 @@ end
 
 _PRELUDE = (
     _LET_GO
+    + _LENDING
     + """
 local function now_ms()
   local t = redis.call('TIME')
@@ -103,6 +118,7 @@ local function enqueue(ticket)
   redis.call('INCRBY', KEYS[9], string.match(ticket, ':(%d+)$'))
 end
 local function let_go(field)
+  unlend(field)
   redis.call('HDEL', KEYS[14], field)
   if redis.call('SREM', KEYS[16], field) == 1 and redis.call('SCARD', KEYS[16]) == 0 then
     redis.call('DEL', KEYS[17])
@@ -199,10 +215,11 @@ end
 #: engine's clock (ms of the Redis clock; '': not on the clock), and the output it is counted to
 #: when that is its forecast ('': its cap). Admitted when the whole caps
 #: fit, or when the peak did and no holder has come since that snapshot (see
-#: ``PEAK_SNAPSHOT``); the ticket must be at the head of the queue either way. Returns
-#: {1, now, state} admitted, {0, now, state} not now (queued when asked), {2, now, state} a
-#: holder came since the snapshot (read again), {-1, now, state} the lease is gone; ``state``
-#: is ``"reserved holders queued"`` after it.
+#: ``PEAK_SNAPSHOT``); the ticket must be at the head of the queue either way. Then, where the
+#: engine shares prefix blocks, its prefix record (``"borrowed unkeyed keys"``, see
+#: :mod:`.prefixes`; '' or absent: none). Returns {1, now, state} admitted, {0, now, state} not
+#: now (queued when asked), {2, now, state} a holder came since the snapshot (read again),
+#: {-1, now, state} the lease is gone; ``state`` is ``"reserved holders queued"`` after it.
 ADMIT = (
     _PRELUDE
     + """
@@ -241,6 +258,7 @@ if head == nil or head == ticket then
       redis.call('HSET', KEYS[14], ticket, ARGV[8] .. ' ' .. counted .. ' ' .. ARGV[9]
                  .. ' -1 ' .. now .. ' ' .. now .. ' ' .. start)
     end
+    lend(ticket, ARGV[13] or '', now)
     redis.call('INCR', KEYS[15])
     redis.call('HINCRBY', KEYS[10], 'admitted', 1)
     redis.call('INCRBY', KEYS[2], need)
@@ -506,11 +524,16 @@ return {1, now, state()}
 # ``drain`` (``"grown reason"``) and ``draining`` (a set of reservations): a gateway saw the
 # engine out of lockstep (BREAK), so every gateway counts whole caps until the holders live
 # then have gone.
+#
+# Shared prefix blocks, where the engine shares them: ``prefixes`` (a hash: reservation -> its
+# prefix record), ``blocks`` and ``tainted``, written at admission (ADMIT's last ARGV) and
+# kept where a holder goes (``let_go``: release, leave, lease swept): see :mod:`.prefixes`.
 
 #: ARGV: let go (1/0, none: 0). Returns {now, grown, reserved, holders (flat), progress (flat),
 #: waiting tickets in order, drain ('' when none), the holders let go (flat: reservation,
 #: released_ms, its ``holders`` value, its ``progress`` value ('' when none), oldest first;
-#: empty unless asked: only the engine's books need them)}.
+#: empty unless asked: only the engine's books need them), prefix records (flat), tainted
+#: keys}.
 PEAK_SNAPSHOT = (
     _PRELUDE
     + """
@@ -533,7 +556,8 @@ end
 return {now, tonumber(redis.call('GET', KEYS[15]) or '0'),
         tonumber(redis.call('GET', KEYS[2]) or '0'), redis.call('HGETALL', KEYS[1]),
         redis.call('HGETALL', KEYS[14]), redis.call('ZRANGE', KEYS[3], 0, -1),
-        redis.call('GET', KEYS[17]) or '', let_go}
+        redis.call('GET', KEYS[17]) or '', let_go, redis.call('HGETALL', PREFIXES),
+        redis.call('SMEMBERS', TAINTED)}
 """
 )
 

@@ -24,6 +24,15 @@ newcomer is counted to the admitting gateway's forecast of it, which its record 
 ``counted`` output, republished by its gateway whenever it outlives it), and every view counts
 each holder as its record says.
 
+Shared prefix blocks too, where the engine shares them: a holder's record carries the keys of
+its shareable prompt blocks, how many of them it borrowed (decided by the admitting gateway
+from the holders past their prefill in its snapshot: it cannot be worked out again once they
+have gone) and whether it holds blocks the ledger has no keys of (see
+:mod:`.prefixes`); the blocks of which a freed copy may be handed out are kept in Redis
+(``tainted``), worked out where a holder goes. So a block is counted once whichever gateway's
+holders have it, and a newcomer at one gateway borrows what a holder of another computed. A
+record without them counts its whole prompt.
+
 >>> # view = PeakView.parse(raw, pricing)   # raw: PEAK_SNAPSHOT's answer
 >>> # view.fits(prompt_tokens, output_cap, need)
 """
@@ -35,8 +44,9 @@ from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..admission.holders import explained, freshest
+from ..admission.holders import borrowable, explained, freshest
 from ..admission.ledger import Handle, KVAdmissionController
+from .prefixes import read_record
 
 __all__ = [
     "PUBLISH_SECONDS",
@@ -85,12 +95,20 @@ class Record:
     first_seen_at: float = 0.0
     #: Admitted on the engine's clock: when its first token is due (else None).
     start_by: float | None = None
+    #: The keys of its shareable prompt blocks, the first ``borrowed`` of them lent by others;
+    #: ``unkeyed``: it holds full prompt blocks no keys are known of (see :mod:`.prefixes`).
+    prefix: tuple[bytes, ...] = ()
+    borrowed: int = 0
+    unkeyed: bool = False
 
     @classmethod
-    def parse(cls, field: str, value: str, progress: str | None) -> Record:
-        """From a ``holders`` value (``"lease tokens cap admitted_ms [tenant]"``) and its
+    def parse(
+        cls, field: str, value: str, progress: str | None, lending: str | None = None
+    ) -> Record:
+        """From a ``holders`` value (``"lease tokens cap admitted_ms [tenant]"``), its
         ``progress`` value, if any (one that does not read as this version writes it counts as
-        none: the holder counts whole)."""
+        none: the holder counts whole), and its ``prefixes`` value, if any (likewise: its whole
+        prompt counts)."""
         lease, tokens, cap, admitted = value.split(" ", 4)[:4]
         base = {
             "field": field,
@@ -108,8 +126,12 @@ class Record:
         except ValueError:
             return cls(**base)  # type: ignore[arg-type]
         prompt_tokens, counted_output, made, seen_ms, first_ms, start_ms = numbers
+        prefix, borrowed, unkeyed = read_record(lending)
         return cls(
             **base,  # type: ignore[arg-type]
+            prefix=prefix,
+            borrowed=borrowed,
+            unkeyed=unkeyed,
             prompt=prompt_tokens,
             counted=counted_output,
             tracked=tracked == "1",
@@ -149,11 +171,14 @@ class PeakView:
         drain: str | None = None,
         clock: bool = False,
         let_go: Iterable[tuple[float, Record]] = (),
+        tainted: Iterable[bytes] = (),
     ) -> None:
         self.now = now
         #: The holders released lately, each with when (Redis clock), oldest first: read only
         #: for the engine's books (see :func:`explained_elsewhere`).
         self.let_go = list(let_go)
+        #: Prefix blocks of which a freed copy may be handed to a borrower (see ``peak.py``).
+        self.tainted = frozenset(tainted)
         #: Whether a newcomer admitted now starts at once in the engine (as the admitting
         #: gateway saw the engine: see :meth:`.admission.ledger.KVAdmissionController.clock_runs`):
         #: then it is counted from its admission, its first token due by a deadline every
@@ -179,6 +204,7 @@ class PeakView:
             start_clock=self.clock,
             forecast=True,  # a newcomer counted as the admitting gateway forecasts it now
         )
+        model.shares_prefixes = p.shares_prefixes
         if self.clock:  # the engine's speed as measured from its counters: the clock's steps
             first = self.records[0].admitted_at if self.records else self.now
             model.set_speed(p.decode_rate, p.throughput, min(first, self.now), steps=True)
@@ -198,7 +224,11 @@ class PeakView:
                 handle.seen_at = record.seen_at
                 handle.first_seen_at = record.first_seen_at
                 handle.start_by = record.start_by
+            if record.prompt is not None:  # else it counts whole
+                handle.prefix, handle.borrowed = record.prefix, record.borrowed
+                handle.unkeyed = record.unkeyed
             self._handles[record.field] = handle
+        model.tainted = self.tainted
         return model
 
     @property
@@ -230,10 +260,18 @@ class PeakView:
         holders = [_text(x) for x in raw[3]]
         progress = [_text(x) for x in raw[4]]
         kept = dict(zip(progress[0::2], progress[1::2], strict=True))
+        lendings = [_text(x) for x in raw[8]] if len(raw) > 8 else []
+        lent = dict(zip(lendings[0::2], lendings[1::2], strict=True))
         records = [
-            Record.parse(field, value, kept.get(field))
+            Record.parse(field, value, kept.get(field), lent.get(field))
             for field, value in zip(holders[0::2], holders[1::2], strict=True)
         ]
+        tainted = []
+        for key in raw[9] if len(raw) > 9 else ():
+            try:
+                tainted.append(bytes.fromhex(_text(key)))
+            except ValueError:
+                continue  # not a key this version writes: no holder has it
         return cls(
             now=int(raw[0]) / 1000,
             grown=_text(raw[1]),
@@ -244,6 +282,7 @@ class PeakView:
             drain=(_text(raw[6]) or None) if len(raw) > 6 else None,
             clock=pricing.clock_runs(),
             let_go=_let_go(raw[7]) if len(raw) > 7 else (),
+            tainted=tainted,
         )
 
     @property
@@ -259,6 +298,7 @@ class PeakView:
         *,
         follow: bool = False,
         kind: Hashable = None,
+        prefix: tuple[Hashable, ...] = (),
     ) -> Fit | None:
         """Whether a newcomer fits now by the peak of every holder's trajectory, and the
         running cap (None: it does not). ``follow``: its progress will be published; then,
@@ -266,15 +306,23 @@ class PeakView:
         by :attr:`Fit.start_by`, which its record must carry; else it counts whole until its
         first token is published. Followed, it is counted to the admitting gateway's forecast
         of its output (``kind``: whose outputs it learns from), where that gateway forecasts:
-        :attr:`Fit.counted`, which its record must carry too."""
+        :attr:`Fit.counted`, which its record must carry too. ``prefix``: the keys of its
+        shareable prompt blocks, of which it borrows the :meth:`lent` ones (its record must say
+        so)."""
         handle = self.model.try_admit(
             prompt_tokens, output_cap, now=self.now, need=need, count_rejection=False,
-            follow=follow, kind=kind,
+            follow=follow, kind=kind, prefix=prefix,
         )  # fmt: skip
         if handle is None:
             return None
         self.model.release(handle)  # the model is a view: the commit is Redis's
+        self.model.tainted = self.tainted  # and so is what its going would leave
         return Fit(start_by=handle.start_by, counted=handle.counted_output)
+
+    def lent(self, prefix: tuple[Hashable, ...]) -> int:
+        """How many of ``prefix``'s first blocks a holder past its prefill has, whichever
+        gateway holds it: a newcomer borrows them (see :func:`.holders.borrowable`)."""
+        return borrowable(prefix, self.model.live_handles())
 
     @functools.cached_property
     def _room(self) -> int:
@@ -309,8 +357,10 @@ def explained_elsewhere(views: Sequence[PeakView], lease: str, at: float, *, sin
     if not views:
         return 0
     held: dict[str, Handle] = {}
+    tainted: set[Hashable] = set()
     for view in views:
         held.update((f, h) for f, h in view.handles.items() if not f.startswith(lease + ":"))
+        tainted |= view.tainted
     let_go = _explained_let_go(views, lease, since, held)
     if not held:
         return let_go
@@ -318,7 +368,7 @@ def explained_elsewhere(views: Sequence[PeakView], lease: str, at: float, *, sin
     fresh = max(at, freshest(held.values(), at))
     return let_go + explained(
         list(held.values()), fresh, fresh, decode_rate=model.decode_rate,
-        relay_lag=model.relay_lag, block_size=model.block_size,
+        relay_lag=model.relay_lag, block_size=model.block_size, tainted=tainted,
     )  # fmt: skip
 
 

@@ -1,22 +1,26 @@
 """Gateways on one real Redis (``--ledger``) under the peak rule: in front of the scripted
 lockstep engine of ``test_gateway_peak.py``, each publishes its holders' progress and a
 newcomer at one is admitted beside the other's holders whose whole caps would have left no
-room; in front of the reference server admitting on prompts, three never make it OOM."""
+room; in front of the reference server admitting on prompts, three never make it OOM; prompts
+that share a prefix count it once across gateways where the engine shares it."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from reference_server import running_server
 from reference_server.gateway import GatewayConfig
+from reference_server.gateway.config import public_url
 from reference_server.testing import running_gateway
+from tests.gateway.test_gateway_peak import _ENGINE
 from tests.gateway.test_gateway_shared import OOMING, _overload, gateway_process, shared_reserved
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.servers import at_zero, wait_for
@@ -100,3 +104,90 @@ def test_three_gateways_by_the_shared_peak_never_oom_an_engine_that_admits_on_pr
     assert [h["admission"] for h in healths] == ["peak"] * 3, healths
     assert all(s["failed"] == 0 for s in summaries), summaries
     assert metrics["kv_oom_events_total"] == 0
+
+
+@contextmanager
+def _most_held(redis_url: str, upstream: str) -> Iterator[list[int]]:
+    """The most reservations every gateway held at once in the shared ledger of ``upstream``,
+    read every 5 ms while the block runs (in the list yielded, once it ends)."""
+    most = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.005):
+            most[0] = max(most[0], shared_reserved(redis_url, upstream)[1])
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield most
+    finally:
+        done.set()
+        watcher.join(5)
+
+
+def _burst_over(bases: list[str], bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    """Every body at once, dealt in turn to the gateways at ``bases``."""
+    answers: list[httpx.Response] = []
+    lock = threading.Lock()
+
+    def one(base: str, body: dict[str, Any]) -> None:
+        answer = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        with lock:
+            answers.append(answer)
+
+    threads = [
+        threading.Thread(target=one, args=(bases[i % len(bases)], body))
+        for i, body in enumerate(bodies)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(150)
+    return answers
+
+
+@pytest.mark.slow
+def test_prompts_that_share_a_prefix_count_it_once_across_gateways(
+    redis_server: RedisServer,
+) -> None:
+    """Prompts of one 400-word prefix and a suffix of their own, 100 tokens each, dealt in turn
+    to two gateways on one Redis in front of the reference server: with its prefix caching on,
+    a newcomer at either gateway borrows the prefix's blocks from a holder of either past its
+    prefill, and more run at once; without it, each counts its whole prompt. Never an
+    overflow, and nothing of the prefix records left."""
+    prefix = " ".join(["river"] * 400)
+    bodies = [{"prompt": f"{prefix} {i}", "max_tokens": 100, "ignore_eos": True} for i in range(16)]
+    most: dict[bool, int] = {}
+    for sharing in (False, True):
+        # Counted by request only (its own prompt admission would refuse these long prompts).
+        engine = {
+            **_ENGINE, "kv_tokens": 2400, "prefix_caching": sharing,
+            "admission": "concurrency", "max_concurrency": 64,
+        }  # fmt: skip
+        with running_server(**engine) as upstream:
+            url = upstream.base_url
+            config = GatewayConfig(
+                upstreams=(url,), decode_rate=400.0, max_queue_wait=120.0, relay_lag=0.05,
+                ledger=redis_server.url,
+            )  # fmt: skip
+            with running_gateway(config) as one, running_gateway(config) as two:
+                with _most_held(redis_server.url, url) as held:
+                    answers = _burst_over([one.base_url, two.base_url], bodies)
+                healths = [
+                    httpx.get(g.base_url + "/health").json()["upstreams"][0] for g in (one, two)
+                ]
+                wait_for(lambda: shared_reserved(redis_server.url, url) == (0, 0))  # noqa: B023
+            metrics = upstream.metrics()
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            tag = "{kvclient:" + public_url(url) + "}"
+            left = [client.hlen(f"{tag}:prefixes"), client.hlen(f"{tag}:blocks")]
+        finally:
+            client.close()
+        assert [a.status_code for a in answers] == [200] * 16, sharing
+        assert [h["admission"] for h in healths] == ["peak", "peak"], healths
+        assert metrics["kv_oom_events_total"] == 0, sharing
+        assert left == [0, 0]
+        most[sharing] = held[0]
+    assert most[True] > most[False]

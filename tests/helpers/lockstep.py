@@ -77,6 +77,17 @@ class LockstepEngine:
                     seq.copies.append(copy)
             self.running[seq.id] = seq
 
+    def drop(self, sid: int) -> None:
+        """The engine lets sequence ``sid`` go before its end (its client gone), its prefix
+        copies with it."""
+        seq = self.running.pop(sid, None)
+        if seq is None:
+            self.waiting = deque(s for s in self.waiting if s.id != sid)
+            return
+        for copy in seq.copies:
+            copy.refs -= 1
+        self._start_waiting()
+
     def used(self) -> int:
         copies = sum(1 for copies in self.table.values() for c in copies if c.refs > 0)
         total = self.block * copies

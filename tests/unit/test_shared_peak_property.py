@@ -2,24 +2,31 @@
 gateway processes that publish their progress late and unevenly, admissions decided by
 different processes from snapshots (:class:`~reference_server.shared_ledger.view.PeakView`)
 and landed by the compare-and-set on ``grown``, a process killed mid-stream whose holders run
-on in the engine until its lease lapses: the lockstep engine's pool never overflows, and the
-ledger returns to 0.
+on in the engine until its lease lapses, prompts whose prefix blocks the engine shares (some
+the ledger has no keys of): the lockstep engine's pool never overflows, and the ledger returns
+to 0.
 
 ``_Store`` stands for the scripts' state as far as the property needs it (the holders, their
-progress records, ``grown`` and the caps' sum, the lease sweep); the decision is the
-production view's.
+progress and prefix records, ``grown`` and the caps' sum, the lease sweep, the tainted blocks
+worked out where a holder goes as the scripts do, by ``tainted_after``: a real-Redis test holds
+the scripts to it); the decision, and what a newcomer borrows, are the production view's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reference_server.admission.holders import START_SLACK_STEPS
+from reference_server.admission.holders import START_SLACK_STEPS, holds_unkeyed, tainted_after
 from reference_server.admission.ledger import KVAdmissionController
+from reference_server.admission.peak import prefix_blocks
+from reference_server.admission.values import Handle
 from reference_server.shared_ledger.view import PUBLISH_TOKENS, Fit, PeakView, Record
 from tests.helpers.lockstep import LockstepEngine, Seq
 
@@ -33,6 +40,7 @@ class _Store:
         self.usable = usable
         self.records: dict[str, Record] = {}
         self.grown = 0
+        self.tainted: set[Hashable] = set()
 
     def view(
         self, now: float, pricing: KVAdmissionController, publish_seconds: float, clock: bool
@@ -40,6 +48,7 @@ class _Store:
         return PeakView(
             now=now, grown=str(self.grown), records=self.records.values(), pricing=pricing,
             publish_seconds=publish_seconds, clock=clock,
+            tainted=self.tainted,  # type: ignore[arg-type]
         )  # fmt: skip
 
     def admit(self, record: Record, grown: str | None) -> bool | None:
@@ -61,16 +70,40 @@ class _Store:
         if kept is None or (kept.generated is not None and kept.generated >= generated):
             return
         first = kept.first_seen_at if kept.generated is not None else first_at
-        self.records[name] = Record(
-            field=kept.field, lease=kept.lease, tokens=kept.tokens, cap=kept.cap,
-            admitted_at=kept.admitted_at, prompt=kept.prompt, counted=kept.counted,
-            tracked=True, generated=generated, seen_at=read_at, first_seen_at=first,
+        self.records[name] = dataclasses.replace(
+            kept, tracked=True, generated=generated, seen_at=read_at, first_seen_at=first,
             start_by=None,
         )  # fmt: skip
 
+    def release(self, name: str) -> None:
+        """RELEASE, and each holder of a lease swept: its prefix record goes, and what its
+        going leaves is tainted."""
+        gone = self.records.pop(name)
+        live = [_as_handle(r) for r in self.records.values()]
+        self.tainted = tainted_after(_as_handle(gone), live, self.tainted)
+
     def sweep(self, lease: str) -> None:
         for name in [n for n, r in self.records.items() if r.lease == lease]:
-            del self.records[name]
+            self.release(name)
+
+
+def _as_handle(record: Record) -> Handle:
+    """A record as ``tainted_after`` reads a holder (what the scripts read of it)."""
+    handle = Handle(
+        id=0, prompt_tokens=record.prompt or 0, output_cap=record.cap,
+        reserved_tokens=record.tokens, admitted_at=record.admitted_at, due_at=math.inf,
+    )  # fmt: skip
+    handle.prefix, handle.borrowed, handle.unkeyed = record.prefix, record.borrowed, record.unkeyed
+    handle.generated, handle.first_seen_at = record.generated, record.first_seen_at
+    return handle
+
+
+def _keys(pricing: KVAdmissionController, request: dict[str, object]) -> tuple[Hashable, ...]:
+    """The keys its gateway gives the shared ledger: none for a prompt counted without token ids
+    (unkeyed, where the engine shares), nor where the engine shares nothing."""
+    if request.get("unkeyed"):
+        return ()
+    return pricing.prefix_keys(request.get("ids"), None)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -107,17 +140,28 @@ class _Decision:
     at: int
 
 
+#: Prompt heads several requests share (a system prompt, say).
+_HEADS = [list(range(1000, 1048)), list(range(2000, 2030))]
+
+
 @st.composite
 def spread(draw: st.DrawFn) -> dict[str, object]:
     processes = draw(st.integers(2, 4))
+    share = draw(st.booleans())  # the engine shares prefix blocks
     requests = []
     for i in range(draw(st.integers(1, 20))):
         cap = draw(st.integers(1, 300))
+        group = draw(st.sampled_from([None, 0, 1])) if share else None
+        head = _HEADS[group] if group is not None else []
+        ids = head + [5000 + 100 * i + j for j in range(draw(st.integers(1, 60 - len(head) // 2)))]
         requests.append(
             {
                 "id": i,
                 "arrival": draw(st.integers(0, 150)),
-                "prompt": draw(st.integers(1, 60)),
+                "prompt": len(ids),
+                "ids": ids,
+                # Shared by the engine, its keys unknown to the ledger (no token ids).
+                "unkeyed": share and draw(st.integers(0, 4)) == 0,
                 "cap": cap,
                 "length": draw(st.one_of(st.just(cap), st.just(cap), st.integers(1, cap))),
                 "process": draw(st.integers(0, processes - 1)),
@@ -140,6 +184,7 @@ def spread(draw: st.DrawFn) -> dict[str, object]:
         ),
         "lease_steps": draw(st.integers(1, 120)),
         "clock": draw(st.booleans()),  # the engine starts every newcomer at once
+        "share": share,
     }
 
 
@@ -165,9 +210,11 @@ def _run(work: dict[str, object]) -> _Ran:
         start_clock=True,
     )  # fmt: skip
     pricing.set_speed(1 / _DT, None, 0.0, steps=True)
+    share = bool(work.get("share", False))
+    pricing.shares_prefixes = share
     publish_seconds = max(every) * _DT  # the interval actually used
     store = _Store(pricing.usable_tokens)
-    engine = LockstepEngine(block, share=False)
+    engine = LockstepEngine(block, share=share)
     processes = [_Process(lease=f"p{i}", every=n) for i, n in enumerate(every)]
     pending = sorted(work["requests"], key=lambda r: (r["arrival"], r["id"]))  # type: ignore[arg-type]
     waiting: list[dict[str, int]] = []
@@ -191,7 +238,7 @@ def _run(work: dict[str, object]) -> _Ran:
                 gone = {held.seq.id for held in process.held.values()}
                 starting = [(due, seq) for due, seq in starting if seq.id not in gone]
                 for held in process.held.values():
-                    engine.running.pop(held.seq.id, None)
+                    engine.drop(held.seq.id)
                 process.held.clear()
         # Each live process decides on its own first waiter from a snapshot of its own.
         busy = {id(d.request) for d in deciding}
@@ -206,7 +253,8 @@ def _run(work: dict[str, object]) -> _Ran:
                 continue
             view = store.view(now, pricing, publish_seconds, clock)
             need = pricing.need_tokens(request["prompt"], request["cap"])
-            fit = view.fits(request["prompt"], request["cap"], need, follow=True)
+            keys = _keys(pricing, request)
+            fit = view.fits(request["prompt"], request["cap"], need, follow=True, prefix=keys)
             deciding.append(_Decision(process, request, view, fit, step + request["slow"]))
         # The commits due, in the order their snapshots were read.
         for decision in [d for d in deciding if d.at <= step]:
@@ -217,10 +265,15 @@ def _run(work: dict[str, object]) -> _Ran:
             need = pricing.need_tokens(request["prompt"], request["cap"])
             name = f"{process.lease}:{next(ids)}:{need}"
             fit = decision.fit
+            keys = _keys(pricing, request)
             record = Record(
                 field=name, lease=process.lease, tokens=need, cap=request["cap"],
                 admitted_at=now, prompt=request["prompt"], counted=request["cap"], tracked=True,
-                start_by=fit.start_by if fit is not None else None,
+                start_by=fit.start_by if fit is not None else None, prefix=keys,  # type: ignore[arg-type]
+                borrowed=decision.view.lent(keys),  # what its snapshot lent it
+                unkeyed=holds_unkeyed(
+                    keys, request["prompt"], shares_prefixes=share, block_size=block
+                ),
             )  # fmt: skip
             landed = store.admit(record, decision.view.grown if fit is not None else None)
             if not landed:
@@ -229,7 +282,9 @@ def _run(work: dict[str, object]) -> _Ran:
             waiting.remove(request)
             ran.admitted += 1
             ran.clocked += record.start_by is not None
-            seq = Seq(request["id"], [0] * request["prompt"], request["cap"], request["length"])
+            tokens = request.get("ids", [0] * request["prompt"])  # type: ignore[arg-type]
+            seq = Seq(request["id"], tokens, request["cap"], request["length"])  # type: ignore[arg-type]
+            seq.keys = prefix_blocks(seq.prompt, block) if share else ()
             process.held[seq.id] = _Held(seq, name, request["late"])
             starting.append((step + request["start"], seq))
         for due, seq in [s for s in starting if s[0] <= step]:
@@ -250,7 +305,7 @@ def _run(work: dict[str, object]) -> _Ran:
                 running = engine.running.get(sid)
                 held.history.append(running.generated if running else -1)
                 if sid in ended and step - ended[sid] > release_delay:
-                    del store.records[held.name]
+                    store.release(held.name)
                     del process.held[sid]
                     continue
                 count = held.history[-1 - held.late] if len(held.history) > held.late else 0
@@ -277,6 +332,7 @@ def test_processes_sharing_the_peak_never_overflow_a_lockstep_engine(
     ran = _run(work)
     assert ran.engine.peak_used <= ran.usable
     assert ran.store.records == {}  # the ledger returns to 0
+    assert ran.store.tainted == set()
     assert ran.admitted + ran.dropped == len(work["requests"])  # type: ignore[arg-type]
     if work["kill"] is None:
         assert ran.dropped == 0
@@ -321,3 +377,28 @@ def test_on_the_engines_clock_newcomers_start_beside_holders_whole_counts_wait_f
         assert (ran.clocked > 0) == clock
         most[clock] = ran.most_running
     assert most[True] > most[False]
+
+
+def test_prompts_that_share_a_prefix_run_more_at_once_where_the_engine_shares_it() -> None:
+    """Two processes, prompts of one 200-token head and a suffix of their own, 50 tokens out,
+    900 usable: whole (256 each) three at once; where the engine shares the head, a newcomer at
+    either process borrows its 12 blocks from a holder of the other past its prefill."""
+    head = list(range(3000, 3200))
+    requests = [
+        {"id": i, "arrival": 3 * i, "prompt": 205, "ids": [*head, *range(10 * i, 10 * i + 5)],
+         "cap": 50, "length": 50, "process": i % 2, "late": 1, "slow": 0, "start": 0}
+        for i in range(16)
+    ]  # fmt: skip
+    most = {}
+    for share in (False, True):
+        work: dict[str, object] = {
+            "requests": requests, "block": 16, "kv": 1000, "delay": 2, "every": [3, 7],
+            "release_delay": 1, "kill": None, "lease_steps": 50, "share": share,
+        }  # fmt: skip
+        ran = _run(work)
+        assert ran.admitted == 16
+        assert ran.engine.peak_used <= ran.usable
+        assert ran.store.tainted == set()
+        most[share] = ran.most_running
+    assert most[False] == 3
+    assert most[True] >= 8  # 11 when written
