@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -50,30 +51,40 @@ def shared_reserved(redis_url: str, upstream_url: str) -> tuple[int, int]:
 
 
 @contextmanager
-def gateway_process(upstream: str, *extra: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """``kvclient gateway`` in its own process on a free loopback port, once it is healthy."""
+def gateway_process(
+    upstream: str, *extra: str, decode_rate: str | None = "4000"
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``kvclient gateway`` in its own process on a free loopback port, once it is healthy
+    (``decode_rate``: its ``--decode-rate``, None: its default). Its log goes to a file, read
+    if it dies: a pipe nobody reads would stop it once full."""
     port = llama_engine.free_port()
+    rate = ["--decode-rate", decode_rate] if decode_rate is not None else []
     cmd = [sys.executable, "-m", "kvclient.cli", "gateway", "--upstream", upstream, "--port",
-           str(port), "--decode-rate", "4000", "--log-level", "warning", *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
+           str(port), *rate, "--log-level", "warning", *extra]  # fmt: skip
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stderr=log, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
 
-        def healthy() -> bool:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            def healthy() -> bool:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise AssertionError(log.read())
+                try:
+                    return httpx.get(url + "/health").status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            wait_for(healthy, timeout=30)
+            yield proc, url
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
             try:
-                return httpx.get(url + "/health").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(healthy, timeout=30)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.wait(15)
-        if proc.stderr is not None:
-            proc.stderr.close()
+                proc.wait(15)
+            except subprocess.TimeoutExpired:  # it did not stop: it must not outlive the test
+                proc.kill()
+                proc.wait(15)
 
 
 def _overload(urls: list[str], tmp_path: Path) -> list[dict[str, Any]]:
