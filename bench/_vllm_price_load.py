@@ -38,6 +38,7 @@ __all__ = [
     "Item",
     "burst",
     "caps_workload",
+    "drawn_lengths",
     "poisson",
     "prefix_workload",
     "realistic_workload",
@@ -123,6 +124,19 @@ def realistic_workload(
         items.append(Item(words, rng.randint(low, high), at, body))
         at += rng.expovariate(rate)
     return items
+
+
+def drawn_lengths(items: list[Item], seed: int = SEED) -> list[int]:
+    """An output length for each realistic item, drawn as vLLM's sampling makes it: geometric at
+    the item's chance a step (its stop ids over the vocabulary), at most its cap. The same
+    distribution as the real outputs, not the same draws (for :mod:`_vllm_price_play`)."""
+    rng = random.Random(seed)
+    lengths = []
+    for item in items:
+        chance = len(item.body["stop_token_ids"]) / VOCAB
+        steps = math.ceil(math.log(1.0 - rng.random()) / math.log(1.0 - chance))
+        lengths.append(max(1, min(item.cap, steps)))
+    return lengths
 
 
 def _client(

@@ -62,11 +62,13 @@ from _vllm_price_load import (
     Item,
     burst,
     caps_workload,
+    drawn_lengths,
     poisson,
     prefix_workload,
     realistic_workload,
     vllm_tester,
 )
+from _vllm_price_play import PLAYED_RULES, Played, play
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
@@ -88,6 +90,15 @@ LABELS = {
 }
 #: The engines: (KV cache bytes of the tiny model at 2 KiB a token, sequences at once).
 ENGINES = {"small": ("6M", 8), "large": ("32M", 64)}
+#: What each engine reports it has (``vllm:cache_config_info``), in tokens, and its block: for
+#: ``--play``, which starts no vLLM (a run reads them from the engine).
+POOLS = {"small": (3072, 128), "large": (16384, 128)}
+#: vLLM's time a step on the realistic mix, ``a + b x running`` seconds, and a prompt token's
+#: prefill, for the play. The small engine's fitted to the runs at 3/s on 2026-12-06 (direct
+#: 445 tokens/s at 5.6 at once, the gateway 361 at 4.3: these short contexts cost a step
+#: little more a sequence); the large one's to its direct runs at 3/s and 6/s (466-546 tokens/s
+#: at 24-28 at once).
+STEPS = {"small": (9.6e-3, 0.54e-3, 0.02e-3), "large": (10e-3, 1.6e-3, 0.02e-3)}
 
 
 def preemptions(url: str) -> float:
@@ -392,6 +403,10 @@ def main() -> None:
         "everything else on CPU 0, so that no CPU work per token is taken from the model's "
         "steps, as on a GPU)",
     )  # fmt: skip
+    parser.add_argument(
+        "--play", action="store_true",
+        help="realistic: only play each rule on the mix in the engine model (no vLLM; seconds)",
+    )  # fmt: skip
     args = parser.parse_args()
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     if args.mix == "prefix":
@@ -404,6 +419,12 @@ def main() -> None:
     if args.mix == "realistic" and args.warmup:
         # The same mix, other draws, at the same rate: what the gateway has learnt before.
         warmup = realistic_workload(args.warmup, args.rate, args.low, args.high, seed=SEED + 1)
+    if args.play:
+        if args.mix != "realistic":
+            parser.error("--play plays the realistic mix")
+        pool, block_size = POOLS[args.engine]
+        report_plays(plays(items, warmup, pool, block_size, args.engine), None)
+        return
     testers = ["ours", "vllm"] if args.tester == "both" else [args.tester]
     if args.mix != "realistic":
         testers = ["ours"]
@@ -426,6 +447,11 @@ def main() -> None:
                 print(f"  {result}", flush=True)
         counter = HuggingFaceCounter.from_pretrained(str(engine.model))
         ideal = ideals(items, counter, engine) if args.mix != "realistic" else {}
+        played: dict[str, Played] = {}
+        if args.mix == "realistic":
+            found = budget_from_vllm_metrics(httpx.get(engine.url + "/metrics", timeout=30).text)
+            assert found is not None, "vLLM's /metrics has no vllm:cache_config_info"
+            played = plays(items, warmup, *found, args.engine)
     results = [median_round(rounds[key]) for key in keys]
     for r in results:
         direct = next(
@@ -435,12 +461,16 @@ def main() -> None:
             mine, theirs = r.get(what), direct.get(what) if direct else None
             r[f"{what}_vs_direct"] = mine / theirs if mine is not None and theirs else None
     report(args, results, ideal, pinned, seqs)
+    if played:
+        direct = next((r for r in results if r["run"] == "direct" and r["tester"] == "ours"), None)
+        report_plays(played, direct)
     name = f"vllm_price_{args.mix}_{args.engine}"
     write_json(
         name + (f"_{args.rate:g}" if args.mix == "realistic" else ""),
         {"machine": machine(), "requests": len(items), "caps": [args.low, args.high],
          "mix": args.mix, "rate": args.rate, "engine": args.engine, "rounds": args.rounds,
          "pinned": pinned, "results": results, "ideal_running": ideal,
+         "played": {rule: vars(p) for rule, p in played.items()},
          "step_model": step_model(results),
          "all_rounds": {f"{n} ({t})": v for (n, t), v in rounds.items()}},
     )  # fmt: skip
@@ -528,6 +558,50 @@ def ideals(
         )
         for rule in IDEAL_RULES
     }
+
+
+def plays(
+    items: list[Item], warmup: list[Item] | None, pool: int, block_size: int, engine: str
+) -> dict[str, Played]:
+    """Each rule of :data:`PLAYED_RULES` played on the realistic mix (prompts of one token a
+    word and the BOS, output lengths drawn from each request's stop chance) against an engine
+    of ``pool`` KV tokens (less vLLM's null block), ``engine``'s sequences and step time; the
+    forecast learns the warm-up's outputs first, as the gateway does."""
+    learnt = []
+    if warmup:
+        learnt = list(zip(drawn_lengths(warmup, SEED + 1), (w.cap for w in warmup), strict=True))
+    lengths = drawn_lengths(items)
+    return {
+        rule: play(
+            [item.at for item in items],
+            [len(item.prompt.split()) + 1 for item in items],
+            [item.cap for item in items],
+            lengths,
+            pool=pool - VLLM_KEPT_BLOCKS * block_size,
+            block_size=block_size,
+            max_running=ENGINES[engine][1],
+            rule=rule,
+            step=STEPS[engine],
+            learnt=learnt,
+        )
+        for rule in PLAYED_RULES
+    }
+
+
+def report_plays(played: dict[str, Played], direct: dict[str, Any] | None) -> None:
+    """Each rule played, against direct played (and the best schedule that never preempts),
+    and what the gateway measured against direct, the goal's ratio, beside it."""
+    base = played["direct"].tokens_per_second
+    best = played["best"].tokens_per_second
+    for rule, p in played.items():
+        rate = p.tokens_per_second
+        print(
+            f"{PLAYED_RULES[rule]}, played: {p.running_mean:.2f} at once, {rate:.0f} tokens/s, "
+            f"{rate / base:.2f}x direct, {rate / best:.2f}x the best, {p.preemptions} "
+            f"preemptions, TTFT mean {p.ttft_mean:.1f} s, p99 {p.ttft_p99:.1f} s"
+        )
+    if direct is not None:
+        print(f"(measured direct: {direct['tokens_per_second']:.0f} tokens/s)")
 
 
 def step_model(results: list[dict[str, Any]]) -> tuple[float, float] | None:
