@@ -27,7 +27,8 @@ from .errors import UpstreamUnavailable
 
 if TYPE_CHECKING:
     from ..shared_ledger.books import EngineBooks
-    from ..shared_ledger.ledger import Lease, RedisLedger
+    from ..shared_ledger.lease import Lease
+    from ..shared_ledger.ledger import RedisLedger
     from ..shared_ledger.queue import SharedQueue
     from ..shared_ledger.wakeups import Wakeups
 
@@ -50,7 +51,7 @@ class SharedLedgers:
     ) -> None:
         # Imported here: redis is needed only when a ledger is shared.
         from ..shared_ledger.connection import connect
-        from ..shared_ledger.ledger import Lease
+        from ..shared_ledger.lease import Lease
         from ..shared_ledger.wakeups import Wakeups
 
         self.url = url

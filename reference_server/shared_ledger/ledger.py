@@ -6,8 +6,8 @@ write from here. The pricing (what a request needs, what never fits) is the in-p
 shared, not copied: a :class:`~.ledger.KVAdmissionController` is the ``pricing`` of each shared
 ledger.
 
-Each reservation carries its process's :class:`Lease`, renewed in the background while the
-process lives; a process that dies (SIGKILL, a cut network) loses its reservations once the
+Each reservation carries its process's :class:`~.lease.Lease`, renewed in the background while
+the process lives; a process that dies (SIGKILL, a cut network) loses its reservations once the
 lease expires, and one whose lease lapsed while it was slow finds its handles released when it
 next renews (the relay stops at that point).
 
@@ -26,12 +26,10 @@ import itertools
 import logging
 import math
 import time
-import uuid
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import redis.asyncio as aioredis
 
 from ..admission.fairness import FairPolicy
@@ -39,6 +37,7 @@ from ..admission.holders import holds_unkeyed
 from ..admission.ledger import Handle, KVAdmissionController
 from ..admission.queue import LedgerUnavailable
 from .connection import LEDGER_ERRORS, close
+from .lease import Lease
 from .prefixes import prefix_record
 from .scripts import (
     ADMIT,
@@ -146,61 +145,6 @@ def _text(value: Any) -> str:
 def _given(lending: str) -> tuple[str, ...]:
     """ADMIT's last ARGV, the prefix record, when there is one (older ADMITs end before it)."""
     return (lending,) if lending else ()
-
-
-class Lease:
-    """One process's lease, renewed for every shared ledger it holds reservations in.
-
-    :meth:`run` renews every ``ttl / 3`` seconds until cancelled; releases that failed while Redis
-    was away are retried then. ``on_state`` is told True when Redis is reachable again after a
-    failure, False when it stops being reachable.
-    """
-
-    def __init__(
-        self,
-        *,
-        ttl: float = DEFAULT_LEASE_SECONDS,
-        on_state: Callable[[bool], None] | None = None,
-    ) -> None:
-        if not 0 < ttl < 3600:
-            raise ValueError(f"the lease must be > 0 and < 3600 seconds, got {ttl}")
-        self.id = uuid.uuid4().hex[:16]
-        self.ttl = ttl
-        self.ledgers: list[RedisLedger] = []
-        self.lapsed_total = 0
-        self.reachable = True
-        self._on_state = on_state
-
-    @property
-    def ttl_ms(self) -> int:
-        return max(1, round(self.ttl * 1000))
-
-    def mark(self, reachable: bool) -> None:
-        """Record whether Redis answered; log and tell ``on_state`` on a change."""
-        if reachable == self.reachable:
-            return
-        self.reachable = reachable
-        if reachable:
-            logger.warning("shared ledger: Redis is reachable again; admitting new requests")
-        else:
-            logger.warning(
-                "shared ledger: Redis is unreachable; new requests are refused (503), "
-                "admitted ones finish"
-            )
-        if self._on_state is not None:
-            self._on_state(reachable)
-
-    async def renew_once(self) -> None:
-        for ledger in list(self.ledgers):
-            try:
-                await ledger.renew()
-            except LedgerUnavailable:
-                return
-
-    async def run(self) -> None:
-        while True:
-            await self.renew_once()
-            await anyio.sleep(self.ttl / 3)
 
 
 class RedisLedger:

@@ -22,8 +22,8 @@ from reference_server import Handle
 from reference_server.admission.queue import LedgerUnavailable, Rejected
 from reference_server.shared_ledger import queue as shared_queue
 from reference_server.shared_ledger.connection import connect
+from reference_server.shared_ledger.lease import Lease
 from reference_server.shared_ledger.ledger import (
-    Lease,
     LedgerConflict,
     RedisLedger,
     SharedState,
