@@ -175,7 +175,7 @@ return 0
 #: ARGV: lease, ttl_ms. Extends the lease (and the config's life with it). Returns 1 when the
 #: lease was still valid, 0 when it had lapsed: its holders are gone (swept here if they were
 #: not yet) and it starts afresh; 2 when Redis does not know the lease at all (it lost its data,
-#: a restart without persistence): the caller restores what it holds.
+#: a restart without persistence). Either way the caller puts back what it holds (RESTORE).
 RENEW = (
     PRELUDE
     + """
@@ -194,20 +194,33 @@ return 0
 """
 )
 
-#: ARGV: field, value, field, value...: reservations put back after Redis lost its data. The
-#: engine still holds them, so they count even past the budget (nothing more is admitted until
-#: they end).
+#: ARGV, four per holder: reservation, its ``holders`` value, its ``progress`` value ('': none)
+#: and its prefix record as ADMIT takes it ('': none, see :mod:`.prefixes`). Reservations put
+#: back after Redis swept them with a lapsed lease, or lost its data: the engine still holds
+#: them, so they count even past the budget (nothing more is admitted until they end). One held
+#: already is left as it is. Returns how many were put back.
 RESTORE = (
     PRELUDE
     + """
-tick(now_ms())
-for i = 1, #ARGV, 2 do
-  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
-    redis.call('INCRBY', KEYS[2], string.match(ARGV[i + 1], '^%S+ (%d+)'))
-    redis.call('INCR', KEYS[15])
+local now = now_ms()
+tick(now)
+local back = 0
+for i = 1, #ARGV, 4 do
+  local field, held = ARGV[i], ARGV[i + 1]
+  if redis.call('HSETNX', KEYS[1], field, held) == 1 then
+    redis.call('INCRBY', KEYS[2], string.match(held, '^%S+ (%d+)'))
+    if ARGV[i + 2] ~= '' then
+      redis.call('HSET', KEYS[14], field, ARGV[i + 2])
+    end
+    lend(field, ARGV[i + 3], string.match(held, '^%S+ %d+ %d+ (%d+)'))
+    back = back + 1
   end
 end
-return 1
+if back > 0 then
+  redis.call('INCR', KEYS[15])
+  tell(0)
+end
+return back
 """
 )
 
