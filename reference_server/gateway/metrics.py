@@ -250,7 +250,9 @@ class GatewayCollector:
                 value=shared.refused,
             )  # fmt: skip
             yield CounterMetricFamily(
-                "kv_ledger_lease_lapses", "Times this gateway found its lease lapsed.",
+                "kv_ledger_lease_lapses",
+                "Times this gateway found its lease lapsed while it held reservations (they "
+                "were put back: their requests run on).",
                 value=shared.lease.lapsed_total,
             )  # fmt: skip
         # What an autoscaler reads: every gateway's on a shared ledger, the same at each of

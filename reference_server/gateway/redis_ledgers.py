@@ -1,7 +1,7 @@
 """The gateway's side of the shared ledger (``--ledger redis://...``): one Redis client, one
 lease and one pub/sub subscription (waiters wake when another process releases) per process, a
-shared ledger and queue per upstream, the lease renewed in the background, and what the gateway
-does while Redis is away.
+shared ledger and queue per upstream, the lease renewed in the background (from a thread of its
+own: see :mod:`..shared_ledger.lease`), and what the gateway does while Redis is away.
 
 Under the peak rule each process publishes its holders' progress to Redis (one publisher per
 process, for every upstream: see :meth:`SharedLedgers.publish`), so that every process admits
@@ -15,6 +15,7 @@ retried once Redis answers again, and admission resumes by itself, with no resta
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,8 @@ from .errors import UpstreamUnavailable
 
 if TYPE_CHECKING:
     from ..shared_ledger.books import EngineBooks
-    from ..shared_ledger.ledger import Lease, RedisLedger
+    from ..shared_ledger.lease import Lease
+    from ..shared_ledger.ledger import RedisLedger
     from ..shared_ledger.queue import SharedQueue
     from ..shared_ledger.wakeups import Wakeups
 
@@ -49,12 +51,16 @@ class SharedLedgers:
         client_key: str | None = None,
     ) -> None:
         # Imported here: redis is needed only when a ledger is shared.
-        from ..shared_ledger.connection import connect
-        from ..shared_ledger.ledger import Lease
+        from ..shared_ledger.connection import connect, connect_sync
+        from ..shared_ledger.lease import Lease
         from ..shared_ledger.wakeups import Wakeups
 
         self.url = url
         self.client = connect(url, ca_file=ca_file, client_cert=client_cert, client_key=client_key)
+        #: The lease's thread's own client, synchronous, from the same settings.
+        self._sync_client = functools.partial(
+            connect_sync, url, ca_file=ca_file, client_cert=client_cert, client_key=client_key
+        )
         self.lease: Lease = Lease(ttl=lease_seconds, on_state=self._state)
         self.wakeups: Wakeups = Wakeups(self.client)
         self.ledgers: list[RedisLedger] = []
@@ -138,12 +144,19 @@ class SharedLedgers:
         self.refused += 1
 
     async def run(self) -> None:
-        """Renew the lease and listen for others' releases until cancelled (the app's
-        lifespan)."""
-        async with anyio.create_task_group() as group:
-            group.start_soon(self.wakeups.run)
-            group.start_soon(self.publish)
-            await self.lease.run()
+        """Renew the lease (from a thread of its own, over a synchronous client of its own) and
+        listen for others' releases until cancelled (the app's lifespan); the thread has
+        stopped when this returns."""
+        from ..shared_ledger.connection import close_sync
+
+        renewing = self._sync_client()
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self.wakeups.run)
+                group.start_soon(self.publish)
+                await self.lease.run(renewing)
+        finally:
+            close_sync(renewing)
 
     def _wake_publisher(self) -> None:
         self._publish_soon.set()

@@ -68,11 +68,6 @@ logger = logging.getLogger("kvclient.gateway")
 #: a few hundred bytes; it may straddle two pieces).
 _USAGE_TAIL = 4096
 
-_LAPSED = (
-    b'data: {"error": {"message": "the reservation lapsed (the gateway lost its lease on the '
-    b'shared ledger)", "type": "server_error", "param": null, "code": "reservation_lapsed"}}\n\n'
-)
-
 
 def unavailable(message: str, retry_after: float = 1.0) -> APIError:
     """A 503 with Retry-After: nothing can take the request now."""
@@ -536,11 +531,10 @@ class UpstreamBackend:
         handle: Handle,
         reader: ProgressReader | None = None,
     ) -> None:
-        """Relay a stream piece by piece as it arrives; a break becomes an SSE error event, and
-        so does a reservation taken back mid-stream (a shared ledger's lapsed lease): the
-        budget is no longer held, so nothing more is relayed. With a ``reader`` the holder's
-        progress is followed, and whole events are relayed (what the client did not ask for
-        taken out)."""
+        """Relay a stream piece by piece as it arrives; a break becomes an SSE error event (a
+        shared ledger's lapsed lease does not end it: what it held is put back). With a
+        ``reader`` the holder's progress is followed, and whole events are relayed (what the
+        client did not ask for taken out)."""
         upstream = known.upstream
         cap = handle.output_cap
         await send(
@@ -558,9 +552,6 @@ class UpstreamBackend:
         before = last = b""
         try:
             async for piece in response.content.iter_any():
-                if handle.released:
-                    await send({"type": "http.response.body", "body": _LAPSED, "more_body": False})
-                    return
                 before, last = last, piece
                 events = _followed(piece, reader, known, handle)
                 if events:

@@ -1,6 +1,8 @@
 """Reaching the shared ledger's Redis: a URL (``redis://``, ``rediss://`` with TLS, or
 ``redis+sentinel://`` through Sentinel) made into a client with short timeouts, what a Redis that
-is away raises, and closing the client."""
+is away raises, and closing the client. The clients are asyncio's, but for the lease's thread
+(:mod:`.lease`), whose client is synchronous, made from the same settings
+(:func:`connect_sync`)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,22 @@ import os
 from typing import Any
 from urllib.parse import unquote
 
+import redis
 import redis.asyncio as aioredis
+import redis.asyncio.retry
 import redis.exceptions
-from redis.asyncio.retry import Retry
+import redis.retry
 from redis.backoff import NoBackoff
 
-__all__ = ["COMMAND_TIMEOUT", "LEDGER_ERRORS", "SENTINEL_SCHEME", "close", "connect"]
+__all__ = [
+    "COMMAND_TIMEOUT",
+    "LEDGER_ERRORS",
+    "SENTINEL_SCHEME",
+    "close",
+    "close_sync",
+    "connect",
+    "connect_sync",
+]
 
 #: The scheme of a ledger found through Redis Sentinel (see :func:`connect`).
 SENTINEL_SCHEME = "redis+sentinel://"
@@ -46,6 +58,48 @@ def connect(
     Over TLS, Redis's certificate is verified (host name included) against ``ca_file`` (PEM;
     default: the system's CAs); ``client_cert`` (with its key in ``client_key`` or in the same
     file) is shown to a Redis that asks for one (``tls-auth-clients``, on by default)."""
+    options = _options(url, ca_file, client_cert, client_key, environ)
+    options["retry"] = redis.asyncio.retry.Retry(NoBackoff(), 1)
+    if url.startswith(SENTINEL_SCHEME):
+        from redis.asyncio.sentinel import Sentinel
+
+        sentinels, service, db, sockets = _sentinel(url, options)
+        sentinel = Sentinel(sentinels, sentinel_kwargs=sockets, **sockets)
+        master: aioredis.Redis = sentinel.master_for(service, db=db, **options)
+        return master
+    return aioredis.from_url(url, **options)
+
+
+def connect_sync(
+    url: str,
+    *,
+    ca_file: str | None = None,
+    client_cert: str | None = None,
+    client_key: str | None = None,
+    environ: dict[str, str] | None = None,
+) -> redis.Redis:
+    """:func:`connect`'s synchronous twin, from the same settings (for a thread of its own)."""
+    options = _options(url, ca_file, client_cert, client_key, environ)
+    options["retry"] = redis.retry.Retry(NoBackoff(), 1)
+    if url.startswith(SENTINEL_SCHEME):
+        from redis.sentinel import Sentinel
+
+        sentinels, service, db, sockets = _sentinel(url, options)
+        sentinel = Sentinel(sentinels, sentinel_kwargs=sockets, **sockets)
+        master: redis.Redis = sentinel.master_for(service, db=db, **options)
+        return master
+    return redis.Redis.from_url(url, **options)
+
+
+def _options(
+    url: str,
+    ca_file: str | None,
+    client_cert: str | None,
+    client_key: str | None,
+    environ: dict[str, str] | None,
+) -> dict[str, Any]:
+    """The settings of a client for ``url`` (see :func:`connect`), but its retry, which is the
+    client's own kind."""
     if not url.startswith(("redis://", "rediss://", SENTINEL_SCHEME)):
         raise ValueError(
             f"--ledger must be a redis://, rediss:// or {SENTINEL_SCHEME} URL, "
@@ -55,10 +109,9 @@ def connect(
     options: dict[str, Any] = {
         "socket_timeout": COMMAND_TIMEOUT,
         "socket_connect_timeout": COMMAND_TIMEOUT,
-        # One retry on a fresh connection: a pooled one may have died with a Redis restart (or
-        # a failover). The scripts are idempotent, so one that ran before its answer was lost
-        # may run again.
-        "retry": Retry(NoBackoff(), 1),
+        # One retry on a fresh connection (the caller adds it): a pooled one may have died with
+        # a Redis restart (or a failover). The scripts are idempotent, so one that ran before
+        # its answer was lost may run again.
         "retry_on_error": [redis.exceptions.ConnectionError],
     }
     password = env.get("KVCLIENT_LEDGER_PASSWORD")
@@ -69,15 +122,14 @@ def connect(
         if not url.startswith("rediss://"):
             raise ValueError("TLS files need a rediss:// URL")
         options.update({key: value for key, value in tls.items() if value is not None})
-    if url.startswith(SENTINEL_SCHEME):
-        return _sentinel_master(url, options)
-    return aioredis.from_url(url, **options)
+    return options
 
 
-def _sentinel_master(url: str, options: dict[str, Any]) -> aioredis.Redis:
-    """The client of a ``redis+sentinel://`` URL's master (see :func:`connect`)."""
-    from redis.asyncio.sentinel import Sentinel
-
+def _sentinel(
+    url: str, options: dict[str, Any]
+) -> tuple[list[tuple[str, int]], str, int, dict[str, Any]]:
+    """A ``redis+sentinel://`` URL's Sentinels, service, database and the Sentinels' socket
+    settings (see :func:`connect`); the master's user and password go into ``options``."""
     rest = url[len(SENTINEL_SCHEME) :]
     netloc, _, path = rest.partition("/")
     userinfo, _, hosts = netloc.rpartition("@")
@@ -99,9 +151,7 @@ def _sentinel_master(url: str, options: dict[str, Any]) -> aioredis.Redis:
             f"{url.split('@')[-1]!r}"
         )
     sockets = {key: value for key, value in options.items() if key.startswith("socket_")}
-    sentinel = Sentinel(sentinels, sentinel_kwargs=sockets, **sockets)
-    master: aioredis.Redis = sentinel.master_for(service, db=int(db or 0), **options)
-    return master
+    return sentinels, service, int(db or 0), sockets
 
 
 async def close(client: aioredis.Redis) -> None:
@@ -112,3 +162,13 @@ async def close(client: aioredis.Redis) -> None:
     if isinstance(client.connection_pool, SentinelConnectionPool):
         for sentinel in client.connection_pool.sentinel_manager.sentinels:
             await sentinel.aclose()
+
+
+def close_sync(client: redis.Redis) -> None:
+    """Close a client from :func:`connect_sync`, and the Sentinels' connections with it."""
+    from redis.sentinel import SentinelConnectionPool
+
+    client.close()
+    if isinstance(client.connection_pool, SentinelConnectionPool):
+        for sentinel in client.connection_pool.sentinel_manager.sentinels:
+            sentinel.close()

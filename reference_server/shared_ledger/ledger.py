@@ -6,10 +6,12 @@ write from here. The pricing (what a request needs, what never fits) is the in-p
 shared, not copied: a :class:`~.ledger.KVAdmissionController` is the ``pricing`` of each shared
 ledger.
 
-Each reservation carries its process's :class:`Lease`, renewed in the background while the
-process lives; a process that dies (SIGKILL, a cut network) loses its reservations once the
-lease expires, and one whose lease lapsed while it was slow finds its handles released when it
-next renews (the relay stops at that point).
+Each reservation carries its process's :class:`~.lease.Lease`, renewed in the background while
+the process lives; a process that dies (SIGKILL, a cut network) loses its reservations once the
+lease expires. One alive whose lease lapsed all the same (Redis away for longer than the lease,
+an event loop stalled past the lease's bound) puts back what it still holds when it next
+renews, as after Redis lost its data: the engine holds their KV whatever Redis says, and their
+requests run on.
 
 Waiters learn of room made by another process through Redis pub/sub
 (:class:`~.wakeups.Wakeups`): every script that changes an upstream's shared state publishes the
@@ -26,12 +28,10 @@ import itertools
 import logging
 import math
 import time
-import uuid
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import redis.asyncio as aioredis
 
 from ..admission.fairness import FairPolicy
@@ -39,6 +39,7 @@ from ..admission.holders import holds_unkeyed
 from ..admission.ledger import Handle, KVAdmissionController
 from ..admission.queue import LedgerUnavailable
 from .connection import LEDGER_ERRORS, close
+from .lease import Lease
 from .prefixes import prefix_record
 from .scripts import (
     ADMIT,
@@ -148,61 +149,6 @@ def _given(lending: str) -> tuple[str, ...]:
     return (lending,) if lending else ()
 
 
-class Lease:
-    """One process's lease, renewed for every shared ledger it holds reservations in.
-
-    :meth:`run` renews every ``ttl / 3`` seconds until cancelled; releases that failed while Redis
-    was away are retried then. ``on_state`` is told True when Redis is reachable again after a
-    failure, False when it stops being reachable.
-    """
-
-    def __init__(
-        self,
-        *,
-        ttl: float = DEFAULT_LEASE_SECONDS,
-        on_state: Callable[[bool], None] | None = None,
-    ) -> None:
-        if not 0 < ttl < 3600:
-            raise ValueError(f"the lease must be > 0 and < 3600 seconds, got {ttl}")
-        self.id = uuid.uuid4().hex[:16]
-        self.ttl = ttl
-        self.ledgers: list[RedisLedger] = []
-        self.lapsed_total = 0
-        self.reachable = True
-        self._on_state = on_state
-
-    @property
-    def ttl_ms(self) -> int:
-        return max(1, round(self.ttl * 1000))
-
-    def mark(self, reachable: bool) -> None:
-        """Record whether Redis answered; log and tell ``on_state`` on a change."""
-        if reachable == self.reachable:
-            return
-        self.reachable = reachable
-        if reachable:
-            logger.warning("shared ledger: Redis is reachable again; admitting new requests")
-        else:
-            logger.warning(
-                "shared ledger: Redis is unreachable; new requests are refused (503), "
-                "admitted ones finish"
-            )
-        if self._on_state is not None:
-            self._on_state(reachable)
-
-    async def renew_once(self) -> None:
-        for ledger in list(self.ledgers):
-            try:
-                await ledger.renew()
-            except LedgerUnavailable:
-                return
-
-    async def run(self) -> None:
-        while True:
-            await self.renew_once()
-            await anyio.sleep(self.ttl / 3)
-
-
 class RedisLedger:
     """An upstream's reservations in Redis, under keys named by ``name`` (its public URL).
 
@@ -248,10 +194,18 @@ class RedisLedger:
         }
         self._ids = itertools.count(1)
         self._fields: dict[int, tuple[Handle, str]] = {}
+        #: reservation -> what ADMIT recorded with it besides its holding, to be put back with
+        #: it (see :meth:`_restore`): the head of its progress record ("prompt counted
+        #: tracked", '' none) and its prefix record ('' none).
+        self._records: dict[str, tuple[str, str]] = {}
+        #: RENEW's answer still to settle by putting back what is held (0: the lease had
+        #: lapsed, 2: Redis had lost its data), None when there is none.
+        self._restore_due: int | None = None
         self._unreleased: list[str] = []
         self._unleft: list[str] = []
         self._pricing = pricing
-        self.on_lapse: Callable[[list[Handle]], None] | None = None
+        #: Told the handles put back after the lease lapsed or Redis lost its data.
+        self.on_restore: Callable[[list[Handle]], None] | None = None
         #: The shared totals as last heard from Redis: an admission's answer, a snapshot, or a
         #: change published by any gateway (:class:`~.wakeups.Wakeups`).
         self.seen = SharedState()
@@ -269,6 +223,11 @@ class RedisLedger:
     @property
     def usable_tokens(self) -> int:
         return self.pricing.usable_tokens
+
+    @property
+    def keys(self) -> list[str]:
+        """The upstream's keys in Redis, as every script takes them."""
+        return self._keys
 
     async def run(self, script: str, *args: Any) -> Any:
         try:
@@ -372,6 +331,9 @@ class RedisLedger:
             return None
         handle = self.adopt(ticket, prompt_tokens, output_cap, need, int(now_ms) / 1000)
         handle.counted_output = int(counted) if counted else output_cap  # as its record says
+        if len(args) > 7:  # ADMIT wrote its progress record, and its prefix record if any
+            progress = f"{prompt_tokens} {handle.counted_output} {int(bool(follow))}"
+            self._records[ticket] = (progress, lending)
         return handle
 
     async def _admit(self, *args: Any) -> tuple[int, int, Any]:
@@ -455,56 +417,86 @@ class RedisLedger:
         if entry is None or entry[0] is not handle:
             return
         handle.released = True
+        self._records.pop(entry[1], None)
         try:
             await self.run(RELEASE, entry[1])
         except LedgerUnavailable:
             self._unreleased.append(entry[1])
 
     async def renew(self) -> None:
-        """Extend this process's lease; retry releases that failed. A lease found lapsed: its
-        reservations are gone from Redis, so the handles here are released (``on_lapse``)."""
+        """Extend this process's lease; retry releases that failed; put back what it holds when
+        the lease had lapsed or Redis had lost its data (:meth:`found`). A running gateway's
+        lease is renewed by its own thread (:mod:`.lease`); this is for joining, and for a
+        script that found the lease gone."""
+        await self._retry()
+        self.found(int(await self.run(RENEW, self.lease.id, self.lease.ttl_ms)))
+        if self._restore_due is not None:
+            await self._restore()
+
+    async def tend(self) -> None:
+        """What the lease's renewal leaves to the event loop: retry the releases and queue
+        exits that failed while Redis was away, and put back what is held when a renewal found
+        it gone (:meth:`found`)."""
+        await self._retry()
+        if self._restore_due is not None:
+            await self._restore()
+
+    def found(self, kept: int) -> None:
+        """Take a renewal's answer: 0, the lease had lapsed and Redis swept this process's
+        reservations; 2, Redis had lost its data. Either way what is still held here is put
+        back (at the next :meth:`tend` or :meth:`renew`), not ended: the engine holds it
+        whatever Redis says. A lapse is counted (``lapsed_total``) when anything was held."""
+        if kept == 0 and self._fields:
+            self.lease.lapsed_total += 1
+        if kept == 2 or (kept == 0 and self._fields):
+            self._restore_due = max(kept, self._restore_due or 0)
+
+    async def _retry(self) -> None:
         while self._unreleased:
             await self.run(RELEASE, self._unreleased[-1])
             self._unreleased.pop()
         while self._unleft:
             await self.run(LEAVE, self._unleft[-1], 0)
             self._unleft.pop()
-        kept = await self.run(RENEW, self.lease.id, self.lease.ttl_ms)
-        if kept == 2:  # Redis lost its data: the engine still holds what was admitted here
-            await self._restore()
-            return
-        if kept == 0 and self._fields:
-            lost = [handle for handle, _ in self._fields.values()]
-            self._fields.clear()
-            for handle in lost:
-                handle.released = True
-            self.lease.lapsed_total += 1
-            logger.warning(
-                "shared ledger of %s: this gateway's lease lapsed; %d reservations were "
-                "reclaimed and their requests end",
-                self.name,
-                len(lost),
-            )
-            if self.on_lapse is not None:
-                self.on_lapse(lost)
 
     async def _restore(self) -> None:
-        await self.run(CONFIG, fingerprint(self.pricing, self.fairness), self.lease.ttl_ms)
-        if not self._fields:
+        """Put back what is held here (RESTORE): each holding with its progress record as ADMIT
+        wrote it (the publisher writes its progress again) and its prefix record; then tell
+        ``on_restore``. A fair holder comes back without its tenant (its tenant was charged to
+        the sweep; what it holds after is not charged). Redis away: tried again at the next
+        :meth:`tend`."""
+        due, self._restore_due = self._restore_due, None
+        if due is None:
             return
+        held = list(self._fields.values())
         args: list[str] = []
-        for handle, field in self._fields.values():
+        for handle, field in held:
             admitted = round(handle.admitted_at * 1000)
-            args += [
-                field,
-                f"{self.lease.id} {handle.reserved_tokens} {handle.output_cap} {admitted}",
-            ]
-        await self.run(RESTORE, *args)
-        logger.warning(
-            "shared ledger of %s: Redis had lost its data; %d reservations put back",
-            self.name,
-            len(self._fields),
-        )
+            head, lending = self._records.get(field, ("", ""))
+            progress = f"{head} -1 {admitted} {admitted} 0" if head else ""
+            value = f"{self.lease.id} {handle.reserved_tokens} {handle.output_cap} {admitted}"
+            args += [field, value, progress, lending]
+        try:
+            if due == 2:
+                fingerprinted = fingerprint(self.pricing, self.fairness)
+                await self.run(CONFIG, fingerprinted, self.lease.ttl_ms)
+            back = int(await self.run(RESTORE, *args)) if args else 0
+        except LedgerUnavailable:
+            self._restore_due = max(due, self._restore_due or 0)
+            raise
+        # One released while RESTORE was on its way may have been put back after its release.
+        self._unreleased += [f for h, f in held if self.field_of(h) is None]
+        if held:
+            logger.warning(
+                "shared ledger of %s: %s; %d reservations put back (the engine still holds "
+                "them; their requests run on)",
+                self.name,
+                "Redis had lost its data" if due == 2 else "this gateway's lease had lapsed",
+                back,
+            )
+            if self.on_restore is not None:
+                self.on_restore([h for h, _ in held if not h.released])
+        await self._retry()
 
     async def snapshot(self) -> Snapshot:
         """The shared state now (and :attr:`seen` from it)."""

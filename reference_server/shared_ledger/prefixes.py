@@ -29,7 +29,8 @@ own (a prefill ends at the first token in the holder's ``progress`` record; none
 over); a block no holder has any more is forgotten. Tests hold the two to the same answers.
 
 A holder without a record counts its whole prompt wherever it is read (admitted by a gateway
-that writes none, or put back after Redis lost its data), and its going taints nothing.
+that writes none), and its going taints nothing. A holder put back (RESTORE: its lease had
+lapsed, or Redis lost its data) comes back with the record its gateway admitted it with.
 
 >>> prefix_record((bytes(16),), 1, False)
 '1 0 00000000000000000000000000000000'

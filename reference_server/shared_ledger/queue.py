@@ -77,7 +77,7 @@ class SharedQueue(AdmissionQueue):
         #: mirror handle id -> (mirror handle, shared handle)
         self._links: dict[int, tuple[Handle, Handle]] = {}
         self._wakes: list[Wake] = []
-        shared.on_lapse = self._lapsed
+        shared.on_restore = self._restored
         self._wakeups = wakeups
         if wakeups is not None:
             wakeups.watch(shared, self.notify)
@@ -195,15 +195,16 @@ class SharedQueue(AdmissionQueue):
             advertised=pricing.strategy == "reserve",
         )
 
-    def _lapsed(self, lost: list[Handle]) -> None:
-        # The shared reservations are gone: the mirror's go too, and their relays stop (they
-        # watch ``handle.released``).
-        gone = {id(h) for h in lost}
-        for key, (mine, shared) in list(self._links.items()):
-            if id(shared) in gone:
-                del self._links[key]
+    def _restored(self, back: list[Handle]) -> None:
+        # The shared reservations were put back (the lease had lapsed, or Redis lost its data):
+        # the mirror's stay as they are, and their progress is published again, from where
+        # their records were put back (before their first token).
+        restored = {id(h) for h in back}
+        for key, (_, shared) in self._links.items():
+            if id(shared) in restored:
                 self._published.pop(key, None)
-                self.ledger.release(mine)
+        if self.publish_soon is not None:
+            self.publish_soon()
 
     def progress(self, handle: Handle, generated: int) -> None:
         """The mirror's :meth:`~AdmissionQueue.progress`; its first count, tokens enough

@@ -9,7 +9,7 @@ fingerprint), ``gone`` (the leases swept for expiring, remembered for an hour), 
 by every change), ``progress`` and ``grown`` for the peak rule, ``prefixes``, ``blocks`` and
 ``tainted`` for its shared prefix blocks (see below), and for fair shares
 ``fair`` and ``tickets`` (see further below), ``let_go`` and ``let_go_records`` (the holders
-released lately, see below); and one pub/sub
+released lately, see :mod:`.let_go`); and one pub/sub
 channel, ``released``, told of every change as ``"wake reserved holders queued"``: the totals after
 it (tokens reserved, reservations, tokens the queue waits for), and ``wake`` 1 when the change may
 let a waiter in (a release, a lease swept, a ticket leaving the queue or admitted from
@@ -21,23 +21,12 @@ are found by their prefix. Every script may run twice (a retry after a lost answ
 the same as once. Every script first sweeps expired leases: their holders' tokens come
 back and their tickets leave the queue, so a gateway that died cannot pin the budget. Times are
 the Redis server's (``TIME``), so gateways on machines with different clocks agree.
-
-A holder released (``RELEASE``) is kept ``LET_GO_SECONDS``: ``let_go`` (a sorted set:
-reservation -> when it was released, ms of the Redis clock) and ``let_go_records`` (a hash:
-reservation -> its ``progress`` value and its ``holders`` value, a line each), forgotten by the
-sweep once older (both keys expire with the last). A short holder that lived wholly between two
-of a gateway's reads of the holders is in neither, while the engine's page taken between them
-may show it: ``PEAK_SNAPSHOT`` gives the holders let go when asked, and the engine's books
-count them until the page is newer than their release, as the in-process ledger counts its own
-(``engine_used``). Not the holders of a lease swept: their records are up to a lease older than
-the sweep, and a gateway cut off from Redis may still run them (KV that nobody explains is the
-truth then); nor one that ``LEAVE`` releases (admitted for a waiter that had gone, it never
-reached the engine).
 """
 
 from __future__ import annotations
 
-from .prefixes import lending_lua
+from .let_go import LET_GO_SECONDS
+from .lua import KEY_NAMES, PRELUDE
 
 __all__ = [
     "ADMIT",
@@ -60,153 +49,6 @@ __all__ = [
 
 #: A lease not renewed for this long is expired: its reservations come back.
 DEFAULT_LEASE_SECONDS = 5.0
-#: How long a holder released is kept (see the module): longer than from the start of an
-#: engine's page to a gateway's read of the holders after it (two scrape intervals of at most a
-#: second, or the scrape's 2 s timeout) and the relay's margin before it. One older is not
-#: explained: whole caps for a page, the safe way.
-LET_GO_SECONDS = 10.0
-
-KEY_NAMES = (
-    "holders", "reserved", "queue", "seq", "leases", "config", "gone", "released", "queued",
-    "occupancy", "version", "fair", "tickets", "progress", "grown", "draining", "drain",
-    "let_go", "let_go_records", "prefixes", "blocks", "tainted",
-)  # fmt: skip
-
-
-def _key(name: str) -> str:
-    return f"KEYS[{KEY_NAMES.index(name) + 1}]"
-
-
-#: The prefix records' functions (:mod:`.prefixes`), over this tuple's keys.
-_LENDING = lending_lua(
-    prefixes=_key("prefixes"), blocks=_key("blocks"), tainted=_key("tainted"),
-    progress=_key("progress"),
-)  # fmt: skip
-
-#: The holders let go (see the module): kept by ``RELEASE``, forgotten by every sweep.
-_LET_GO = f"""
-local LET_GO_MS = {round(LET_GO_SECONDS * 1000)}
-local function remember(field, now)
-  local progress = redis.call('HGET', KEYS[14], field) or ''
-  redis.call('ZADD', KEYS[18], now, field)
-  redis.call('HSET', KEYS[19], field, progress .. '\\n' .. redis.call('HGET', KEYS[1], field))
-  redis.call('PEXPIRE', KEYS[18], LET_GO_MS)
-  redis.call('PEXPIRE', KEYS[19], LET_GO_MS)
-end
-local function forget(now)
-  local older = '(' .. (now - LET_GO_MS)
-  local old = redis.call('ZRANGEBYSCORE', KEYS[18], '-inf', older)
-  for _, field in ipairs(old) do
-    redis.call('HDEL', KEYS[19], field)
-  end
-  if #old > 0 then
-    redis.call('ZREMRANGEBYSCORE', KEYS[18], '-inf', older)
-  end
-end
-"""
-
-_PRELUDE = (
-    _LET_GO
-    + _LENDING
-    + """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function enqueue(ticket)
-  redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), ticket)
-  redis.call('INCRBY', KEYS[9], string.match(ticket, ':(%d+)$'))
-end
-local function let_go(field)
-  unlend(field)
-  redis.call('HDEL', KEYS[14], field)
-  if redis.call('SREM', KEYS[16], field) == 1 and redis.call('SCARD', KEYS[16]) == 0 then
-    redis.call('DEL', KEYS[17])
-  end
-end
-local function dequeue(ticket)
-  if redis.call('ZREM', KEYS[3], ticket) == 0 then
-    return false
-  end
-  redis.call('DECRBY', KEYS[9], string.match(ticket, ':(%d+)$'))
-  return true
-end
-local function charge(value, now, keep)
-  local tokens, admitted, tenant = string.match(value, '^%S+ (%d+) %d+ (%d+) (.+)$')
-  if tenant then
-    local spent = (tonumber(tokens) - keep) * math.max(0, now - tonumber(admitted))
-    redis.call('HINCRBY', KEYS[12], 'taken:' .. tenant, string.format('%.0f', spent))
-  end
-end
-local function drop_lease(lease, now)
-  local prefix = lease .. ':'
-  local all = redis.call('HGETALL', KEYS[1])
-  for i = 1, #all, 2 do
-    if string.sub(all[i], 1, #prefix) == prefix then
-      local tokens = string.match(all[i + 1], '^%S+ (%d+)')
-      charge(all[i + 1], now, 0)
-      redis.call('HDEL', KEYS[1], all[i])
-      let_go(all[i])
-      redis.call('DECRBY', KEYS[2], tokens)
-    end
-  end
-  local tickets = redis.call('ZRANGE', KEYS[3], 0, -1)
-  for _, ticket in ipairs(tickets) do
-    if string.sub(ticket, 1, #prefix) == prefix then
-      dequeue(ticket)
-    end
-  end
-  local metas = redis.call('HKEYS', KEYS[13])
-  for _, ticket in ipairs(metas) do
-    if string.sub(ticket, 1, #prefix) == prefix then
-      redis.call('HDEL', KEYS[13], ticket)
-    end
-  end
-end
-local function state()
-  return (redis.call('GET', KEYS[2]) or '0') .. ' ' .. redis.call('HLEN', KEYS[1]) .. ' '
-    .. (redis.call('GET', KEYS[9]) or '0')
-end
-local function tell(wake)
-  redis.call('INCR', KEYS[11])
-  redis.call('PUBLISH', KEYS[8], wake .. ' ' .. state())
-end
-local function tick(now)
-  local at = tonumber(redis.call('HGET', KEYS[10], 'at') or now)
-  if now > at then
-    local holders = redis.call('HLEN', KEYS[1])
-    redis.call('HINCRBY', KEYS[10], 'held', (now - at) * holders)
-    if holders > 0 then
-      redis.call('HINCRBY', KEYS[10], 'busy', now - at)
-    end
-  end
-  redis.call('HSET', KEYS[10], 'at', math.max(now, at))
-end
-local function sweep(now)
-  tick(now)
-  forget(now)
-  local dead = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now)
-  for _, lease in ipairs(dead) do
-    drop_lease(lease, now)
-    redis.call('ZREM', KEYS[5], lease)
-    redis.call('SADD', KEYS[7], lease)
-    redis.call('PEXPIRE', KEYS[7], 3600000)
-  end
-  if #dead > 0 then
-    tell(1)
-  end
-end
-local function holder(field)
-  sweep(now_ms())
-  local held = redis.call('HGET', KEYS[1], field)
-  if not held then
-    return nil
-  end
-  local lease, tokens, rest = string.match(held, '^(%S+) (%d+) (.*)$')
-  return lease, tonumber(tokens), rest
-end
-"""
-)
 
 #: ARGV: lease, ticket, need, cap, usable, max_concurrency (0: none), enqueue (1/0), and for the
 #: peak rule: prompt tokens ('' for none: no progress record), tracked (1/0), and ``grown`` as
@@ -221,7 +63,7 @@ end
 #: now (queued when asked), {2, now, state} a holder came since the snapshot (read again),
 #: {-1, now, state} the lease is gone; ``state`` is ``"reserved holders queued"`` after it.
 ADMIT = (
-    _PRELUDE
+    PRELUDE
     + """
 local now = now_ms()
 sweep(now)
@@ -278,7 +120,7 @@ return {0, now, state()}
 #: ARGV: reservation. Returns the tokens given back; 0 when it was not held (released already,
 #: or swept with its lease): a reservation is never released twice. It is kept as let go.
 RELEASE = (
-    _PRELUDE
+    PRELUDE
     + """
 local _, tokens = holder(ARGV[1])
 if not tokens then
@@ -299,7 +141,7 @@ return tokens
 #: or by a first try whose answer was lost), released. Returns 1 left the queue, 2 it had been
 #: refused, 3 released, 0 none of these.
 LEAVE = (
-    _PRELUDE
+    PRELUDE
     + """
 local now = now_ms()
 sweep(now)
@@ -333,9 +175,9 @@ return 0
 #: ARGV: lease, ttl_ms. Extends the lease (and the config's life with it). Returns 1 when the
 #: lease was still valid, 0 when it had lapsed: its holders are gone (swept here if they were
 #: not yet) and it starts afresh; 2 when Redis does not know the lease at all (it lost its data,
-#: a restart without persistence): the caller restores what it holds.
+#: a restart without persistence). Either way the caller puts back what it holds (RESTORE).
 RENEW = (
-    _PRELUDE
+    PRELUDE
     + """
 local now = now_ms()
 local expiry = redis.call('ZSCORE', KEYS[5], ARGV[1])
@@ -352,20 +194,33 @@ return 0
 """
 )
 
-#: ARGV: field, value, field, value...: reservations put back after Redis lost its data. The
-#: engine still holds them, so they count even past the budget (nothing more is admitted until
-#: they end).
+#: ARGV, four per holder: reservation, its ``holders`` value, its ``progress`` value ('': none)
+#: and its prefix record as ADMIT takes it ('': none, see :mod:`.prefixes`). Reservations put
+#: back after Redis swept them with a lapsed lease, or lost its data: the engine still holds
+#: them, so they count even past the budget (nothing more is admitted until they end). One held
+#: already is left as it is. Returns how many were put back.
 RESTORE = (
-    _PRELUDE
+    PRELUDE
     + """
-tick(now_ms())
-for i = 1, #ARGV, 2 do
-  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
-    redis.call('INCRBY', KEYS[2], string.match(ARGV[i + 1], '^%S+ (%d+)'))
-    redis.call('INCR', KEYS[15])
+local now = now_ms()
+tick(now)
+local back = 0
+for i = 1, #ARGV, 4 do
+  local field, held = ARGV[i], ARGV[i + 1]
+  if redis.call('HSETNX', KEYS[1], field, held) == 1 then
+    redis.call('INCRBY', KEYS[2], string.match(held, '^%S+ (%d+)'))
+    if ARGV[i + 2] ~= '' then
+      redis.call('HSET', KEYS[14], field, ARGV[i + 2])
+    end
+    lend(field, ARGV[i + 3], string.match(held, '^%S+ %d+ %d+ (%d+)'))
+    back = back + 1
   end
 end
-return 1
+if back > 0 then
+  redis.call('INCR', KEYS[15])
+  tell(0)
+end
+return back
 """
 )
 
@@ -381,7 +236,7 @@ return ARGV[1]
 
 #: Returns {now, reserved, holders (flat field/value list), waiting tickets in order}.
 SNAPSHOT = (
-    _PRELUDE
+    PRELUDE
     + """
 local now = now_ms()
 sweep(now)
@@ -395,7 +250,7 @@ return {now, tonumber(redis.call('GET', KEYS[2]) or '0'), redis.call('HGETALL', 
 #: every gateway (what the gateway's speed measurement reads, as the in-process ledger's
 #: ``occupancy``).
 OCCUPANCY = (
-    _PRELUDE
+    PRELUDE
     + """
 sweep(now_ms())
 local held, busy, admitted = unpack(redis.call('HMGET', KEYS[10], 'held', 'busy', 'admitted'))
@@ -418,7 +273,7 @@ return {tonumber(held or '0'), tonumber(busy or '0'), tonumber(admitted or '0')}
 #: Returns {now, version, reserved, holders (flat), tickets with their sequence numbers (flat),
 #: their metas (flat), the fair hash (flat)}.
 FAIR_SNAPSHOT = (
-    _PRELUDE
+    PRELUDE
     + """
 local now = now_ms()
 sweep(now)
@@ -436,7 +291,7 @@ return {now, tonumber(redis.call('GET', KEYS[11]) or '0'),
 #: Returns {1, now, state} written, {0, now, state} the state changed since it was read (read
 #: it again), {-1, now, state} the lease is gone.
 FAIR_COMMIT = (
-    _PRELUDE
+    PRELUDE
     + """
 local now = now_ms()
 sweep(now)
@@ -535,7 +390,7 @@ return {1, now, state()}
 #: empty unless asked: only the engine's books need them), prefix records (flat), tainted
 #: keys}.
 PEAK_SNAPSHOT = (
-    _PRELUDE
+    PRELUDE
     + """
 local now = now_ms()
 sweep(now)
@@ -566,7 +421,7 @@ return {now, tonumber(redis.call('GET', KEYS[15]) or '0'),
 #: ``grown``: a decision by the peak read before it does not land. Returns 1, or 0 when no
 #: holder is live (nothing to wait for).
 BREAK = (
-    _PRELUDE
+    PRELUDE
     + """
 sweep(now_ms())
 local fields = redis.call('HKEYS', KEYS[1])
@@ -592,7 +447,7 @@ return 1
 #: count published; then waiters everywhere are woken (a holder past its first token counts
 #: less), without bumping ``version``: progress decides nothing for the fair shares.
 PROGRESS = (
-    _PRELUDE
+    PRELUDE
     + """
 local now = now_ms()
 sweep(now)

@@ -16,7 +16,8 @@ from reference_server.admission.fairness import FairPolicy, Tenant
 from reference_server.admission.queue import Rejected
 from reference_server.shared_ledger.connection import connect
 from reference_server.shared_ledger.fair import FairState, SharedFairQueue
-from reference_server.shared_ledger.ledger import Lease, LedgerConflict, RedisLedger
+from reference_server.shared_ledger.lease import Lease
+from reference_server.shared_ledger.ledger import LedgerConflict, RedisLedger
 from reference_server.shared_ledger.scripts import FAIR_SNAPSHOT
 from tests.helpers.redis_server import RedisServer
 from tests.unit.test_server_ledger import make

@@ -22,8 +22,8 @@ from reference_server import Handle
 from reference_server.admission.queue import LedgerUnavailable, Rejected
 from reference_server.shared_ledger import queue as shared_queue
 from reference_server.shared_ledger.connection import connect
+from reference_server.shared_ledger.lease import Lease
 from reference_server.shared_ledger.ledger import (
-    Lease,
     LedgerConflict,
     RedisLedger,
     SharedState,
@@ -206,22 +206,25 @@ async def test_a_dead_gateways_reservations_come_back_when_its_lease_expires(
 
 @pytest.mark.redis
 @pytest.mark.anyio
-async def test_a_slow_gateway_notices_its_lapsed_lease_and_never_releases_twice(
+async def test_a_slow_gateway_puts_back_what_its_lapsed_lease_held_and_never_releases_twice(
     redis_server: RedisServer, closing: None
 ) -> None:
     slow = await shared(redis_server, "u", ttl=0.2)
     other = await shared(redis_server, "u")
-    lost: list[Handle] = []
-    slow.on_lapse = lost.extend
+    back: list[Handle] = []
+    slow.on_restore = back.extend
     handle = await slow.try_admit(0, 8000)
     assert handle is not None
     await asyncio.sleep(0.4)  # the lease lapses while it is busy elsewhere
     taken = await other.try_admit(0, 8000)
     assert taken is not None  # swept: the other gateway took the room
     await slow.renew()
-    assert lost == [handle]
-    assert handle.released
+    assert back == [handle]  # the engine still holds it: put back, even past the budget
+    assert not handle.released
     assert slow.lease.lapsed_total == 1
+    assert await other.load() == (taken.reserved_tokens + handle.reserved_tokens, 2)
+    assert await other.try_admit(0, 10) is None
+    await slow.release(handle)
     await slow.release(handle)  # nothing: it is not released a second time
     assert await other.load() == (taken.reserved_tokens, 1)
 

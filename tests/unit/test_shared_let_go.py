@@ -1,7 +1,7 @@
 """The let-go race on the shared ledger, on a real Redis: a short request that lives wholly
 between two of a gateway's reads of every gateway's holders is in neither, while the engine's
 page, begun between them, may show it. Redis keeps the holders let go for a while (their last
-records and when: see ``scripts.py``), and a gateway's books count them until the page is newer
+records and when: see ``let_go.py``), and a gateway's books count them until the page is newer
 than their release, as the in-process ledger counts its own."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from reference_server.admission.values import Handle
 from reference_server.shared_ledger.ledger import RedisLedger
+from reference_server.shared_ledger.let_go import LET_GO_SECONDS
 from reference_server.shared_ledger.queue import SharedQueue
-from reference_server.shared_ledger.scripts import LET_GO_SECONDS
 from reference_server.shared_ledger.view import PeakView, Record, explained_elsewhere
 from tests.helpers.redis_server import RedisServer
 from tests.unit.test_shared_peak import _OPEN, gateway, pricing

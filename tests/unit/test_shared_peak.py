@@ -14,7 +14,8 @@ from reference_server.admission.holders import as_holder, freshest
 from reference_server.admission.ledger import KVAdmissionController
 from reference_server.admission.queue import Rejected
 from reference_server.shared_ledger.connection import connect
-from reference_server.shared_ledger.ledger import Lease, RedisLedger
+from reference_server.shared_ledger.lease import Lease
+from reference_server.shared_ledger.ledger import RedisLedger
 from reference_server.shared_ledger.queue import SharedQueue
 from reference_server.shared_ledger.view import PeakView
 from tests.helpers.redis_server import RedisServer
