@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS, metavar="S",
         help="with --ledger: a gateway that dies loses its reservations after S seconds, one "
-        "whose event loop is stuck after 4 S at most (default: %(default)s)",
+        "whose event loop is stuck after 3 S at most (default: %(default)s)",
     )  # fmt: skip
     add(
         "--workers", type=int, default=1, metavar="N",

@@ -9,8 +9,9 @@ Two tasks per upstream while the gateway serves:
   running and preemption figures, the KV it uses and what it lost are weighed by
   :meth:`EngineWatch.seen`.
 - :meth:`EngineWatch.lockstep` checks as often that those figures are fresh and that no
-  stream stalled while others advanced. Figures unread for ``BLIND_SECONDS`` (a ``/metrics``
-  that answers 404 or 401, times out, or leaves them out) put the upstream on whole caps, with
+  stream stalled while others advanced. A scrape that fails stops the newcomer's clock until
+  one succeeds; figures unread for ``BLIND_SECONDS`` (a ``/metrics`` that answers 404 or 401,
+  times out twice in a row, or leaves them out) put the upstream on whole caps, with
   no forecast and no newcomer's clock, until they are read again and the holders admitted
   meanwhile have gone. A task of its own: a scrape that hangs, or an engine that exports no
   decode counters, does not stop it.
@@ -61,11 +62,13 @@ SPEED_MISSES = 3
 #: Seconds a stream's count may stand still while another's moves before the engine is taken
 #: not to run them in lockstep: many decode steps even for a large batch on a CPU.
 STALL_SECONDS = 3.0
-#: Seconds the engine's waiting, running and preemption figures may go unread before its
-#: upstream counts whole caps: a few scrapes.
-BLIND_SECONDS = 3.0
 #: The longest a scrape of ``/metrics`` may take before it counts as unread.
 SCRAPE_TIMEOUT = 2.0
+#: Seconds the engine's waiting, running and preemption figures may go unread before its
+#: upstream counts whole caps: two scrapes in a row (at most a second apart) that time out. One
+#: slow answer of an engine's busy API server is no blindness (vLLM's took over 2 s under a
+#: burst on 2 cores); meanwhile a scrape that failed stops the newcomer's clock at once.
+BLIND_SECONDS = 2 * (1.0 + SCRAPE_TIMEOUT)
 #: Scrape intervals a gateway on a shared ledger waits for the scraper's next page before it
 #: scrapes the engine itself: its own scrape then comes before its figures count as unread
 #: (``BLIND_SECONDS``), so a scraper that dies puts no gateway on whole caps.
@@ -233,6 +236,8 @@ class EngineWatch:
             text, started, now = page if page is not None else await self._scrape(known)
             if text is not None:
                 self.seen(text, now, started=started, admitted=await self._admitted(known))
+            else:  # nothing known of what waits in the engine: no newcomer starts on its clock
+                known.ledger.engine_seen(waiting=None, preemptions=None)
             self.scraped.set()
             self.scraped = anyio.Event()
             if not measures:

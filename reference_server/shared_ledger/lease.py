@@ -42,9 +42,10 @@ __all__ = ["DEFAULT_LEASE_SECONDS", "STALL_LEASES", "Lease"]
 logger = logging.getLogger("kvclient.gateway")
 
 #: Leases the event loop may go without a heartbeat before the lease is no longer renewed: many
-#: times a step of a busy loop, so that load never costs a live process its lease; few enough
-#: that a wedged process pins the shared budget for a few leases more than a dead one.
-STALL_LEASES = 3.0
+#: times a step of a busy loop (2-4 s measured, a whole process's stall 11.5 s), so that load
+#: never costs a live process its lease; few enough that a wedged process pins the shared budget
+#: for a few leases more than a dead one.
+STALL_LEASES = 2.0
 
 
 class Lease:
