@@ -90,23 +90,8 @@ if head == nil or head == ticket then
     fits = true
   end
   if fits and (most == 0 or redis.call('HLEN', KEYS[1]) < most) then
-    redis.call('HSET', KEYS[1], ticket, lease .. ' ' .. need .. ' ' .. ARGV[4] .. ' ' .. now)
-    if (ARGV[8] or '') ~= '' then
-      local start = ARGV[11] or ''
-      if start == '' then
-        start = '0'
-      end
-      local counted = ARGV[12] or ''
-      if counted == '' then
-        counted = ARGV[4]
-      end
-      redis.call('HSET', KEYS[14], ticket, ARGV[8] .. ' ' .. counted .. ' ' .. ARGV[9]
-                 .. ' -1 ' .. now .. ' ' .. now .. ' ' .. start)
-    end
-    lend(ticket, ARGV[13] or '', now)
-    redis.call('INCR', KEYS[15])
-    redis.call('HINCRBY', KEYS[10], 'admitted', 1)
-    redis.call('INCRBY', KEYS[2], need)
+    hold(ticket, lease, need, ARGV[4], now, '', ARGV[8] or '', ARGV[9] or '', ARGV[11] or '',
+         ARGV[12] or '', ARGV[13] or '')
     local next_may_fit = dequeue(ticket) and redis.call('ZCARD', KEYS[3]) > 0
     tell(next_may_fit and 1 or 0)
     return {1, now, state()}
@@ -129,7 +114,7 @@ local _, tokens = holder(ARGV[1])
 if not tokens then
   return 0
 end
-charge(redis.call('HGET', KEYS[1], ARGV[1]), now_ms(), 0)
+charge(ARGV[1], now_ms())
 remember(ARGV[1], now_ms())
 redis.call('HDEL', KEYS[1], ARGV[1])
 let_go(ARGV[1])
@@ -164,7 +149,7 @@ if meta then
 end
 local held = redis.call('HGET', KEYS[1], ticket)
 if held then
-  charge(held, now, 0)
+  charge(ticket, now)
   redis.call('HDEL', KEYS[1], ticket)
   let_go(ticket)
   redis.call('DECRBY', KEYS[2], string.match(held, '^%S+ (%d+)'))
