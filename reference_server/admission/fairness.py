@@ -42,7 +42,11 @@ for it. Its tenant's key does not grow while it waits with nothing held, so it c
 its class in time.
 
 **Limits.** A tenant never holds more than ``max_share`` of the budget: a waiter that would take
-it past is not a candidate (it holds nobody back) until its own tenant's holders release.
+it past is not a candidate (it holds nobody back) until its own tenant's holders release. A
+tenant allowed the whole budget has no limit of its own: the budget's rule holds it. (Under the
+peak rule what a tenant holds now may come near the budget while its holders are about to end;
+counted against a limit of the whole budget, it would hold that tenant back while the budget
+admits another's newcomers beside those ends, and the other would take every such room.)
 
 **Priorities.** An integer class per request, lower served first (default 0), within the classes
 the operator granted its tenant (:meth:`Tenant.grant`): classes come before keys in the order,
@@ -457,7 +461,7 @@ class FairScheduler:
 
     def _within_limit(self, waiter: Waiter) -> bool:
         account = self._account(waiter.tenant)
-        return account.held + waiter.need <= account.limit
+        return account.limit >= self.usable or account.held + waiter.need <= account.limit
 
     def own_room_in(self, tenant: str, need: int, now: float) -> float:
         """Seconds until ``tenant``'s own holders, ending by their due times, leave it room for
