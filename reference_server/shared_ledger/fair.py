@@ -221,8 +221,12 @@ class SharedFairQueue(SharedQueue):
         else:
             ahead = decision.fair.waiting
             tokens = decision.fair.tokens_ahead_of_newcomer(seat.tenant, seat.priority, now)
-        # By the rule it is admitted by: every holder by its progress on the peak.
+        # By the rule it is admitted by: on the peak, every holder by its progress, and this
+        # gateway's holders cut before their end as ending soon (as the plain shared queue).
         model = decision.view.model if decision.peak else self.shared.model(state.snapshot())
+        for field, left in self._cuts().items() if decision.peak else ():
+            if (cut := decision.view.handles.get(field)) is not None:
+                cut.cut_by = now + max(0.0, left)
         wait = model.retry_after(
             seat.need + tokens, now, duration=seat.output_cap / self.ledger.decode_rate
         )

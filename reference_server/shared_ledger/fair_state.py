@@ -302,8 +302,12 @@ class Decision:
         it holds (see the module)."""
         tokens, cap, admitted, tenant = held
         now, counted = self.state.now, tokens
-        if self.peak and ticket in self.view.handles:
-            counted = min(tokens, self.view.model.held_now(self.view.handles[ticket], now))
+        if self.peak and ticket in self.view.handles:  # as of its latest count, as in process
+            # (where a holder is counted again at each relayed count): its margin is the
+            # relay's, not the time its count has waited for this decision
+            handle = self.view.handles[ticket]
+            seen = handle.seen_at if handle.generated is not None else now
+            counted = min(tokens, self.view.model.held_now(handle, min(seen, now)))
         rate, taken = tokens, tokens * max(0.0, now - admitted)
         if record is not None and record.prompt is not None and record.generated is not None:
             rate = record.prompt + record.generated
