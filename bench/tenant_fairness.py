@@ -9,7 +9,7 @@ granted class 0 alone. One reference server (``kvclient serve``, 16,128 KV token
 the prompt as vLLM does, outputs that stop by themselves after 200 tokens on average, at
 ``--decode-rate`` tokens/s per sequence) in its own process, and a gateway in front in its own,
 on its default rule, the peak rule (``/health`` says which ran; two gateways sharing a ledger
-count whole caps).
+run it too, over every gateway's holders).
 
 Flood: tenant A (key ``sk-a``) keeps ``--flood`` requests with 1,000-token caps in flight, each
 on a connection of its own and each sent with ``X-Tenant: b`` (B's name, in a header a careless

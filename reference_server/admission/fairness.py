@@ -42,7 +42,11 @@ for it. Its tenant's key does not grow while it waits with nothing held, so it c
 its class in time.
 
 **Limits.** A tenant never holds more than ``max_share`` of the budget: a waiter that would take
-it past is not a candidate (it holds nobody back) until its own tenant's holders release.
+it past is not a candidate (it holds nobody back) until its own tenant's holders release. A
+tenant allowed the whole budget has no limit of its own: the budget's rule holds it. (Under the
+peak rule what a tenant holds now may come near the budget while its holders are about to end;
+counted against a limit of the whole budget, it would hold that tenant back while the budget
+admits another's newcomers beside those ends, and the other would take every such room.)
 
 **Priorities.** An integer class per request, lower served first (default 0), within the classes
 the operator granted its tenant (:meth:`Tenant.grant`): classes come before keys in the order,
@@ -73,6 +77,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from .terms import (
+    DEFAULT_MAX_BYPASS,
+    DEFAULT_TENANT,
+    LOWER_CLASS_PASSES,
+    PRIORITY_RANGE,
+    FairPolicy,
+    Tenant,
+)
+
 __all__ = [
     "DEFAULT_MAX_BYPASS",
     "DEFAULT_TENANT",
@@ -86,92 +99,6 @@ __all__ = [
     "TenantStats",
     "Waiter",
 ]
-
-#: The tenant every request without a listed identity is counted as: they share its terms.
-DEFAULT_TENANT = "default"
-#: Admissions of its own class a waiter that does not fit may be passed by before it holds back
-#: those behind it: enough to keep the budget busy while it waits for room, few enough that a
-#: stream of small requests cannot put it off for long.
-DEFAULT_MAX_BYPASS = 4
-#: Admissions of a lower class a waiter of a higher class may be passed by (it does not fit now).
-LOWER_CLASS_PASSES = 1
-#: Priority classes that may be asked for or granted: a bound that keeps them small integers.
-PRIORITY_RANGE = range(-1000, 1001)
-
-
-def _finite(name: str, value: float, *, low: float, strict: bool) -> None:
-    ok = value > low if strict else value >= low
-    if isinstance(value, bool) or not (ok and math.isfinite(value)):
-        sign = ">" if strict else ">="
-        raise ValueError(f"{name} must be a finite number {sign} {low}, got {value!r}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Tenant:
-    """One tenant's terms: its ``weight`` (its share against the others'), the most of the
-    budget it may hold at once and of the queue's places it may keep (``max_share``, a
-    fraction), the longest its requests may wait for room (``max_queue_wait`` seconds; None:
-    the queue's own bound), and the priority classes it may ask for (``priorities``)."""
-
-    weight: float = 1.0
-    max_share: float = 1.0
-    max_queue_wait: float | None = None
-    priorities: tuple[int, ...] = (0,)
-
-    def __post_init__(self) -> None:
-        _finite("weight", self.weight, low=0.0, strict=True)
-        _finite("max_share", self.max_share, low=0.0, strict=True)
-        if self.max_share > 1.0:
-            raise ValueError(f"max_share must be at most 1, got {self.max_share!r}")
-        if self.max_queue_wait is not None:
-            _finite("max_queue_wait", self.max_queue_wait, low=0.0, strict=False)
-        if not self.priorities:
-            raise ValueError("priorities must list at least one class")
-        for p in self.priorities:
-            if isinstance(p, bool) or not isinstance(p, int) or p not in PRIORITY_RANGE:
-                raise ValueError(
-                    f"priorities must be integers from {PRIORITY_RANGE.start} to "
-                    f"{PRIORITY_RANGE.stop - 1}, got {p!r}"
-                )
-
-    def grant(self, asked: int) -> int:
-        """The class a request asking for ``asked`` is served in: ``asked`` when granted, else
-        the most urgent granted class that is no more urgent than ``asked`` (a class above the
-        grant gets the tenant's best; one below its worst, its worst)."""
-        if asked in self.priorities:
-            return asked
-        later = [p for p in self.priorities if p >= asked]
-        return min(later) if later else max(self.priorities)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FairPolicy:
-    """The tenants by name, the terms of every other (``default``), and the most requests that
-    may wait at once (``max_queued``; None: no bound but their waits)."""
-
-    tenants: Mapping[str, Tenant] = field(default_factory=dict)
-    default: Tenant = field(default_factory=Tenant)
-    max_queued: int | None = None
-    max_bypass: int = DEFAULT_MAX_BYPASS
-
-    def __post_init__(self) -> None:
-        if self.max_queued is not None and self.max_queued < 1:
-            raise ValueError(f"max_queued must be at least 1, got {self.max_queued}")
-        if self.max_bypass < 0:
-            raise ValueError(f"max_bypass must be >= 0, got {self.max_bypass}")
-
-    def resolve(self, name: str | None) -> str:
-        """The tenant ``name`` is counted as: itself when listed, else :data:`DEFAULT_TENANT`."""
-        return name if name is not None and name in self.tenants else DEFAULT_TENANT
-
-    def terms(self, name: str) -> Tenant:
-        return self.tenants.get(name, self.default)
-
-    def places(self, name: str) -> int | None:
-        """The most of ``max_queued`` places tenant ``name`` may keep (None: no bound)."""
-        if self.max_queued is None:
-            return None
-        return max(1, math.floor(self.terms(name).max_share * self.max_queued))
 
 
 class Waiter:
@@ -210,13 +137,19 @@ H = TypeVar("H", bound=Held)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Holding:
     """A live reservation as a shared store keeps it (:meth:`FairScheduler.restore`): its key,
-    tenant, tokens, due end, and since when it has been held."""
+    tenant, tokens, due end, and since when it has been held; what it counts for against its
+    tenant's limit now (``held``: as the admission rule counts it), the KV it holds now
+    (``rate``: what it is charged per second) and the token-seconds it has been charged so far
+    (``taken``), each, when not given, by its whole reservation (``tokens``) since ``since``."""
 
     key: int
     tenant: str
     tokens: int
     due: float
     since: float
+    held: int | None = None
+    rate: int | None = None
+    taken: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -332,8 +265,8 @@ class FairScheduler:
         vtime: float = 0.0,
     ) -> FairScheduler:
         """A scheduler in the state a shared store keeps (a ledger other processes change too):
-        the live ``holdings`` (each charged and counted at its whole reservation: a shared
-        ledger follows no progress); the ``waiters`` in arrival order, their ``seq``,
+        the live ``holdings`` (each counted, held and charged as its :class:`Holding` says);
+        the ``waiters`` in arrival order, their ``seq``,
         ``bypassed`` and ``lower_passes`` as kept; the token-seconds each tenant's ``ended``
         holdings took; each tenant's counter ``offsets`` (:meth:`offsets`: what lifts added);
         its (admitted, refused) ``counts``; the system virtual time ``vtime``. A tenant's
@@ -346,11 +279,14 @@ class FairScheduler:
         for holding in holdings:
             account = fair._account(holding.tenant)
             tokens = holding.tokens
-            hold = _Hold(tenant=holding.tenant, held=tokens, rate=tokens, due=holding.due)
+            held = tokens if holding.held is None else holding.held
+            rate = tokens if holding.rate is None else holding.rate
+            hold = _Hold(tenant=holding.tenant, held=held, rate=rate, due=holding.due)
             fair._holds[holding.key] = account.holds[holding.key] = hold
-            account.held += tokens
-            account.rate += tokens
-            account.taken += tokens * max(0.0, now - holding.since)
+            account.held += held
+            account.rate += rate
+            taken = holding.taken
+            account.taken += tokens * max(0.0, now - holding.since) if taken is None else taken
         last = 0
         for waiter in waiters:
             account = fair._account(waiter.tenant)
@@ -525,7 +461,7 @@ class FairScheduler:
 
     def _within_limit(self, waiter: Waiter) -> bool:
         account = self._account(waiter.tenant)
-        return account.held + waiter.need <= account.limit
+        return account.limit >= self.usable or account.held + waiter.need <= account.limit
 
     def own_room_in(self, tenant: str, need: int, now: float) -> float:
         """Seconds until ``tenant``'s own holders, ending by their due times, leave it room for

@@ -445,8 +445,6 @@ class Upstream:
         """Why this upstream's holders count at their whole caps under ``--admission-rule peak``,
         or None when the peak rule may run (``unbounded``: the engine runs every request it is
         sent at each step)."""
-        if self.shared is not None and self.config.fairness is not None:
-            return "the shared ledger's fair shares count whole caps"
         if engine not in PROGRESS_ENGINES:
             return f"{engine or 'this engine'} does not report each stream's progress exactly"
         if budget.speculative:

@@ -35,12 +35,10 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from ..admission.fairness import FairPolicy
-from ..admission.holders import holds_unkeyed
 from ..admission.ledger import Handle, KVAdmissionController
 from ..admission.queue import LedgerUnavailable
 from .connection import LEDGER_ERRORS, close
 from .lease import Lease
-from .prefixes import prefix_record
 from .scripts import (
     ADMIT,
     BREAK,
@@ -58,7 +56,7 @@ from .scripts import (
     RESTORE,
     SNAPSHOT,
 )
-from .view import PeakView
+from .view import PeakView, lending
 
 __all__ = [
     "DEFAULT_LEASE_SECONDS",
@@ -296,12 +294,7 @@ class RedisLedger:
         if peak or follow is not None:
             args += (prompt_tokens, int(bool(follow)))
         keys = tuple(prefix) if peak and follow is not None else ()
-        pricing = self.pricing
-        unkeyed = follow is not None and holds_unkeyed(
-            keys, prompt_tokens, shares_prefixes=pricing.shares_prefixes,
-            block_size=pricing.block_size,
-        )  # fmt: skip
-        lending = prefix_record((), 0, unkeyed)
+        record = lending(self.pricing, (), prompt_tokens, follow=follow)
         status, now_ms, seen, counted = 2, 0, None, ""
         for _ in range(MAX_CONFLICTS if peak else 0):
             view = await self.peak_view()
@@ -309,23 +302,22 @@ class RedisLedger:
             grown = start = counted = ""
             fit = None
             if keys:  # what it borrows as this snapshot has it (the record keeps it)
-                lending = prefix_record(keys, view.lent(keys), False)
+                lent = view.lent(keys)
+                record = lending(self.pricing, keys, prompt_tokens, follow=follow, lent=lent)
             if head == ticket and view.drain is None:
                 fit = view.fits(
                     prompt_tokens, output_cap, need, follow=bool(follow), kind=kind, prefix=keys
                 )
-            if fit is not None:
-                grown = view.grown
-                if fit.start_by is not None:  # on the engine's clock: its record says till when
-                    start = str(math.floor(fit.start_by * 1000))
-                if follow and fit.counted is not None and fit.counted < output_cap:
-                    counted = str(fit.counted)  # its forecast: its record counts it so
-            status, now_ms, seen = await self._admit(*args, grown, start, counted, *_given(lending))
+            if fit is not None:  # on the engine's clock, its record says till when; counted
+                # to its forecast, it says so
+                grown, start = view.grown, fit.start_ms()
+                counted = fit.counted_for(output_cap, follow=bool(follow))
+            status, now_ms, seen = await self._admit(*args, grown, start, counted, *_given(record))
             if status != 2:
                 break
         if status == 2:
             counted = ""
-            status, now_ms, seen = await self._admit(*args, "", "", "", *_given(lending))
+            status, now_ms, seen = await self._admit(*args, "", "", "", *_given(record))
         self.seen = SharedState.parse(seen)
         if status != 1:
             return None
@@ -333,7 +325,7 @@ class RedisLedger:
         handle.counted_output = int(counted) if counted else output_cap  # as its record says
         if len(args) > 7:  # ADMIT wrote its progress record, and its prefix record if any
             progress = f"{prompt_tokens} {handle.counted_output} {int(bool(follow))}"
-            self._records[ticket] = (progress, lending)
+            self._records[ticket] = (progress, record)
         return handle
 
     async def _admit(self, *args: Any) -> tuple[int, int, Any]:
@@ -352,11 +344,14 @@ class RedisLedger:
         view = PeakView.parse(await self.run(PEAK_SNAPSHOT, int(let_go)), self.pricing)
         queued = sum(int(t.rsplit(":", 1)[1]) for t in view.tickets)
         self.seen = SharedState(view.reserved, len(view.records), queued)
-        new = view.drain is not None and view.drain != self._drain
-        if new and view.drain is not None and self.pricing.caps_reason is None:
-            self.pricing.run_on_caps(f"another gateway: {view.drain.partition(' ')[2]}")
-        self._drain = view.drain
+        self.heed(view.drain)
         return view
+
+    def heed(self, drain: str | None) -> None:
+        """The drain as just read (see :meth:`peak_view`)."""
+        if drain is not None and drain != self._drain and self.pricing.caps_reason is None:
+            self.pricing.run_on_caps(f"another gateway: {drain.partition(' ')[2]}")
+        self._drain = drain
 
     async def out_of_step(self, reason: str) -> None:
         """The engine was seen out of lockstep, for ``reason``: every gateway counts whole caps
@@ -381,10 +376,19 @@ class RedisLedger:
         return int(await self.run(PROGRESS, *args))
 
     def adopt(
-        self, ticket: str, prompt_tokens: int, output_cap: int, need: int, admitted: float
+        self,
+        ticket: str,
+        prompt_tokens: int,
+        output_cap: int,
+        need: int,
+        admitted: float,
+        records: tuple[str, str] | None = None,
     ) -> Handle:
         """The handle of ``ticket``, admitted at ``admitted`` (the Redis clock): released,
-        shrunk and renewed by this process from now on."""
+        shrunk and renewed by this process from now on; ``records``: the head of the progress
+        record and the prefix record it was admitted with, put back with it (:meth:`_restore`)."""
+        if records is not None:
+            self._records[ticket] = records
         handle = Handle(
             id=next(self._ids),
             prompt_tokens=prompt_tokens,

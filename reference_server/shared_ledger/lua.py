@@ -1,11 +1,13 @@
 """The Lua every shared-ledger script begins with (:mod:`.scripts`): the order of an upstream's
 keys (``KEYS[n]``) and the functions the scripts share: the Redis clock, the queue, the sweep of
 expired leases, telling every process of a change, the occupancy integrals, and the functions of
-the holders let go (:mod:`.let_go`) and of the prefix records (:mod:`.prefixes`).
+the holders let go (:mod:`.let_go`), of the prefix records (:mod:`.prefixes`) and of a holder's
+records at admission and its charge (:mod:`.holding`).
 """
 
 from __future__ import annotations
 
+from .holding import holding_lua
 from .let_go import let_go_lua
 from .prefixes import lending_lua
 
@@ -35,9 +37,16 @@ _LET_GO = let_go_lua(
     holders=_key("holders"),
 )  # fmt: skip
 
+#: A holder's records written at its admission, and what it is charged (:mod:`.holding`).
+_HOLDING = holding_lua(
+    holders=_key("holders"), progress=_key("progress"), fair=_key("fair"), grown=_key("grown"),
+    occupancy=_key("occupancy"), reserved=_key("reserved"),
+)  # fmt: skip
+
 PRELUDE = (
     _LET_GO
     + _LENDING
+    + _HOLDING
     + """
 local function now_ms()
   local t = redis.call('TIME')
@@ -61,20 +70,13 @@ local function dequeue(ticket)
   redis.call('DECRBY', KEYS[9], string.match(ticket, ':(%d+)$'))
   return true
 end
-local function charge(value, now, keep)
-  local tokens, admitted, tenant = string.match(value, '^%S+ (%d+) %d+ (%d+) (.+)$')
-  if tenant then
-    local spent = (tonumber(tokens) - keep) * math.max(0, now - tonumber(admitted))
-    redis.call('HINCRBY', KEYS[12], 'taken:' .. tenant, string.format('%.0f', spent))
-  end
-end
 local function drop_lease(lease, now)
   local prefix = lease .. ':'
   local all = redis.call('HGETALL', KEYS[1])
   for i = 1, #all, 2 do
     if string.sub(all[i], 1, #prefix) == prefix then
       local tokens = string.match(all[i + 1], '^%S+ (%d+)')
-      charge(all[i + 1], now, 0)
+      charge(all[i], now)
       redis.call('HDEL', KEYS[1], all[i])
       let_go(all[i])
       redis.call('DECRBY', KEYS[2], tokens)

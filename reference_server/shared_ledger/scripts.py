@@ -90,23 +90,8 @@ if head == nil or head == ticket then
     fits = true
   end
   if fits and (most == 0 or redis.call('HLEN', KEYS[1]) < most) then
-    redis.call('HSET', KEYS[1], ticket, lease .. ' ' .. need .. ' ' .. ARGV[4] .. ' ' .. now)
-    if (ARGV[8] or '') ~= '' then
-      local start = ARGV[11] or ''
-      if start == '' then
-        start = '0'
-      end
-      local counted = ARGV[12] or ''
-      if counted == '' then
-        counted = ARGV[4]
-      end
-      redis.call('HSET', KEYS[14], ticket, ARGV[8] .. ' ' .. counted .. ' ' .. ARGV[9]
-                 .. ' -1 ' .. now .. ' ' .. now .. ' ' .. start)
-    end
-    lend(ticket, ARGV[13] or '', now)
-    redis.call('INCR', KEYS[15])
-    redis.call('HINCRBY', KEYS[10], 'admitted', 1)
-    redis.call('INCRBY', KEYS[2], need)
+    hold(ticket, lease, need, ARGV[4], now, '', ARGV[8] or '', ARGV[9] or '', ARGV[11] or '',
+         ARGV[12] or '', ARGV[13] or '')
     local next_may_fit = dequeue(ticket) and redis.call('ZCARD', KEYS[3]) > 0
     tell(next_may_fit and 1 or 0)
     return {1, now, state()}
@@ -129,7 +114,7 @@ local _, tokens = holder(ARGV[1])
 if not tokens then
   return 0
 end
-charge(redis.call('HGET', KEYS[1], ARGV[1]), now_ms(), 0)
+charge(ARGV[1], now_ms())
 remember(ARGV[1], now_ms())
 redis.call('HDEL', KEYS[1], ARGV[1])
 let_go(ARGV[1])
@@ -150,7 +135,7 @@ local now = now_ms()
 sweep(now)
 local ticket = ARGV[1]
 local meta = redis.call('HGET', KEYS[13], ticket)
-local tenant = meta and string.match(meta, '^%S+ %S+ %S+ %S+ %S+ (.+)$')
+local tenant = meta and string.match(meta, '^%S+ %S+ %S+ %S+ %S+ ([^\\n]+)')
 if tenant and ARGV[2] == '1' then
   redis.call('HINCRBY', KEYS[12], 'refused:' .. tenant, 1)
 end
@@ -164,7 +149,7 @@ if meta then
 end
 local held = redis.call('HGET', KEYS[1], ticket)
 if held then
-  charge(held, now, 0)
+  charge(ticket, now)
   redis.call('HDEL', KEYS[1], ticket)
   let_go(ticket)
   redis.call('DECRBY', KEYS[2], string.match(held, '^%S+ (%d+)'))
@@ -263,18 +248,23 @@ return {tonumber(held or '0'), tonumber(busy or '0'), tonumber(admitted or '0')}
 
 # --- fair shares (``--tenants``): the order is the fair scheduler's, decided in a gateway -------
 #
-# ``tickets`` (a hash: waiting ticket -> ``"W priority bypassed lower_passes cap tenant"``, or
-# ``"R 0 0 0 0 tenant"`` once refused to keep the queue within its bound, until its owner reads it),
-# ``fair`` (a hash: ``taken:<tenant>`` token-milliseconds its ended holdings took, ``offset:``
-# what lifts added to its counter, ``admitted:`` and ``refused:`` its counts, ``vtime`` the
-# system virtual time a tenant becoming backlogged is lifted to) and ``version``
-# (bumped by every change, in ``tell``). A fair holder's value ends with its tenant; releasing
-# or sweeping it charges the tenant what it held (``charge``). A gateway reads the
-# state (FAIR_SNAPSHOT), runs the fair scheduler on it, and writes what it decided (FAIR_COMMIT)
-# only if nothing changed meanwhile (the version): optimistic, as Redis's WATCH, in one script.
+# ``tickets`` (a hash: waiting ticket -> ``"W priority bypassed lower_passes cap tenant"``, and on
+# a second line what the peak rule needs of its request, ``"prompt follow keys model"``, see
+# ``fair.py``; or ``"R 0 0 0 0 tenant"`` once refused to keep the queue within its bound, until
+# its owner reads it), ``fair`` (a hash: ``taken:<tenant>`` token-milliseconds its ended
+# holdings took, ``offset:`` what lifts added to its counter, ``admitted:`` and ``refused:`` its
+# counts, ``vtime`` the system virtual time a tenant becoming backlogged is lifted to) and
+# ``version`` (bumped by every change, in ``tell``). A fair holder's value ends with its tenant;
+# releasing or sweeping it charges the tenant what it held (``charge``, see :mod:`.holding`). A
+# gateway reads the state (FAIR_SNAPSHOT), runs the fair scheduler on it (by the peak of every
+# holder, or by whole caps: see ``fair.py``), and writes what it decided (FAIR_COMMIT) only if
+# nothing changed meanwhile (the version, and under the peak ``grown`` as ADMIT has it):
+# optimistic, as Redis's WATCH, in one script. An admitted holder gets the records ADMIT writes
+# (``hold``), so every gateway counts it alike.
 
 #: Returns {now, version, reserved, holders (flat), tickets with their sequence numbers (flat),
-#: their metas (flat), the fair hash (flat)}.
+#: their metas (flat), the fair hash (flat), and what PEAK_SNAPSHOT gives besides: grown,
+#: progress (flat), drain ('' when none), prefix records (flat), tainted keys}.
 FAIR_SNAPSHOT = (
     PRELUDE
     + """
@@ -283,16 +273,20 @@ sweep(now)
 return {now, tonumber(redis.call('GET', KEYS[11]) or '0'),
         tonumber(redis.call('GET', KEYS[2]) or '0'), redis.call('HGETALL', KEYS[1]),
         redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES'), redis.call('HGETALL', KEYS[13]),
-        redis.call('HGETALL', KEYS[12])}
+        redis.call('HGETALL', KEYS[12]), tonumber(redis.call('GET', KEYS[15]) or '0'),
+        redis.call('HGETALL', KEYS[14]), redis.call('GET', KEYS[17]) or '',
+        redis.call('HGETALL', PREFIXES), redis.call('SMEMBERS', TAINTED)}
 """
 )
 
-#: ARGV: version read, lease, usable, max_concurrency (0: none), then five counted lists:
-#: tickets joining the queue (ticket, meta), admitted (ticket, cap, tenant), refused (ticket,
-#: tenant), waiters passed (ticket, meta) and the counter offsets (tenant, offset); last, the
-#: system virtual time (the start tag of the last waiter admitted; '' when unchanged).
-#: Returns {1, now, state} written, {0, now, state} the state changed since it was read (read
-#: it again), {-1, now, state} the lease is gone.
+#: ARGV: version read, lease, usable, max_concurrency (0: none), ``grown`` as read when the
+#: decision was by the peak ('': by whole caps), then five counted lists: tickets joining the
+#: queue (ticket, meta), admitted (ticket, cap, tenant, and its records as ADMIT takes them:
+#: prompt ('': none), tracked, start_by ms, counted, prefix record), refused (ticket, tenant),
+#: waiters passed (ticket, meta) and the counter offsets (tenant, offset); last, the system
+#: virtual time (the start tag of the last waiter admitted; '' when unchanged). Returns
+#: {1, now, state} written, {0, now, state} the state changed since it was read (read it
+#: again), {-1, now, state} the lease is gone.
 FAIR_COMMIT = (
     PRELUDE
     + """
@@ -301,11 +295,15 @@ sweep(now)
 if (redis.call('GET', KEYS[11]) or '0') ~= ARGV[1] then
   return {0, now, state()}
 end
+local peak = ARGV[5]
+if peak ~= '' and (redis.call('GET', KEYS[15]) or '0') ~= peak then
+  return {0, now, state()}  -- a lockstep break, or holders put back: not seen by the decision
+end
 local lease = ARGV[2]
 if not redis.call('ZSCORE', KEYS[5], lease) then
   return {-1, now, state()}
 end
-local i = 5
+local i = 6
 local function list(width)
   local n = tonumber(ARGV[i])
   local first = i + 1
@@ -313,36 +311,35 @@ local function list(width)
   return first, first + n * width - 1
 end
 local join_a, join_b = list(2)
-local admit_a, admit_b = list(3)
+local admit_a, admit_b = list(8)
 local refuse_a, refuse_b = list(2)
 local pass_a, pass_b = list(2)
 local offset_a, offset_b = list(2)
 local vtime = ARGV[i]
--- the budget once more (the version says nothing changed; a wrong decision must not land)
+-- the budget once more (the version says nothing changed; a wrong decision must not land): the
+-- running cap, and on whole caps their sum (by the peak, the sum may be past the budget)
 local reserved = tonumber(redis.call('GET', KEYS[2]) or '0')
 local holders = redis.call('HLEN', KEYS[1])
-for j = admit_a, admit_b, 3 do
+for j = admit_a, admit_b, 8 do
   reserved = reserved + tonumber(string.match(ARGV[j], ':(%d+)$'))
   holders = holders + 1
 end
 local most = tonumber(ARGV[4])
-if reserved > tonumber(ARGV[3]) or (most > 0 and holders > most) then
+local over = peak == '' and reserved > tonumber(ARGV[3])
+if admit_b >= admit_a and (over or (most > 0 and holders > most)) then
   return redis.error_reply('fair commit past the budget')
 end
 for j = join_a, join_b, 2 do
   enqueue(ARGV[j])
   redis.call('HSET', KEYS[13], ARGV[j], ARGV[j + 1])
 end
-for j = admit_a, admit_b, 3 do
+for j = admit_a, admit_b, 8 do
   local ticket, need = ARGV[j], string.match(ARGV[j], ':(%d+)$')
   local owner = string.match(ticket, '^(.*):%d+:%d+$')
   dequeue(ticket)
   redis.call('HDEL', KEYS[13], ticket)
-  redis.call('HSET', KEYS[1], ticket,
-             owner .. ' ' .. need .. ' ' .. ARGV[j + 1] .. ' ' .. now .. ' ' .. ARGV[j + 2])
-  redis.call('INCRBY', KEYS[2], need)
-  redis.call('INCR', KEYS[15])
-  redis.call('HINCRBY', KEYS[10], 'admitted', 1)
+  hold(ticket, owner, need, ARGV[j + 1], now, ARGV[j + 2], ARGV[j + 3], ARGV[j + 4],
+       ARGV[j + 5], ARGV[j + 6], ARGV[j + 7])
   redis.call('HINCRBY', KEYS[12], 'admitted:' .. ARGV[j + 2], 1)
 end
 for j = refuse_a, refuse_b, 2 do

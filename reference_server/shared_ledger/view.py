@@ -40,13 +40,14 @@ record without them counts its whole prompt.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..admission.holders import borrowable, explained, freshest
+from ..admission.holders import borrowable, explained, freshest, holds_unkeyed
 from ..admission.ledger import Handle, KVAdmissionController
-from .prefixes import read_record
+from .prefixes import prefix_record, read_record
 
 __all__ = [
     "PUBLISH_SECONDS",
@@ -55,6 +56,7 @@ __all__ = [
     "PeakView",
     "Record",
     "explained_elsewhere",
+    "lending",
     "shared_relay_lag",
 ]
 
@@ -151,6 +153,38 @@ class Fit:
 
     start_by: float | None = None
     counted: int | None = None
+
+    def start_ms(self) -> str:
+        """The deadline of its first token as a record takes it (ms of the Redis clock; '':
+        not on the engine's clock)."""
+        return "" if self.start_by is None else str(math.floor(self.start_by * 1000))
+
+    def counted_for(self, output_cap: int, *, follow: bool) -> str:
+        """The output its record counts it to: its forecast, when it is followed and the
+        forecast is short of its cap ('': its cap)."""
+        short = follow and self.counted is not None and self.counted < output_cap
+        return str(self.counted) if short else ""
+
+
+def lending(
+    pricing: KVAdmissionController,
+    keys: tuple[Hashable, ...],
+    prompt_tokens: int,
+    *,
+    follow: bool | None,
+    lent: int = 0,
+) -> str:
+    """A newcomer's prefix record as the admitting scripts take it (:func:`.prefixes.
+    prefix_record`): its ``keys``, the first ``lent`` of them borrowed (:meth:`PeakView.lent`);
+    without keys, and with a progress record (``follow`` not None), whether it holds full
+    prompt blocks of keys unknown where the engine shares them, as the in-process ledger has it
+    (``holds_unkeyed``)."""
+    if keys:
+        return prefix_record(keys, lent, False)
+    unkeyed = follow is not None and holds_unkeyed(
+        (), prompt_tokens, shares_prefixes=pricing.shares_prefixes, block_size=pricing.block_size
+    )
+    return prefix_record((), 0, unkeyed)
 
 
 class PeakView:
@@ -309,15 +343,44 @@ class PeakView:
         :attr:`Fit.counted`, which its record must carry too. ``prefix``: the keys of its
         shareable prompt blocks, of which it borrows the :meth:`lent` ones (its record must say
         so)."""
-        handle = self.model.try_admit(
-            prompt_tokens, output_cap, now=self.now, need=need, count_rejection=False,
-            follow=follow, kind=kind, prefix=prefix,
-        )  # fmt: skip
+        handle = self._admit(prompt_tokens, output_cap, need, follow, kind, prefix)
         if handle is None:
             return None
         self.model.release(handle)  # the model is a view: the commit is Redis's
         self.model.tainted = self.tainted  # and so is what its going would leave
         return Fit(start_by=handle.start_by, counted=handle.counted_output)
+
+    def take(
+        self,
+        prompt_tokens: int,
+        output_cap: int,
+        need: int,
+        *,
+        follow: bool = False,
+        kind: Hashable = None,
+        prefix: tuple[Hashable, ...] = (),
+    ) -> Fit | None:
+        """As :meth:`fits`, but a newcomer that fits stays in the :attr:`model`: a decision
+        that admits several at once (the fair shares') counts each beside those taken before
+        it, and commits them together."""
+        handle = self._admit(prompt_tokens, output_cap, need, follow, kind, prefix)
+        if handle is None:
+            return None
+        return Fit(start_by=handle.start_by, counted=handle.counted_output)
+
+    def _admit(
+        self,
+        prompt_tokens: int,
+        output_cap: int,
+        need: int,
+        follow: bool,
+        kind: Hashable,
+        prefix: tuple[Hashable, ...],
+    ) -> Handle | None:
+        return self.model.try_admit(
+            prompt_tokens, output_cap, now=self.now, need=need, count_rejection=False,
+            follow=follow, kind=kind, prefix=prefix,
+        )  # fmt: skip
 
     def lent(self, prefix: tuple[Hashable, ...]) -> int:
         """How many of ``prefix``'s first blocks a holder past its prefill has, whichever

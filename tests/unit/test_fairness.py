@@ -378,3 +378,30 @@ def test_a_holder_is_charged_what_it_holds_and_counted_as_the_rule_counts_it() -
     assert stats.held == 0
     fair.resize(1, held=1, rate=1, now=200.0)  # a late count of a holder gone: nothing
     assert fair.stats(300.0)[0].token_seconds == pytest.approx(750)
+
+
+def test_a_tenant_allowed_the_whole_budget_is_held_back_by_the_budget_alone() -> None:
+    """Under the peak rule a tenant's holders may count for nearly the whole budget now while
+    they are about to end, and the budget admit newcomers beside those ends: a tenant allowed
+    the whole budget takes its turn all the same (counted against a limit of the whole budget,
+    it would leave every such room to the others). A tenant allowed a share is held to it."""
+    policy = FairPolicy(
+        tenants={"a": Tenant(weight=3.0), "b": Tenant(), "c": Tenant(max_share=0.5)}
+    )
+    fair = FairScheduler(policy, usable=USABLE)
+    fair.hold(1, "a", 900, due=1.0, now=0.0)  # held now; the budget's rule knows it ends soon
+    fair.hold(2, "c", 450, due=1.0, now=0.0)
+    waiters = [Waiter(tenant=t, need=200) for t in ("a", "b", "c")]
+    for waiter in waiters:
+        fair.enqueue(waiter, 0.0)
+    ids = iter(range(10, 20))
+
+    def fits(waiter: Waiter) -> Handle | None:  # the budget's rule lets every one in
+        return Handle(
+            id=next(ids), prompt_tokens=0, output_cap=waiter.need,
+            reserved_tokens=waiter.need, admitted_at=0.0, due_at=2.0,
+        )  # fmt: skip
+
+    admitted = [w.tenant for w, _ in fair.dispatch(0.0, fits)]
+    assert sorted(admitted) == ["a", "b"]  # c, at its half, waits for its own holder
+    assert fair.held("a") == 1100 > USABLE
