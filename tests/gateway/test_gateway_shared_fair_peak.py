@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import anyio
@@ -29,6 +27,7 @@ from reference_server.shared_ledger.fair import SharedFairQueue
 from reference_server.testing import running_gateway
 from tests.gateway.test_gateway_fairness import TENANT
 from tests.gateway.test_gateway_shared import shared_reserved
+from tests.gateway.test_gateway_shared_peak import most_shared
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.servers import wait_for
 
@@ -98,26 +97,6 @@ async def _saturate(gateways: list[RunningServer]) -> dict[str, _Got]:
     return got
 
 
-@contextmanager
-def _most_reserved(redis_url: str, upstream: str) -> Iterator[list[int]]:
-    """The most tokens every gateway reserved at once in the shared ledger of ``upstream``,
-    read every 5 ms while the block runs (in the list yielded, once it ends)."""
-    most = [0]
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.wait(0.005):
-            most[0] = max(most[0], shared_reserved(redis_url, upstream)[0])
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        yield most
-    finally:
-        done.set()
-        watcher.join(5)
-
-
 @pytest.mark.slow
 def test_two_gateways_with_tenants_run_past_whole_caps_and_keep_3_to_1_by_the_peak(
     redis_server: RedisServer,
@@ -135,7 +114,7 @@ def test_two_gateways_with_tenants_run_past_whole_caps_and_keep_3_to_1_by_the_pe
         known = [g.app.state.gateway.known[0] for g in gateways]
         assert all(isinstance(k.queue, SharedFairQueue) for k in known)
         usable = known[0].ledger.usable_tokens
-        with _most_reserved(redis_server.url, upstream.base_url) as most:
+        with most_shared(redis_server.url, upstream.base_url, reserved=True) as most:
             got = anyio.run(_saturate, gateways)
         healths = [httpx.get(g.base_url + "/health").json()["upstreams"][0] for g in gateways]
         wait_for(lambda: shared_reserved(redis_server.url, upstream.base_url) == (0, 0), 30)

@@ -107,17 +107,19 @@ def test_three_gateways_by_the_shared_peak_never_oom_an_engine_that_admits_on_pr
 
 
 @contextmanager
-def _most_held(redis_url: str, upstream: str) -> Iterator[list[int]]:
-    """The most reservations every gateway held at once in the shared ledger of ``upstream``,
-    read every 5 ms while the block runs (in the list yielded, once it ends)."""
+def most_shared(redis_url: str, upstream: str, *, reserved: bool = False) -> Iterator[list[int]]:
+    """The most reservations (``reserved``: tokens reserved) every gateway held at once in the
+    shared ledger of ``upstream``, read every 5 ms while the block runs (in the list yielded,
+    once it ends)."""
     most = [0]
     done = threading.Event()
+    index = 0 if reserved else 1
 
     def watch() -> None:
         while not done.wait(0.005):
-            most[0] = max(most[0], shared_reserved(redis_url, upstream)[1])
+            most[0] = max(most[0], shared_reserved(redis_url, upstream)[index])
 
-    watcher = threading.Thread(target=watch)
+    watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
         yield most
@@ -172,7 +174,7 @@ def test_prompts_that_share_a_prefix_count_it_once_across_gateways(
                 ledger=redis_server.url,
             )  # fmt: skip
             with running_gateway(config) as one, running_gateway(config) as two:
-                with _most_held(redis_server.url, url) as held:
+                with most_shared(redis_server.url, url) as held:
                     answers = _burst_over([one.base_url, two.base_url], bodies)
                 healths = [
                     httpx.get(g.base_url + "/health").json()["upstreams"][0] for g in (one, two)
