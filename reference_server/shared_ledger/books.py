@@ -23,7 +23,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from ..admission.queue import LedgerUnavailable
-from .connection import LEDGER_ERRORS
+from .connection import LEDGER_ERRORS, reply_text
 
 __all__ = ["BOOKS_KEYS", "EngineBooks", "Page"]
 
@@ -94,10 +94,6 @@ return 0
 """
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Page:
     """A scrape as another process read it: by whose lease, begun and read when (the Redis
@@ -137,7 +133,7 @@ class EngineBooks:
         """Take (or keep) the scraper's key when it is free or ours: whether this process
         scrapes."""
         taken, _, holder = await self._run(CLAIM, self.lease_id, self.ttl_ms)
-        self.scraper = _text(holder)
+        self.scraper = reply_text(holder)
         return bool(int(taken))
 
     async def write(self, text: str, *, started_age: float, read_age: float) -> bool:
@@ -156,10 +152,13 @@ class EngineBooks:
         ``after`` None: only the clock."""
         after_ms = 2**52 if after is None else round(after * 1000)  # None: no page is late enough
         now, scraper, by, started, read, text = await self._run(READ, after_ms)
-        self.scraper = _text(scraper) or None
+        self.scraper = reply_text(scraper) or None
         if after is None or int(started) < 0 or not text:
             return int(now) / 1000, None
         page = Page(
-            by=_text(by), started=int(started) / 1000, read=int(read) / 1000, text=_text(text)
+            by=reply_text(by),
+            started=int(started) / 1000,
+            read=int(read) / 1000,
+            text=reply_text(text),
         )
         return int(now) / 1000, page

@@ -25,6 +25,7 @@ __all__ = [
     "close_sync",
     "connect",
     "connect_sync",
+    "reply_text",
 ]
 
 #: The scheme of a ledger found through Redis Sentinel (see :func:`connect`).
@@ -172,3 +173,8 @@ def close_sync(client: redis.Redis) -> None:
     if isinstance(client.connection_pool, SentinelConnectionPool):
         for sentinel in client.connection_pool.sentinel_manager.sentinels:
             sentinel.close()
+
+
+def reply_text(value: Any) -> str:
+    """A Redis reply (bytes from a client that does not decode) as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)

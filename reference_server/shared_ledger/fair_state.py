@@ -43,26 +43,19 @@ from typing import Any
 
 from ..admission.fairness import DEFAULT_TENANT, FairPolicy, FairScheduler, Holding, Waiter
 from ..admission.ledger import KVAdmissionController
+from .connection import reply_text
 from .holding import charged
 from .ledger import SharedState, Snapshot
+from .lua import ticket_need
 from .prefixes import KEY_DIGITS, prefix_record
 from .view import PeakView, Record, lending
 
-__all__ = ["Decision", "FairState", "Outcome", "PeakAsk", "Seat", "need_of", "records_of"]
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+__all__ = ["Decision", "FairState", "Outcome", "PeakAsk", "Seat", "records_of"]
 
 
 def _pairs(flat: list[Any]) -> list[tuple[str, str]]:
-    items = [_text(x) for x in flat]
+    items = [reply_text(x) for x in flat]
     return list(zip(items[0::2], items[1::2], strict=True))
-
-
-def need_of(ticket: str) -> int:
-    """The tokens a ticket (``lease:n:need``) waits for."""
-    return int(ticket.rsplit(":", 1)[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +141,7 @@ class FairState:
 
     def __init__(self, raw: list[Any]) -> None:
         self.now = int(raw[0]) / 1000
-        self.version = _text(raw[1])
+        self.version = reply_text(raw[1])
         self.reserved = int(raw[2])
         self.raw_holders = raw[3]
         #: ticket -> (tokens, cap, admitted_at, tenant)
@@ -175,7 +168,7 @@ class FairState:
         return Snapshot([round(self.now * 1000), self.reserved, self.raw_holders, tickets])
 
     def seen(self) -> SharedState:
-        queued = sum(need_of(ticket) for ticket, _ in self.queue)
+        queued = sum(ticket_need(ticket) for ticket, _ in self.queue)
         return SharedState(self.reserved, len(self.holders), queued)
 
     def per_tenant(self, what: str) -> dict[str, float]:
@@ -272,7 +265,7 @@ class Decision:
             meta = state.metas.get(ticket)
             if meta is None or meta.state != "W":
                 continue
-            waiter = Waiter(tenant=meta.tenant, need=need_of(ticket), priority=meta.priority)
+            waiter = Waiter(tenant=meta.tenant, need=ticket_need(ticket), priority=meta.priority)
             waiter.seq, waiter.bypassed, waiter.lower_passes = seq, meta.bypassed, meta.lower
             self.waiters[ticket] = waiter
         ended = {t: ms / 1000 for t, ms in state.per_tenant("taken").items()}

@@ -37,8 +37,9 @@ import redis.asyncio as aioredis
 from ..admission.fairness import FairPolicy
 from ..admission.ledger import Handle, KVAdmissionController
 from ..admission.queue import LedgerUnavailable
-from .connection import LEDGER_ERRORS, close
+from .connection import LEDGER_ERRORS, close, reply_text
 from .lease import Lease
+from .lua import ticket_need
 from .scripts import (
     ADMIT,
     BREAK,
@@ -115,7 +116,7 @@ class SharedState:
     @classmethod
     def parse(cls, text: Any) -> SharedState:
         """From a script's ``"reserved holders queued"``."""
-        reserved, inflight, queued = _text(text).split(" ")
+        reserved, inflight, queued = reply_text(text).split(" ")
         return cls(int(reserved), int(inflight), int(queued))
 
 
@@ -127,19 +128,15 @@ class Snapshot:
     def __init__(self, raw: list[Any]) -> None:
         self.now = int(raw[0]) / 1000
         self.reserved = int(raw[1])
-        flat = [_text(x) for x in raw[2]]
+        flat = [reply_text(x) for x in raw[2]]
         #: (tokens, cap, admitted_at) per holder.
         self.holders: list[tuple[int, int, float]] = []
         for value in flat[1::2]:
             tokens, cap, admitted = value.split(" ", 4)[1:4]
             self.holders.append((int(tokens), int(cap), int(admitted) / 1000))
         #: Needs of the waiting tickets, in order.
-        self.tickets = [_text(t) for t in raw[3]]
-        self.waiting = [int(t.rsplit(":", 1)[1]) for t in self.tickets]
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+        self.tickets = [reply_text(t) for t in raw[3]]
+        self.waiting = [ticket_need(t) for t in self.tickets]
 
 
 def _given(lending: str) -> tuple[str, ...]:
@@ -244,7 +241,7 @@ class RedisLedger:
         """Register the lease and this gateway's budget; :class:`LedgerConflict` when another
         gateway's differs."""
         mine = fingerprint(self.pricing, self.fairness)
-        theirs = _text(await self.run(CONFIG, mine, self.lease.ttl_ms))
+        theirs = reply_text(await self.run(CONFIG, mine, self.lease.ttl_ms))
         if theirs != mine:
             raise LedgerConflict(
                 f"another gateway shares the ledger of {self.name} configured differently "
@@ -342,7 +339,7 @@ class RedisLedger:
         pricing ledger on caps until its own holders of now have gone, unless it is on caps
         already (the gateway that saw it is)."""
         view = PeakView.parse(await self.run(PEAK_SNAPSHOT, int(let_go)), self.pricing)
-        queued = sum(int(t.rsplit(":", 1)[1]) for t in view.tickets)
+        queued = sum(ticket_need(t) for t in view.tickets)
         self.seen = SharedState(view.reserved, len(view.records), queued)
         self.heed(view.drain)
         return view
@@ -554,7 +551,7 @@ class RedisLedger:
             snap, model = await self.refresh()
             now, names = snap.now, snap.tickets
         ahead = names.index(ticket) if ticket in names else len(names)
-        need += sum(int(t.rsplit(":", 1)[1]) for t in names[:ahead])
+        need += sum(ticket_need(t) for t in names[:ahead])
         return model.retry_after(need, now, duration=duration), ahead
 
     def model(self, snap: Snapshot) -> KVAdmissionController:

@@ -11,13 +11,19 @@ from .holding import holding_lua
 from .let_go import let_go_lua
 from .prefixes import lending_lua
 
-__all__ = ["KEY_NAMES", "PRELUDE"]
+__all__ = ["KEY_NAMES", "PRELUDE", "ticket_need"]
 
 KEY_NAMES = (
     "holders", "reserved", "queue", "seq", "leases", "config", "gone", "released", "queued",
     "occupancy", "version", "fair", "tickets", "progress", "grown", "draining", "drain",
     "let_go", "let_go_records", "prefixes", "blocks", "tainted",
 )  # fmt: skip
+
+
+def ticket_need(ticket: str) -> int:
+    """The tokens a queue ticket (``lease:n:need``, :meth:`.ledger.RedisLedger.ticket`) waits
+    for: the scripts read it from the ticket's last field as well."""
+    return int(ticket.rsplit(":", 1)[1])
 
 
 def _key(name: str) -> str:

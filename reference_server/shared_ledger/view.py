@@ -47,6 +47,7 @@ from typing import Any
 
 from ..admission.holders import borrowable, explained, freshest, holds_unkeyed
 from ..admission.ledger import Handle, KVAdmissionController
+from .connection import reply_text
 from .prefixes import prefix_record, read_record
 
 __all__ = [
@@ -72,10 +73,6 @@ PUBLISH_TOKENS = 16
 def shared_relay_lag(relay_lag: float, publish_seconds: float = PUBLISH_SECONDS) -> float:
     """The relay's margin over the shared view: the relay's own lag and the publish interval."""
     return relay_lag + publish_seconds
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -291,10 +288,10 @@ class PeakView:
         publish_seconds: float = PUBLISH_SECONDS,
     ) -> PeakView:
         """From ``PEAK_SNAPSHOT``'s answer."""
-        holders = [_text(x) for x in raw[3]]
-        progress = [_text(x) for x in raw[4]]
+        holders = [reply_text(x) for x in raw[3]]
+        progress = [reply_text(x) for x in raw[4]]
         kept = dict(zip(progress[0::2], progress[1::2], strict=True))
-        lendings = [_text(x) for x in raw[8]] if len(raw) > 8 else []
+        lendings = [reply_text(x) for x in raw[8]] if len(raw) > 8 else []
         lent = dict(zip(lendings[0::2], lendings[1::2], strict=True))
         records = [
             Record.parse(field, value, kept.get(field), lent.get(field))
@@ -303,17 +300,17 @@ class PeakView:
         tainted = []
         for key in raw[9] if len(raw) > 9 else ():
             try:
-                tainted.append(bytes.fromhex(_text(key)))
+                tainted.append(bytes.fromhex(reply_text(key)))
             except ValueError:
                 continue  # not a key this version writes: no holder has it
         return cls(
             now=int(raw[0]) / 1000,
-            grown=_text(raw[1]),
+            grown=reply_text(raw[1]),
             records=records,
-            tickets=[_text(t) for t in raw[5]],
+            tickets=[reply_text(t) for t in raw[5]],
             pricing=pricing,
             publish_seconds=publish_seconds,
-            drain=(_text(raw[6]) or None) if len(raw) > 6 else None,
+            drain=(reply_text(raw[6]) or None) if len(raw) > 6 else None,
             clock=pricing.clock_runs(),
             let_go=_let_go(raw[7]) if len(raw) > 7 else (),
             tainted=tainted,
@@ -400,7 +397,7 @@ class PeakView:
 def _let_go(raw: list[Any]) -> list[tuple[float, Record]]:
     """From ``PEAK_SNAPSHOT``'s holders let go (flat: reservation, released_ms, holders value,
     progress value)."""
-    flat = [_text(x) for x in raw]
+    flat = [reply_text(x) for x in raw]
     return [
         (int(released) / 1000, Record.parse(field, value, progress or None))
         for field, released, value, progress in zip(

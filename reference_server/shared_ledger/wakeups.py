@@ -13,8 +13,8 @@ import anyio
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from .connection import COMMAND_TIMEOUT, LEDGER_ERRORS
-from .ledger import RedisLedger, SharedState, _text
+from .connection import COMMAND_TIMEOUT, LEDGER_ERRORS, reply_text
+from .ledger import RedisLedger, SharedState
 
 __all__ = ["Wakeups"]
 
@@ -43,12 +43,12 @@ class Wakeups:
         self._watchers.setdefault(ledger.channel, []).append((ledger, wake))
 
     def _dispatch(self, message: dict[str, Any]) -> None:
-        flag, _, totals = _text(message["data"]).partition(" ")
+        flag, _, totals = reply_text(message["data"]).partition(" ")
         try:
             seen: SharedState | None = SharedState.parse(totals)
         except ValueError:  # not ours (another version's, a stray PUBLISH): wake all the same
             seen, flag = None, "1"
-        for ledger, wake in self._watchers.get(_text(message["channel"]), ()):
+        for ledger, wake in self._watchers.get(reply_text(message["channel"]), ()):
             if seen is not None:
                 ledger.seen = seen
             if flag == "1":

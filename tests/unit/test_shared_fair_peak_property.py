@@ -25,6 +25,7 @@ from reference_server.admission.fairness import FairPolicy, Tenant
 from reference_server.admission.holders import START_SLACK_STEPS
 from reference_server.admission.ledger import KVAdmissionController
 from reference_server.shared_ledger.fair_state import Decision, FairState, PeakAsk, Seat
+from reference_server.shared_ledger.lua import ticket_need
 from reference_server.shared_ledger.view import PUBLISH_TOKENS, Record
 from tests.helpers.lockstep import LockstepEngine, Seq
 
@@ -93,7 +94,7 @@ class _Store:
         for ticket, cap, tenant, prompt, tracked, start, counted, _ in admits:
             self.queue.pop(ticket, None)  # admitted as it joins: never queued
             self.metas.pop(ticket, None)
-            need = int(ticket.rsplit(":", 1)[1])
+            need = ticket_need(ticket)
             self.records[ticket] = Record(
                 field=ticket, lease=ticket.split(":")[0], tokens=need, cap=int(cap),
                 admitted_at=now, prompt=int(prompt), counted=int(counted or cap),
