@@ -33,13 +33,13 @@ def _serve(listener: socket.socket, answered: list[int]) -> None:
                     break
                 if first_connection and served == 1:
                     break  # closed under the second request: the keep-alive race
+                answered.append(connections)  # before the answer: the client sees it once read
                 body = json.dumps({"ok": True}).encode()
                 conn.sendall(
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                     b"content-length: %d\r\n\r\n%s" % (len(body), body)
                 )
                 served += 1
-                answered.append(connections)
 
 
 def test_a_kept_alive_connection_closed_under_a_request_is_replaced() -> None:
@@ -80,13 +80,13 @@ def _serve_each(listener: socket.socket, stale: int, answered: list[int]) -> Non
             while conn.recv(65536):
                 if number <= stale and served == 1:
                     return
+                answered.append(number)  # before the answer: the client sees it once read
                 body = b'{"ok": true}'
                 conn.sendall(
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                     b"content-length: %d\r\n\r\n%s" % (len(body), body)
                 )
                 served += 1
-                answered.append(number)
 
     while True:
         try:
