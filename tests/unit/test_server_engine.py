@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
 import anyio
 import anyio.lowlevel
 import pytest
@@ -241,8 +244,17 @@ async def test_a_prompt_shares_the_full_blocks_a_running_sequence_prefilled() ->
             await engine.generate(520, 20, prompt_ids=[*prefix, *range(10, 18)])
         return engine.stats().shared_blocks_total
 
-    assert await second_after_first_token(make(decode_rate=2000.0)) == 32
-    off = make(decode_rate=2000.0, prefix_caching=False)
+    # A clock that moves only when read (half a step a read), not with the wall: a stalled
+    # machine cannot let the first end before the second starts.
+    def reads() -> Callable[[], float]:
+        count = itertools.count()
+        return lambda: next(count) * 0.00025
+
+    assert (
+        await second_after_first_token(make(decode_rate=2000.0, tick_seconds=0.001, clock=reads()))
+        == 32
+    )
+    off = make(decode_rate=2000.0, tick_seconds=0.001, prefix_caching=False, clock=reads())
     assert await second_after_first_token(off) == 0
     assert off.stats().prefix_caching is False
 
