@@ -293,7 +293,7 @@ class SharedFairQueue(SharedQueue):
                 if seat.handle is not None:
                     mine = await self._link(
                         seat.handle, prompt_tokens, output_cap, need,
-                        follow=follow and tracks, kind=(model, name),
+                        follow=follow and tracks, kind=(model, name), prefix=prefix,
                     )  # fmt: skip
                     self._tenant_of[mine.id] = (name, seat.ticket)
                     taken = True

@@ -371,7 +371,7 @@ class SharedQueue(AdmissionQueue):
                     queued = False
                     return await self._link(
                         held, prompt_tokens, output_cap, need, follow=follow and tracks,
-                        kind=kind,
+                        kind=kind, prefix=prefix,
                     )  # fmt: skip
                 queued = enqueue
                 remaining = deadline - self._clock()
@@ -401,9 +401,11 @@ class SharedQueue(AdmissionQueue):
         *,
         follow: bool = False,
         kind: Hashable = None,
+        prefix: tuple[Hashable, ...] = (),
     ) -> Handle:
         """This process's mirror of the shared reservation ``held`` (``follow``: its progress is
-        relayed into it, counted by its forecast where the mirror forecasts, and published);
+        relayed into it, counted by its forecast where the mirror forecasts, and published;
+        ``prefix``: its shareable prompt blocks, counted once as the engine holds them);
         cancelled on the way (its client gone), ``held`` is given back rather than left to a
         lease that lives on."""
         try:
@@ -414,7 +416,7 @@ class SharedQueue(AdmissionQueue):
             raise
         mine = self.ledger.try_admit(
             prompt_tokens, output_cap, now=self._clock(), count_rejection=False, need=need,
-            follow=follow, admitted=True, kind=kind,
+            follow=follow, admitted=True, kind=kind, prefix=prefix,
         )  # fmt: skip
         if mine is None:  # cannot happen: admitted by the shared ledger, it is held here
             with anyio.CancelScope(shield=True):

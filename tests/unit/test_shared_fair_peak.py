@@ -273,3 +273,24 @@ async def test_what_a_tenant_is_charged_is_the_same_while_its_holder_lives_and_o
     )  # fmt: skip
     # Released between the two reads: what the scripts charged lies between the two formulas.
     assert expected * 1000 - 1 <= taken <= at_release * 1000 + 1
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_fair_holders_mirror_counts_its_shared_prefix_blocks_once(
+    redis_server: RedisServer, closing: None
+) -> None:
+    """Admitted by a fair decision, a holder is mirrored in its gateway's own ledger with its
+    prefix's keys, as through the plain shared queue: a newcomer of the same prompt borrows the
+    blocks a holder past its prefill computed."""
+    queue = await gateway(redis_server)
+    queue.ledger.shares_prefixes = True
+    keys = queue.ledger.prefix_keys(list(range(1000)), ("m", None))
+    lender = await queue.acquire(1000, 100, tenant="a", follow=True, prefix=keys, model="m")
+    queue.progress(lender, 1)
+    borrower = await queue.acquire(1000, 100, tenant="b", follow=True, prefix=keys, model="m")
+    assert [lender.prefix, borrower.prefix] == [keys, keys]
+    assert borrower.borrowed == len(keys) > 0
+    for handle in (borrower, lender):
+        await queue.release(handle)
+    assert await queue.shared.load() == (0, 0)

@@ -265,3 +265,25 @@ async def test_a_record_without_prefix_data_or_one_unread_counts_its_whole_promp
     assert view.lent(keys) == 0  # nobody lends
     await a.release(odd)  # an unread record goes all the same
     assert await record(a, odd_field) is None
+
+
+async def test_a_gateways_mirror_of_its_holders_counts_their_shared_blocks_once(
+    redis_server: RedisServer, closing: None
+) -> None:
+    """Admitted through the shared queue, a holder is mirrored in its gateway's own ledger with
+    its prefix's keys: what the gateway takes its own holders to hold in the engine (the engine's
+    books, the peak it relays) counts the blocks a newcomer borrows once, and no holder there is
+    taken for one whose blocks are unknown."""
+    a = await sharing(redis_server)
+    queue = SharedQueue(a.pricing, a, max_wait=0)
+    keys = keys_of(a, PROMPT)
+    lender = await queue.acquire(2000, 100, follow=True, prefix=keys)
+    queue.progress(lender, 1)  # past its prefill: its blocks are computed
+    borrower = await queue.acquire(2000, 100, follow=True, prefix=keys)
+    assert [lender.prefix, borrower.prefix] == [keys, keys]
+    assert borrower.borrowed == 124
+    assert not lender.unkeyed
+    assert not borrower.unkeyed
+    for handle in (borrower, lender):
+        await queue.release(handle)
+    assert await left_nothing(a)
