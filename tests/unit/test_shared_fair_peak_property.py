@@ -13,7 +13,6 @@ the scripts to the same (``test_shared_fair_peak.py``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +25,9 @@ from reference_server.admission.holders import START_SLACK_STEPS
 from reference_server.admission.ledger import KVAdmissionController
 from reference_server.shared_ledger.fair_state import Decision, FairState, PeakAsk, Seat
 from reference_server.shared_ledger.lua import ticket_need
-from reference_server.shared_ledger.view import PUBLISH_TOKENS, Record
+from reference_server.shared_ledger.view import Record
 from tests.helpers.lockstep import LockstepEngine, Seq
+from tests.helpers.relay import Relay, relay_step
 
 _DT = 0.01  # seconds a decode step takes: one token a step, 100 tokens/s
 POLICY = FairPolicy(
@@ -112,16 +112,6 @@ class _Store:
         self.version += 1
         return True
 
-    def publish(self, name: str, generated: int, read_at: float, first_at: float) -> None:
-        """``PROGRESS``: an older count never replaces a newer one."""
-        kept = self.records.get(name)
-        if kept is None or (kept.generated is not None and kept.generated >= generated):
-            return
-        first = kept.first_seen_at if kept.generated is not None else first_at
-        self.records[name] = dataclasses.replace(
-            kept, generated=generated, seen_at=read_at, first_seen_at=first, start_by=None
-        )
-
     def release(self, name: str) -> None:
         del self.records[name], self.tenants[name]
         self.version += 1
@@ -138,20 +128,6 @@ class _Gateway:
     seats: dict[str, tuple[Seat, dict[str, Any]]] = field(default_factory=dict)
     pending: tuple[int, list[Any]] | None = None  # a decision: when it commits, what
     seen: tuple[int, int] | None = None  # the state it last decided on
-
-
-@dataclass
-class _Held:
-    """One holder as its own gateway relays it."""
-
-    name: str
-    late: int
-    gateway: _Gateway
-    history: list[int] = field(default_factory=list)
-    read: int | None = None
-    read_at: float = 0.0
-    first_at: float = 0.0
-    published: int | None = None
 
 
 @dataclass
@@ -213,7 +189,7 @@ def _run(work: dict[str, Any]) -> _Ran:
     engine = ran.engine
     pending = sorted(enumerate(work["requests"]), key=lambda r: (r[1]["arrival"], r[0]))
     ids = itertools.count(1)
-    held: dict[int, _Held] = {}  # engine sequence -> what its gateway relays of it
+    held: dict[int, Relay] = {}  # engine sequence -> its relay
     starting: list[tuple[int, Seq]] = []  # (the step the engine starts it in, it)
     ended: dict[int, int] = {}
     step = 0
@@ -236,7 +212,7 @@ def _run(work: dict[str, Any]) -> _Ran:
             for ticket in [t for t in gateway.seats if t in store.records]:  # admitted
                 _, request = gateway.seats.pop(ticket)
                 seq = Seq(next(ids), [0] * request["prompt"], request["cap"], request["length"])
-                held[seq.id] = _Held(ticket, request["late"], gateway)
+                held[seq.id] = Relay(ticket, request["late"], gateway.every)
                 starting.append((step + request["start"], seq))
                 ran.admitted += 1
         for gateway in gateways:  # a decision where there is an occasion
@@ -261,24 +237,10 @@ def _run(work: dict[str, Any]) -> _Ran:
             ended[seq.id] = step
         step += 1
         now = step * _DT
-        for sid, mine in list(held.items()):
-            running = engine.running.get(sid)
-            mine.history.append(running.generated if running else -1)
-            if sid in ended and step - ended[sid] > work["release_delay"]:
-                store.release(mine.name)
-                del held[sid]
-                continue
-            count = mine.history[-1 - mine.late] if len(mine.history) > mine.late else 0
-            if count > 0 and sid not in ended and count > (mine.read or 0):
-                if mine.read is None:
-                    mine.first_at = now
-                mine.read, mine.read_at = count, now
-            if mine.read is None or mine.read == mine.published:
-                continue
-            due = step % mine.gateway.every == 0 or mine.published is None
-            if due or mine.read - (mine.published or 0) >= PUBLISH_TOKENS:
-                store.publish(mine.name, mine.read, mine.read_at, mine.first_at)
-                mine.published = mine.read
+        relay_step(
+            held, engine.running, ended, step=step, now=now,
+            release_delay=work["release_delay"], release=store.release, records=store.records,
+        )  # fmt: skip
         assert engine.used() <= ran.usable, f"overflow at step {step}"
         assert step < 20_000
     return ran

@@ -14,7 +14,6 @@ the scripts to it); the decision, and what a newcomer borrows, are the productio
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from collections.abc import Hashable
@@ -27,8 +26,9 @@ from reference_server.admission.holders import START_SLACK_STEPS, holds_unkeyed,
 from reference_server.admission.ledger import KVAdmissionController
 from reference_server.admission.peak import prefix_blocks
 from reference_server.admission.values import Handle
-from reference_server.shared_ledger.view import PUBLISH_TOKENS, Fit, PeakView, Record
+from reference_server.shared_ledger.view import Fit, PeakView, Record
 from tests.helpers.lockstep import LockstepEngine, Seq
+from tests.helpers.relay import Relay, relay_step
 
 _DT = 0.01  # seconds a decode step takes: one token a step, 100 tokens/s
 
@@ -64,17 +64,6 @@ class _Store:
         self.grown += 1
         return True
 
-    def publish(self, name: str, generated: int, read_at: float, first_at: float) -> None:
-        """PROGRESS: stamped when the count was read; an older count never replaces a newer."""
-        kept = self.records.get(name)
-        if kept is None or (kept.generated is not None and kept.generated >= generated):
-            return
-        first = kept.first_seen_at if kept.generated is not None else first_at
-        self.records[name] = dataclasses.replace(
-            kept, tracked=True, generated=generated, seen_at=read_at, first_seen_at=first,
-            start_by=None,
-        )  # fmt: skip
-
     def release(self, name: str) -> None:
         """RELEASE, and each holder of a lease swept: its prefix record goes, and what its
         going leaves is tainted."""
@@ -107,26 +96,12 @@ def _keys(pricing: KVAdmissionController, request: dict[str, object]) -> tuple[H
 
 
 @dataclass
-class _Held:
-    """One holder as its own process relays it."""
-
-    seq: Seq
-    name: str
-    late: int
-    history: list[int] = field(default_factory=list)
-    read: int | None = None
-    read_at: float = 0.0
-    first_at: float = 0.0
-    published: int | None = None
-
-
-@dataclass
 class _Process:
     lease: str
     every: int  # steps between two publishes at most
     alive: bool = True
     lapses_at: int | None = None
-    held: dict[int, _Held] = field(default_factory=dict)
+    held: dict[int, Relay] = field(default_factory=dict)  # engine sequence -> its relay
 
 
 @dataclass
@@ -235,10 +210,9 @@ def _run(work: dict[str, object]) -> _Ran:
         for process in processes:  # a lapsed lease: swept, and the engine lets its holders go
             if process.lapses_at == step:
                 store.sweep(process.lease)
-                gone = {held.seq.id for held in process.held.values()}
-                starting = [(due, seq) for due, seq in starting if seq.id not in gone]
-                for held in process.held.values():
-                    engine.drop(held.seq.id)
+                starting = [(due, seq) for due, seq in starting if seq.id not in process.held]
+                for sid in process.held:
+                    engine.drop(sid)
                 process.held.clear()
         # Each live process decides on its own first waiter from a snapshot of its own.
         busy = {id(d.request) for d in deciding}
@@ -285,7 +259,7 @@ def _run(work: dict[str, object]) -> _Ran:
             tokens = request.get("ids", [0] * request["prompt"])  # type: ignore[arg-type]
             seq = Seq(request["id"], tokens, request["cap"], request["length"])  # type: ignore[arg-type]
             seq.keys = prefix_blocks(seq.prompt, block) if share else ()
-            process.held[seq.id] = _Held(seq, name, request["late"])
+            process.held[seq.id] = Relay(name, request["late"], process.every)
             starting.append((step + request["start"], seq))
         for due, seq in [s for s in starting if s[0] <= step]:
             starting.remove((due, seq))
@@ -301,24 +275,11 @@ def _run(work: dict[str, object]) -> _Ran:
         for process in processes:
             if not process.alive:
                 continue  # its holders run on in the engine; nothing of them reaches Redis
-            for sid, held in list(process.held.items()):
-                running = engine.running.get(sid)
-                held.history.append(running.generated if running else -1)
-                if sid in ended and step - ended[sid] > release_delay:
-                    store.release(held.name)
-                    del process.held[sid]
-                    continue
-                count = held.history[-1 - held.late] if len(held.history) > held.late else 0
-                if count > 0 and sid not in ended and count > (held.read or 0):
-                    if held.read is None:
-                        held.first_at = now
-                    held.read, held.read_at = count, now
-                if held.read is None or held.read == held.published:
-                    continue
-                due = step % process.every == 0 or held.published is None
-                if due or held.read - (held.published or 0) >= PUBLISH_TOKENS:
-                    store.publish(held.name, held.read, held.read_at, held.first_at)
-                    held.published = held.read
+            relay_step(
+                process.held, engine.running, ended, step=step, now=now,
+                release_delay=release_delay, release=store.release, records=store.records,
+                tracked=True,
+            )  # fmt: skip
         assert engine.used() <= pricing.usable_tokens, f"overflow at step {step}"
         assert step < 100_000
     return ran
