@@ -6,7 +6,7 @@ waiters swept, and the ledger back to zero whatever the interleaving."""
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
@@ -20,25 +20,14 @@ from reference_server.shared_ledger.lease import Lease
 from reference_server.shared_ledger.ledger import LedgerConflict, RedisLedger
 from reference_server.shared_ledger.scripts import FAIR_SNAPSHOT
 from tests.helpers.redis_server import RedisServer
+from tests.helpers.shared_ledgers import OPENED, anyio_backend, closing
 from tests.unit.test_server_ledger import make
+
+__all__ = ["anyio_backend", "closing"]  # the fixtures, used by name
 
 POLICY = FairPolicy(
     tenants={"a": Tenant(weight=1.0), "b": Tenant(weight=1.0), "small": Tenant(max_share=0.25)}
 )
-
-_OPEN: list[RedisLedger] = []
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # redis-py's asyncio client
-
-
-@pytest.fixture
-async def closing() -> AsyncIterator[None]:
-    yield
-    while _OPEN:
-        await _OPEN.pop().aclose()
 
 
 async def gateway(
@@ -53,7 +42,7 @@ async def gateway(
     ledger = RedisLedger(
         connect(server.url), name="u", pricing=pricing, lease=Lease(ttl=ttl), fairness=policy
     )
-    _OPEN.append(ledger)
+    OPENED.append(ledger)
     await ledger.join()
     return SharedFairQueue(pricing, ledger, policy=policy, max_wait=max_wait)
 

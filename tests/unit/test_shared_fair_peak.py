@@ -9,8 +9,6 @@ restored from Redis (while it lives)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import anyio
 import pytest
 
@@ -24,22 +22,11 @@ from reference_server.shared_ledger.holding import charged
 from reference_server.shared_ledger.ledger import Lease, RedisLedger
 from reference_server.shared_ledger.scripts import BREAK, FAIR_COMMIT, FAIR_SNAPSHOT
 from tests.helpers.redis_server import RedisServer
+from tests.helpers.shared_ledgers import OPENED, anyio_backend, closing
+
+__all__ = ["anyio_backend", "closing"]  # the fixtures, used by name
 
 POLICY = FairPolicy(tenants={"a": Tenant(), "b": Tenant(), "half": Tenant(max_share=0.5)})
-
-_OPEN: list[RedisLedger] = []
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # redis-py's asyncio client
-
-
-@pytest.fixture
-async def closing() -> AsyncIterator[None]:
-    yield
-    while _OPEN:
-        await _OPEN.pop().aclose()
 
 
 def pricing(**kw: object) -> KVAdmissionController:
@@ -59,7 +46,7 @@ async def gateway(server: RedisServer, *, max_wait: float = 0.0, **kw: object) -
     shared = RedisLedger(
         connect(server.url), name="u", pricing=ledger, lease=Lease(), fairness=POLICY
     )
-    _OPEN.append(shared)
+    OPENED.append(shared)
     await shared.join()
     return SharedFairQueue(ledger, shared, policy=POLICY, max_wait=max_wait)
 

@@ -11,7 +11,10 @@ from reference_server.admission.ledger import KVAdmissionController
 from reference_server.admission.queue import Rejected
 from reference_server.shared_ledger.queue import SharedQueue
 from tests.helpers.redis_server import RedisServer
-from tests.unit.test_shared_peak import anyio_backend, closing, gateway  # noqa: F401
+from tests.helpers.shared_ledgers import anyio_backend, closing
+from tests.unit.test_shared_peak import gateway
+
+__all__ = ["anyio_backend", "closing"]  # the fixtures, used by name
 
 MODEL = "m"
 

@@ -21,9 +21,11 @@ from reference_server.shared_ledger.ledger import RedisLedger
 from reference_server.shared_ledger.queue import SharedQueue
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.servers import wait_for
-from tests.unit.test_shared_peak import _OPEN, closing, pricing
+from tests.helpers.shared_ledgers import OPENED, anyio_backend, closing
+from tests.unit.test_shared_peak import pricing
 
-__all__ = ["closing"]  # the fixture, used by name
+__all__ = ["anyio_backend", "closing"]  # the fixtures, used by name
+
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -32,18 +34,13 @@ PROGRESS = "{kvclient:u}:progress"
 PREFIXES = "{kvclient:u}:prefixes"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # redis-py's asyncio client
-
-
 async def gateway(
     server: RedisServer, *, ttl: float = 5.0, stall_limit: float | None = None
 ) -> RedisLedger:
     """One gateway process's shared ledger of upstream ``u`` (the peak rule)."""
     lease = Lease(ttl=ttl, stall_limit=stall_limit)
     ledger = RedisLedger(connect(server.url), name="u", pricing=pricing(), lease=lease)
-    _OPEN.append(ledger)
+    OPENED.append(ledger)
     await ledger.join()
     return ledger
 

@@ -8,7 +8,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -33,39 +33,22 @@ from reference_server.shared_ledger.queue import SharedQueue
 from reference_server.shared_ledger.wakeups import Wakeups
 from tests.helpers.async_ledgers import AsyncLedger, LocalLedger
 from tests.helpers.redis_server import RedisSentinel, RedisServer, TLSFiles
+from tests.helpers.shared_ledgers import OPENED, anyio_backend, close_all, closing
 from tests.unit.test_server_ledger import make
 
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # redis-py's asyncio client
+__all__ = ["anyio_backend", "closing"]  # the fixtures, used by name
 
 
 pricing = make  # the in-process ledger's settings: what prices every request
-
-
-_OPEN: list[RedisLedger] = []
 
 
 async def shared(server: RedisServer, name: str, *, ttl: float = 5.0, **kw: object) -> RedisLedger:
     ledger = RedisLedger(
         connect(server.url), name=name, pricing=pricing(**kw), lease=Lease(ttl=ttl)
     )
-    _OPEN.append(ledger)
+    OPENED.append(ledger)
     await ledger.join()
     return ledger
-
-
-async def close_all() -> None:
-    while _OPEN:
-        await _OPEN.pop().aclose()
-
-
-@pytest.fixture
-async def closing() -> AsyncIterator[None]:
-    """Closes the clients the test opened, in its loop."""
-    yield
-    await close_all()
 
 
 @pytest.mark.redis
@@ -249,7 +232,7 @@ async def test_redis_away_is_unavailable_and_recovery_needs_no_restart(
     states: list[bool] = []
     lease = Lease(on_state=states.append)
     ledger = RedisLedger(connect(redis_server.url), name="u", pricing=pricing(), lease=lease)
-    _OPEN.append(ledger)
+    OPENED.append(ledger)
     await ledger.join()
     handle = await ledger.try_admit(0, 100)
     assert handle is not None
@@ -412,7 +395,7 @@ async def test_a_ledger_over_tls_verifies_redis_by_the_given_ca(
         ledger = RedisLedger(
             connect(server.url, **files), name="u", pricing=pricing(), lease=Lease()
         )
-        _OPEN.append(ledger)
+        OPENED.append(ledger)
         return ledger
 
     ledger = over_tls(ca_file=str(tls.ca), **mine)
@@ -443,7 +426,7 @@ async def test_a_ledger_behind_sentinel_follows_a_failover(
         ledger = RedisLedger(
             connect(sentinel.url), name="u", pricing=pricing(), lease=Lease(ttl=30)
         )
-        _OPEN.append(ledger)
+        OPENED.append(ledger)
         await ledger.join()
         held = await ledger.try_admit(0, 4000)
         assert held is not None
@@ -632,7 +615,7 @@ def test_many_threads_admit_and_release_back_to_zero_on_both(backend: RedisServe
             for handle in held:
                 await ledger.release(handle)
             if isinstance(ledger, RedisLedger):
-                _OPEN.remove(ledger)
+                OPENED.remove(ledger)
                 await ledger.aclose()
 
         asyncio.run(go())

@@ -6,8 +6,6 @@ than their release, as the in-process ledger counts its own."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 
 from reference_server.admission.values import Handle
@@ -16,22 +14,13 @@ from reference_server.shared_ledger.let_go import LET_GO_SECONDS
 from reference_server.shared_ledger.queue import SharedQueue
 from reference_server.shared_ledger.view import PeakView, Record, explained_elsewhere
 from tests.helpers.redis_server import RedisServer
-from tests.unit.test_shared_peak import _OPEN, gateway, pricing
+from tests.helpers.shared_ledgers import anyio_backend, closing
+from tests.unit.test_shared_peak import gateway, pricing
+
+__all__ = ["anyio_backend", "closing"]  # the fixtures, used by name
 
 LET_GO = "{kvclient:u}:let_go"
 LET_GO_RECORDS = "{kvclient:u}:let_go_records"
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # redis-py's asyncio client
-
-
-@pytest.fixture
-async def closing() -> AsyncIterator[None]:
-    yield
-    while _OPEN:
-        await _OPEN.pop().aclose()
 
 
 async def short(ledger: RedisLedger, generated: int = 50) -> tuple[Handle, str]:

@@ -5,8 +5,6 @@ from their last published progress until its lease lapses."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import anyio
 import pytest
 
@@ -19,11 +17,9 @@ from reference_server.shared_ledger.ledger import RedisLedger
 from reference_server.shared_ledger.queue import SharedQueue
 from reference_server.shared_ledger.view import PeakView
 from tests.helpers.redis_server import RedisServer
+from tests.helpers.shared_ledgers import OPENED, anyio_backend, closing
 
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # redis-py's asyncio client
+__all__ = ["anyio_backend", "closing"]  # the fixtures, used by name
 
 
 def pricing(**kw: object) -> KVAdmissionController:
@@ -39,22 +35,12 @@ def pricing(**kw: object) -> KVAdmissionController:
     return KVAdmissionController(**settings)  # type: ignore[arg-type]
 
 
-_OPEN: list[RedisLedger] = []
-
-
 async def gateway(server: RedisServer, *, ttl: float = 5.0, **kw: object) -> RedisLedger:
     """One gateway process's shared ledger of upstream ``u`` (``kw``: its pricing's)."""
     ledger = RedisLedger(connect(server.url), name="u", pricing=pricing(**kw), lease=Lease(ttl=ttl))
-    _OPEN.append(ledger)
+    OPENED.append(ledger)
     await ledger.join()
     return ledger
-
-
-@pytest.fixture
-async def closing() -> AsyncIterator[None]:
-    yield
-    while _OPEN:
-        await _OPEN.pop().aclose()
 
 
 async def holding(ledger: RedisLedger, generated: int | None, *, cap: int = 4000) -> str:

@@ -18,9 +18,11 @@ from reference_server.admission.queue import Rejected
 from reference_server.shared_ledger.ledger import RedisLedger
 from reference_server.shared_ledger.queue import SharedQueue
 from tests.helpers.redis_server import RedisServer
-from tests.unit.test_shared_peak import closing, gateway
+from tests.helpers.shared_ledgers import anyio_backend, closing
+from tests.unit.test_shared_peak import gateway
 
-__all__ = ["closing"]  # the fixture, used by name
+__all__ = ["anyio_backend", "closing"]  # the fixtures, used by name
+
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 
@@ -28,11 +30,6 @@ pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 SALT = ("m", None)
 #: One prompt's token ids: 124 full blocks of 16 before its last token.
 PROMPT = list(range(2000))
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # redis-py's asyncio client
 
 
 async def sharing(server: RedisServer, *, shares: bool = True, **kw: object) -> RedisLedger:
