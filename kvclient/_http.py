@@ -62,13 +62,31 @@ class _OneChunk:
 def stale_connection(exc: httpx.HTTPError) -> bool:
     """The peer closed the (pooled, idle) connection before any byte of the answer.
 
-    llama.cpp advertises keep-alive but closes the connection after each streamed answer; a
-    request sent on it in that instant fails this way. Nothing reached the engine and nothing
-    says it is in trouble, so the request goes again at once on a fresh connection (httpcore
-    drops the closed one), as Go's net/http does for a reused connection. Anything else a
-    transport raises (refused, reset mid-answer, timed out) takes the retry policy's path.
+    llama.cpp advertises keep-alive but closes the connection after each streamed answer, and
+    uvicorn closes one idle for 5 s; a request sent on it in that instant fails this way: the
+    peer hung up without an answer, or, the request already in its socket unread, the peer's
+    kernel reset the connection (Linux answers data on a closed socket with a reset). The
+    callers ask only before any answer. Nothing reached the engine and nothing says it is in
+    trouble, so the request goes again at once on a fresh connection (httpcore drops the closed
+    one), as Go's net/http does for a reused connection. Anything else a transport raises
+    (refused, reset mid-answer, timed out) takes the retry policy's path.
     """
-    return isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc)
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return "without sending a response" in str(exc)
+    return isinstance(exc, httpx.ReadError) and _reset_by_peer(exc)
+
+
+def _reset_by_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` came of a connection reset by the peer (httpcore wraps the OS error, and
+    anyio's backend once more)."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a chain is short; never loop on a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, ConnectionResetError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def redact_url(url: str) -> str:

@@ -381,9 +381,21 @@ def test_each_call_has_its_own_idempotency_key(server: FakeServer) -> None:
 # --- what is retried -------------------------------------------------------------------------
 
 
-def test_a_closed_keep_alive_connection_is_resent_at_once(server: FakeServer) -> None:
-    """llama.cpp closes a keep-alive connection after each stream: no backoff, no attempt."""
-    closed = httpx.RemoteProtocolError("Server disconnected without sending a response.")
+def _reset() -> httpx.ReadError:
+    """What httpx raises when the peer resets the connection, the request unread in its socket."""
+    reset = httpx.ReadError("")
+    reset.__cause__ = ConnectionResetError(104, "Connection reset by peer")
+    return reset
+
+
+@pytest.mark.parametrize("how", ["hung up", "reset"])
+def test_a_closed_keep_alive_connection_is_resent_at_once(server: FakeServer, how: str) -> None:
+    """llama.cpp closes a keep-alive connection after each stream, uvicorn one idle for 5 s (a
+    reset when the request was in its socket already): no backoff, no attempt."""
+    if how == "reset":
+        closed: httpx.HTTPError = _reset()
+    else:
+        closed = httpx.RemoteProtocolError("Server disconnected without sending a response.")
     server.add("/v1/completions", closed, closed, ok_completion())
     with make_client(server) as client:
         result = client.complete(PROMPT)
@@ -415,6 +427,7 @@ def test_a_server_that_keeps_closing_connections_takes_the_retry_path(
         httpx.ConnectTimeout("connect timed out"),
         httpx.ReadTimeout("no answer in time"),
         httpx.RemoteProtocolError("peer closed connection without sending complete message"),
+        httpx.ReadError("not a reset"),
     ],
     ids=[
         "429",
@@ -426,6 +439,7 @@ def test_a_server_that_keeps_closing_connections_takes_the_retry_path(
         "connect-timeout",
         "read-timeout",
         "protocol-error",
+        "read-error",
     ],
 )
 def test_retryable_failures_are_retried(server: FakeServer, failure: object) -> None:
