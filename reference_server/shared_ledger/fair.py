@@ -144,8 +144,9 @@ class SharedFairQueue(SharedQueue):
         they count it to, and what is put back with it: see :func:`.fair_state.records_of`)."""
         counted, records = written if written is not None else (seat.output_cap, None)
         seat.handle = self.shared.adopt(
-            seat.ticket, seat.prompt_tokens, seat.output_cap, seat.need, admitted, records
-        )
+            seat.ticket, seat.prompt_tokens, seat.output_cap, seat.need, admitted, records,
+            tenant=seat.tenant,
+        )  # fmt: skip
         seat.handle.counted_output = counted
         seat.wake.event.set()
 

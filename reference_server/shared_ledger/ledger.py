@@ -193,6 +193,8 @@ class RedisLedger:
         #: it (see :meth:`_restore`): the head of its progress record ("prompt counted
         #: tracked", '' none) and its prefix record ('' none).
         self._records: dict[str, tuple[str, str]] = {}
+        #: reservation -> the tenant a fair decision admitted it for (put back with it).
+        self._tenants: dict[str, str] = {}
         #: RENEW's answer still to settle by putting back what is held (0: the lease had
         #: lapsed, 2: Redis had lost its data), None when there is none.
         self._restore_due: int | None = None
@@ -380,12 +382,16 @@ class RedisLedger:
         need: int,
         admitted: float,
         records: tuple[str, str] | None = None,
+        tenant: str | None = None,
     ) -> Handle:
         """The handle of ``ticket``, admitted at ``admitted`` (the Redis clock): released,
         shrunk and renewed by this process from now on; ``records``: the head of the progress
-        record and the prefix record it was admitted with, put back with it (:meth:`_restore`)."""
+        record and the prefix record it was admitted with, and ``tenant``: whom a fair decision
+        admitted it for, put back with it (:meth:`_restore`)."""
         if records is not None:
             self._records[ticket] = records
+        if tenant is not None:
+            self._tenants[ticket] = tenant
         handle = Handle(
             id=next(self._ids),
             prompt_tokens=prompt_tokens,
@@ -419,6 +425,7 @@ class RedisLedger:
             return
         handle.released = True
         self._records.pop(entry[1], None)
+        self._tenants.pop(entry[1], None)
         try:
             await self.run(RELEASE, entry[1])
         except LedgerUnavailable:
@@ -462,10 +469,9 @@ class RedisLedger:
 
     async def _restore(self) -> None:
         """Put back what is held here (RESTORE): each holding with its progress record as ADMIT
-        wrote it (the publisher writes its progress again) and its prefix record; then tell
-        ``on_restore``. A fair holder comes back without its tenant (its tenant was charged to
-        the sweep; what it holds after is not charged). Redis away: tried again at the next
-        :meth:`tend`."""
+        wrote it (the publisher writes its progress again) and its prefix record, a fair holder
+        with its tenant (charged from its return: the sweep charged what it held until then);
+        then tell ``on_restore``. Redis away: tried again at the next :meth:`tend`."""
         due, self._restore_due = self._restore_due, None
         if due is None:
             return
@@ -476,6 +482,8 @@ class RedisLedger:
             head, lending = self._records.get(field, ("", ""))
             progress = f"{head} -1 {admitted} {admitted} 0" if head else ""
             value = f"{self.lease.id} {handle.reserved_tokens} {handle.output_cap} {admitted}"
+            if field in self._tenants:
+                value += f" {self._tenants[field]}"
             args += [field, value, progress, lending]
         try:
             if due == 2:

@@ -186,7 +186,9 @@ return 0
 #: and its prefix record as ADMIT takes it ('': none, see :mod:`.prefixes`). Reservations put
 #: back after Redis swept them with a lapsed lease, or lost its data: the engine still holds
 #: them, so they count even past the budget (nothing more is admitted until they end). One held
-#: already is left as it is. Returns how many were put back.
+#: already is left as it is. A fair holder (its value ends with its tenant) comes back as
+#: admitted now: the sweep charged its tenant what it held until then, and it is charged from
+#: here on, not twice. Returns how many were put back.
 RESTORE = (
     PRELUDE
     + """
@@ -194,11 +196,18 @@ local now = now_ms()
 tick(now)
 local back = 0
 for i = 1, #ARGV, 4 do
-  local field, held = ARGV[i], ARGV[i + 1]
+  local field, held, progress = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local head, tenant = string.match(held, '^(%S+ %d+ %d+) %d+ (.+)$')
+  if tenant then
+    held = head .. ' ' .. now .. ' ' .. tenant
+    if progress ~= '' then
+      progress = string.match(progress, '^%S+ %S+ %S+ %S+') .. ' ' .. now .. ' ' .. now .. ' 0'
+    end
+  end
   if redis.call('HSETNX', KEYS[1], field, held) == 1 then
     redis.call('INCRBY', KEYS[2], string.match(held, '^%S+ (%d+)'))
-    if ARGV[i + 2] ~= '' then
-      redis.call('HSET', KEYS[14], field, ARGV[i + 2])
+    if progress ~= '' then
+      redis.call('HSET', KEYS[14], field, progress)
     end
     lend(field, ARGV[i + 3], string.match(held, '^%S+ %d+ %d+ (%d+)'))
     back = back + 1

@@ -281,3 +281,35 @@ async def test_a_fair_holders_mirror_counts_its_shared_prefix_blocks_once(
     for handle in (borrower, lender):
         await queue.release(handle)
     assert await queue.shared.load() == (0, 0)
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+async def test_a_fair_holder_put_back_after_a_lapse_keeps_its_tenant_and_is_charged_once(
+    redis_server: RedisServer, closing: None
+) -> None:
+    """Its gateway's lease lapsed: Redis swept the holder and charged its tenant for what it
+    held until then. Put back (the engine still runs it), it counts for its tenant again, and
+    is charged from its return on: not a second time for what the sweep charged."""
+    queue = await gateway(redis_server)
+    other = await gateway(redis_server)
+    mine = await queue.acquire(100, 4000, tenant="a", follow=True)
+    field = field_of(queue, mine)
+    await anyio.sleep(0.3)  # held a while: 4,112 tokens for 0.3 s or more before the sweep
+    await other.shared.client.zadd("{kvclient:u}:leases", {queue.shared.lease.id: 0})
+    swept = await state(other)
+    assert field not in swept.holders
+    before = swept.per_tenant("taken")["a"]  # token-milliseconds
+    assert before >= 4112 * 300
+    await queue.shared.renew()  # finds the lease lapsed: puts back what it holds
+    back = await state(other)
+    tokens, _, returned, tenant = back.holders[field]
+    assert (tokens, tenant) == (4112, "a")
+    assert returned >= swept.now  # charged from its return
+    # Its progress published again, every gateway counts it by it.
+    await made(queue, mine, 10)
+    (record,) = (await state(other)).view(other.ledger).records
+    assert (record.field, record.prompt, record.generated) == (field, 100, 10)
+    await queue.release(mine)
+    ended = await state(other)
+    assert before < ended.per_tenant("taken")["a"] <= before + 4112 * (ended.now - returned) * 1000
