@@ -35,9 +35,10 @@ from ..admission.fairness import FairPolicy, FairScheduler, TenantStats
 from ..admission.ledger import Handle, Headroom, KVAdmissionController
 from ..admission.queue import LedgerUnavailable, Rejected, wait_limit
 from .fair_state import Decision, FairState, PeakAsk, Seat, records_of
-from .ledger import RedisLedger, SharedState
+from .ledger import RedisLedger
 from .queue import SharedQueue, Wake
 from .scripts import FAIR_COMMIT, FAIR_SNAPSHOT
+from .state import SharedState
 from .wakeups import Wakeups
 
 __all__ = ["FairState", "SharedFairQueue"]

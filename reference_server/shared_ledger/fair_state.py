@@ -45,9 +45,9 @@ from ..admission.fairness import DEFAULT_TENANT, FairPolicy, FairScheduler, Hold
 from ..admission.ledger import KVAdmissionController
 from .connection import reply_text
 from .holding import charged
-from .ledger import SharedState, Snapshot
 from .lua import ticket_need
 from .prefixes import KEY_DIGITS, prefix_record
+from .state import SharedState, Snapshot
 from .view import PeakView, Record, lending
 
 __all__ = ["Decision", "FairState", "Outcome", "PeakAsk", "Seat", "records_of"]

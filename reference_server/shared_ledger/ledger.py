@@ -29,7 +29,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -57,6 +56,7 @@ from .scripts import (
     RESTORE,
     SNAPSHOT,
 )
+from .state import SharedState, Snapshot, fingerprint
 from .view import PeakView, lending
 
 __all__ = [
@@ -83,60 +83,6 @@ MAX_CONFLICTS = 4
 
 class LedgerConflict(Exception):
     """Another gateway sharing the ledger has this upstream configured differently."""
-
-
-def fingerprint(pricing: KVAdmissionController, fairness: FairPolicy | None = None) -> str:
-    """What two gateways must agree on to share an upstream's budget: its pricing, and the fair
-    shares' terms when it has them."""
-    p = pricing
-    text = (
-        f"usable={p.usable_tokens} total={p.total_kv_tokens} block={p.block_size} "
-        f"strategy={p.strategy} max_concurrency={p.max_concurrency} window={p.context_window}"
-    )
-    if fairness is not None:
-        f = fairness
-        terms = [(name, f.tenants[name]) for name in sorted(f.tenants)]
-        listed = ",".join(
-            f"{name}:{t.weight}:{t.max_share}:{t.max_queue_wait}:{','.join(map(str, t.priorities))}"
-            for name, t in [*terms, ("*", f.default)]
-        )
-        text += f" fair={listed} max_queued={f.max_queued} max_bypass={f.max_bypass}"
-    return text
-
-
-@dataclass(frozen=True, slots=True)
-class SharedState:
-    """The shared totals of one upstream, across every gateway: tokens reserved, reservations
-    held, tokens the queue waits for."""
-
-    reserved: int = 0
-    inflight: int = 0
-    queued: int = 0
-
-    @classmethod
-    def parse(cls, text: Any) -> SharedState:
-        """From a script's ``"reserved holders queued"``."""
-        reserved, inflight, queued = reply_text(text).split(" ")
-        return cls(int(reserved), int(inflight), int(queued))
-
-
-class Snapshot:
-    """The shared state at one moment of the Redis clock (seconds)."""
-
-    __slots__ = ("holders", "now", "reserved", "tickets", "waiting")
-
-    def __init__(self, raw: list[Any]) -> None:
-        self.now = int(raw[0]) / 1000
-        self.reserved = int(raw[1])
-        flat = [reply_text(x) for x in raw[2]]
-        #: (tokens, cap, admitted_at) per holder.
-        self.holders: list[tuple[int, int, float]] = []
-        for value in flat[1::2]:
-            tokens, cap, admitted = value.split(" ", 4)[1:4]
-            self.holders.append((int(tokens), int(cap), int(admitted) / 1000))
-        #: Needs of the waiting tickets, in order.
-        self.tickets = [reply_text(t) for t in raw[3]]
-        self.waiting = [ticket_need(t) for t in self.tickets]
 
 
 def _given(lending: str) -> tuple[str, ...]:

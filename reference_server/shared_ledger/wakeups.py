@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from .connection import COMMAND_TIMEOUT, LEDGER_ERRORS, reply_text
-from .ledger import RedisLedger, SharedState
+from .ledger import RedisLedger
+from .state import SharedState
 
 __all__ = ["Wakeups"]
 
