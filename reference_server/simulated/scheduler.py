@@ -13,8 +13,14 @@ tests drive it step by step and the engine calls it under its lock. It models wh
   wait in FIFO order, holding no KV and generating nothing, until a running one ends.
 - **Shared prefix blocks** (vLLM's automatic prefix caching): a prompt's full blocks before its
   last token are named by a chained hash (:func:`prefix_keys`). A sequence that starts shares
-  each such block another running sequence holds, once that holder's prefill is done (it has
-  produced a token): the block is charged to the pool once, for as long as any holder lives.
+  each such block another running sequence holds, once the block is computed (the prefill of
+  the holder that made it is done: it has produced a token); computed, a block stays shareable
+  for as long as any holder holds it, its maker gone or not (vLLM keeps a full block's hash
+  while it is held). A block is charged to the pool once, for as long as any holder lives; let
+  go by its last holder it stays cached, holding nothing, and a sequence that starts takes it
+  back (charged again) until the pool needs its room: the cached blocks nobody holds are
+  evicted oldest first once they and the blocks in use would not fit the pool together, as
+  vLLM's free list hands out its oldest cached block first.
 - **The pool can overflow**, and what that does is the engine's (``on_overflow``): ``fail``,
   every sequence in the engine (running or waiting) fails with :class:`EngineOOMError` and the
   pool is emptied (llama.cpp with a unified cache); ``preempt``, as vLLM's scheduler does, the
@@ -37,7 +43,7 @@ tests drive it step by step and the engine calls it under its lock. It models wh
 from __future__ import annotations
 
 import hashlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 __all__ = ["OVERFLOWS", "EngineOOMError", "ScheduledSequence", "Scheduler", "prefix_keys"]
@@ -84,8 +90,8 @@ class _Block:
     def __init__(self, key: bytes) -> None:
         self.key = key
         self.holders = 1
-        #: Holders whose prefill is done: the block is shareable while one is.
-        self.ready = 0
+        #: Computed (its maker's prefill is done): shareable from then on while it is held.
+        self.ready = False
 
 
 class ScheduledSequence:
@@ -161,8 +167,10 @@ class Scheduler:
         self.max_running = max_running
         self.running: dict[int, ScheduledSequence] = {}
         self.waiting: deque[ScheduledSequence] = deque()
-        #: Prefix blocks another sequence may share, by key.
+        #: Prefix blocks another sequence may share, by key (held, or idle: see ``_idle``).
         self._cached: dict[bytes, _Block] = {}
+        #: The cached blocks no sequence holds, oldest first: in the pool's free room.
+        self._idle: OrderedDict[bytes, _Block] = OrderedDict()
         self.used_blocks = 0
         self.peak_used_tokens = 0
         self.steps_total = 0
@@ -263,6 +271,7 @@ class Scheduler:
         self.generated_tokens_total += steps * len(self.running)
         if self._overflowed():
             return
+        self._evict()  # at the batch's most: the pool only grows between two ends
         for seq in finished:
             self._free(seq)
             del self.running[seq.id]
@@ -370,7 +379,10 @@ class Scheduler:
         """Charge ``seq``'s prompt (its prefill), sharing the prefix blocks it may."""
         for key in seq.keys:
             block = self._cached.get(key)
-            if block is not None and block.ready > 0:
+            if block is not None and block.ready:
+                if block.holders == 0:  # idle in the cache: taken back into the pool
+                    del self._idle[key]
+                    self.used_blocks += 1
                 block.holders += 1
                 self.shared_blocks_total += 1
             else:
@@ -382,13 +394,21 @@ class Scheduler:
         self.used_blocks += seq.tail
         seq.running = True
         self.running[seq.id] = seq
+        self._evict()
 
     def _prefilled(self, seq: ScheduledSequence) -> None:
         """``seq`` produced its first token: its prefix blocks may be shared from now on."""
         seq.prefilled = True
         for block in seq.prefix:
-            block.ready += 1
+            block.ready = True
             self._cached.setdefault(block.key, block)
+
+    def _evict(self) -> None:
+        """Evict the oldest idle cached blocks while they would not fit the pool's free room."""
+        limit = self.capacity_tokens // self.block_size
+        while self._idle and self.used_blocks + len(self._idle) > limit:
+            key, _ = self._idle.popitem(last=False)
+            del self._cached[key]
 
     def _fits(self, seq: ScheduledSequence) -> bool:
         """Whether ``seq``'s blocks (its prompt, what it has generated and its next token) fit
@@ -399,15 +419,14 @@ class Scheduler:
         return self.used_blocks + blocks + spare <= self.capacity_tokens // self.block_size
 
     def _free(self, seq: ScheduledSequence) -> None:
-        prefilled, seq.prefilled = seq.prefilled, False
-        for block in seq.prefix:
+        seq.prefilled = False
+        # Its last blocks first, as vLLM frees them: a prefix's head is evicted last.
+        for block in reversed(seq.prefix):
             block.holders -= 1
-            if prefilled:
-                block.ready -= 1
             if block.holders == 0:
                 self.used_blocks -= 1
                 if self._cached.get(block.key) is block:
-                    del self._cached[block.key]
+                    self._idle[block.key] = block
         self.used_blocks -= seq.tail
         seq.prefix = []
         seq.tail = 0
@@ -431,6 +450,7 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         self._cached.clear()
+        self._idle.clear()
         self.used_blocks = 0
         self.next_step_at = None
         return True

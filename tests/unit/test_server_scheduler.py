@@ -229,6 +229,42 @@ def test_a_shared_block_stays_charged_while_any_holder_lives() -> None:
     assert s.used_tokens == 0
 
 
+def test_a_prefix_its_last_holder_let_go_is_taken_back_from_the_cache() -> None:
+    """As vLLM's prefix cache: a computed block let go stays cached, holding nothing; the next
+    prompts that start with it take it back, one copy, even when they start in the same step."""
+    s = scheduler()
+    owner = seq([*PREFIX, 1], stop=2)
+    s.add(owner, 0.0)
+    s.advance(at_step(3))
+    assert owner.done
+    assert s.used_tokens == 0
+    first, second = seq([*PREFIX, 5, 6]), seq([*PREFIX, 7, 8])
+    s.add(first, at_step(3))
+    s.add(second, at_step(3) + 0.001)  # both in their prefill: the cached copy serves both
+    assert first.shared_blocks == second.shared_blocks == 32  # one copy, held by both
+    assert s.used_tokens == 512 + 2 * (blocks(514) - 512)
+    assert s.shared_blocks_total == 64  # neither computed it
+
+
+def test_cached_blocks_nobody_holds_are_evicted_when_the_pool_needs_their_room() -> None:
+    """The pool of 40 blocks: the 32 cached blocks of a prefix let go, then a prompt of 20
+    blocks of its own: 12 of the cached ones give their room, the prefix's last first (vLLM
+    frees a sequence's blocks from its end). A prompt with the prefix takes back the 20 left."""
+    s = scheduler(capacity_tokens=40 * B)
+    owner = seq([*PREFIX, 1], stop=2)
+    s.add(owner, 0.0)
+    s.advance(at_step(3))
+    other = seq(20 * B)
+    s.add(other, at_step(3))
+    assert s.used_tokens == 20 * B
+    s.remove(other, at_step(3))
+    again = seq([*PREFIX, 2])
+    s.add(again, at_step(3))
+    assert s.shared_blocks_total == 20  # taken back from the cache, not computed
+    assert [block.ready for block in again.prefix] == [True] * 20 + [False] * 12  # the head
+    assert s.used_tokens == blocks(514)
+
+
 def test_only_full_blocks_before_the_last_prompt_token_are_shared() -> None:
     assert len(prefix_keys(512, PREFIX, B)) == 31  # the last token's block is never shared
     assert len(prefix_keys(513, [*PREFIX, 7], B)) == 32
