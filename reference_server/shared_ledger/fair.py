@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import anyio
 
@@ -54,21 +55,8 @@ class _Seat(Seat):
 
     __slots__ = ("handle", "wake")
 
-    def __init__(
-        self,
-        *,
-        ticket: str,
-        tenant: str,
-        need: int,
-        priority: int,
-        prompt_tokens: int,
-        output_cap: int,
-        ask: PeakAsk,
-    ) -> None:
-        super().__init__(
-            ticket=ticket, tenant=tenant, need=need, priority=priority,
-            prompt_tokens=prompt_tokens, output_cap=output_cap, ask=ask,
-        )  # fmt: skip
+    def __init__(self, **seat: Any) -> None:
+        super().__init__(**seat)  # a Seat's terms
         self.wake = Wake()
         self.handle: Handle | None = None
 
