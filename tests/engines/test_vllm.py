@@ -257,10 +257,15 @@ def test_contract_passes_through_either_of_two_gateways_sharing_one_vllm(
     the forecast (vLLM preempts). Two gateways, Redis and the suite share two cores with vLLM
     here: whole processes were measured to stall for up to 14 s, so the suite waits up to 45 s
     for the room to come back (its default: 15 s), and the rule is read once both gateways
-    read the engine's figures again."""
+    read the engine's figures again. The gateways refuse what does not fit at once rather
+    than queue it (a queue of 300 s admitted a whole burst in one run where stalls slowed it,
+    and the saturation check had no refusal to judge)."""
     before = _preemptions(vllm)
     config = GatewayConfig(
-        upstreams=(vllm.url,), max_running=(vllm.max_num_seqs,), ledger=redis_server.url
+        upstreams=(vllm.url,),
+        max_running=(vllm.max_num_seqs,),
+        ledger=redis_server.url,
+        max_queue_wait=0.0,
     )
     with running_gateway(config) as one, running_gateway(config) as two:
         reports = [
